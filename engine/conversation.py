@@ -1,0 +1,307 @@
+"""A conversation: its messages, the blocks holding its cached tokens, and one turn's loop.
+
+Each turn renders the whole conversation with the chat template, takes a reference on the
+longest indexed block-aligned prefix of it (`match_prefix`), prefills only the rest, then
+decodes one token per step, writing one K and V row per layer each step.
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import torch
+
+from .block_manager import ROOT_KEY
+from .detokenizer import Detokenizer
+from .errors import KvchatError
+from .kv_cache import blocks_for
+from .model import Step
+from .policy import make_policy
+from .sampler import Sampler, SamplingParams
+from .telemetry import PrefillEvent, TokenEvent, TurnStats
+
+PREFILL_CHUNK = 2048
+MODES = ("cache", "off")
+
+
+class Conversation:
+    def __init__(self, engine, system_prompt: str | None = None, cap: int | None = None,
+                 policy: str = "stop") -> None:
+        self.engine = engine
+        self.messages: list[dict[str, str]] = []
+        if system_prompt:
+            self.messages.append({"role": "system", "content": system_prompt})
+        self.tokens: list[int] = []        # tokens whose K/V this conversation's blocks hold
+        self.block_table: list[int] = []
+        self.block_keys: list[int] = []    # keys of the indexed full blocks, in order
+        self.reused_blocks = 0             # leading blocks that came from the prefix index this turn
+        self.turns = 0
+        self.mode = "cache"
+        self.cap: int | None = None
+        self.set_cap(cap)
+        self.policy = make_policy(policy)
+        self.preempted_pending = 0          # tokens lost to preemption, recomputed next turn
+        self.history: list[TurnStats] = []
+        self._table = torch.zeros(self._max_blocks(), dtype=torch.int32, device=engine.device)
+
+    # ---- settings --------------------------------------------------------------------------
+    def _max_blocks(self) -> int:
+        return self.engine.spec.num_blocks
+
+    def set_cap(self, cap: int | None) -> None:
+        if cap is not None and (not isinstance(cap, int) or cap <= 0):
+            raise KvchatError(f"cap must be a positive number of tokens, got {cap!r}")
+        self.cap = cap
+
+    def set_policy(self, name: str) -> None:
+        self.policy = make_policy(name)
+
+    def set_mode(self, mode: str) -> None:
+        if mode not in MODES:
+            raise KvchatError(f"unknown cache mode {mode!r}; accepted: on, off")
+        with self.engine.lock:
+            if mode == "off":
+                self.drop_cache()
+            self.mode = mode
+
+    @property
+    def tokens_held(self) -> int:
+        return len(self.tokens)
+
+    # ---- cache ownership ---------------------------------------------------------------------
+    def drop_cache(self, keep_index: bool = False) -> int:
+        """Free every block of this conversation. With keep_index, full blocks stay cached for
+        prefix reuse; without, they are dropped from the index too (a real reset)."""
+        with self.engine.lock:
+            n = len(self.block_table)
+            if keep_index:
+                self.engine.blocks.release(self.block_table)
+            else:
+                self.engine.blocks.forget(self.block_table)
+            self.block_table, self.block_keys, self.tokens = [], [], []
+            self.reused_blocks = 0
+            if self.engine.pool.data.shape[2] != self._table.shape[0]:
+                self._table = torch.zeros(self._max_blocks(), dtype=torch.int32, device=self.engine.device)
+            return n
+
+    def reset_cache(self) -> int:
+        """Forget the cache: the next turn prefills the whole history again."""
+        return self.drop_cache(keep_index=False)
+
+    def preempt(self) -> None:
+        """Freed for another conversation (vLLM-style): its cache is recomputed next turn."""
+        self.preempted_pending += len(self.tokens)
+        self.drop_cache(keep_index=False)
+
+    def reset(self) -> None:
+        """A new conversation: messages and cache gone, settings kept."""
+        self.drop_cache(keep_index=True)
+        self.messages = [m for m in self.messages[:1] if m["role"] == "system"]
+        self.turns = 0
+        self.history.clear()
+
+    # ---- rendering ---------------------------------------------------------------------------
+    def render(self, messages: list[dict[str, str]]) -> list[int]:
+        tok = self.engine.tokenizer
+        if getattr(tok, "chat_template", None):
+            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+            if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
+                ids = ids["input_ids"]
+            return list(ids)
+        text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
+        return list(tok.encode(text))
+
+    def stop_ids(self) -> set[int]:
+        tok = self.engine.tokenizer
+        ids = set(self.engine.geometry.eos_token_ids)
+        if tok.eos_token_id is not None:
+            ids.add(tok.eos_token_id)
+        for name in ("<|im_end|>", "<|eot_id|>", "<|end_of_text|>", "</s>"):
+            tid = tok.convert_tokens_to_ids(name)
+            if isinstance(tid, int) and tid != tok.unk_token_id and tid >= 0:
+                ids.add(tid)
+        return ids
+
+    # ---- a turn --------------------------------------------------------------------------------
+    def send(self, text: str, sampling: SamplingParams | None = None,
+             cancel: threading.Event | None = None) -> Iterator[PrefillEvent | TokenEvent | TurnStats]:
+        """Add a user message and generate the reply: yields a PrefillEvent, one TokenEvent
+        per token, then TurnStats. Raises CapExceeded (nothing changed) if the stop policy
+        refuses the turn."""
+        if not text.strip():
+            raise KvchatError("empty message: type something to send")
+        messages = self.messages + [{"role": "user", "content": text}]
+        kept = self._fit(messages)
+        dropped = len(messages) - len(kept)
+        self.messages = kept
+        return self._turn(sampling or SamplingParams(), cancel, dropped)
+
+    def regenerate(self, sampling: SamplingParams | None = None,
+                   cancel: threading.Event | None = None) -> Iterator:
+        """Drop the last reply and generate it again from the same history."""
+        if not self.messages or self.messages[-1]["role"] != "assistant":
+            raise KvchatError("nothing to regenerate: the conversation has no reply yet")
+        self.messages.pop()
+        return self._turn(sampling or SamplingParams(), cancel, 0)
+
+    def _fit(self, messages):
+        if self.cap is None:
+            return messages
+        return self.policy.fit(messages, lambda m: len(self.render(m)), self.cap)
+
+    def _turn(self, sp: SamplingParams, cancel, dropped: int) -> Iterator:
+        eng = self.engine
+        with eng.lock:
+            t0 = time.perf_counter()
+            ids = self.render(self.messages)
+            evictions0 = eng.blocks.evictions
+            recomputed = self.preempted_pending
+            self.preempted_pending = 0
+            preempted = 0
+            if self.mode == "cache":
+                preempted = self._claim(ids)
+                reused = len(self.tokens)
+                logits = self._prefill(ids[reused:], reused)
+            else:
+                reused = 0
+                logits = eng.model.forward_dense(torch.tensor(ids, device=eng.device))[0]
+            self._sync()
+            prefill_ms = (time.perf_counter() - t0) * 1000
+            yield PrefillEvent(len(ids), reused, len(ids) - reused, prefill_ms)
+
+            sampler = Sampler(sp, eng.device, vocab_limit=len(eng.tokenizer))
+            stops = self.stop_ids()
+            detok = Detokenizer(eng.tokenizer)
+            seq = list(ids)                     # every token of this turn's sequence
+            decode_ms: list[float] = []
+            positions: list[int] = []
+            ttft_ms = 0.0
+            stop_reason = "max_tokens"
+            try:
+                token = int(sampler(logits))
+                ttft_ms = (time.perf_counter() - t0) * 1000
+                for i in range(sp.max_tokens):
+                    if token in stops:
+                        stop_reason = "eos"
+                        break
+                    delta = detok.add(token)
+                    pos = len(seq)
+                    seq.append(token)
+                    if i == sp.max_tokens - 1:
+                        yield TokenEvent(delta, token, pos, decode_ms[-1] if decode_ms else ttft_ms)
+                        break
+                    if self.cap is not None and len(seq) >= self.cap:
+                        stop_reason = "cap"
+                        yield TokenEvent(delta, token, pos, decode_ms[-1] if decode_ms else ttft_ms)
+                        break
+                    if cancel is not None and cancel.is_set():
+                        stop_reason = "cancelled"
+                        yield TokenEvent(delta, token, pos, decode_ms[-1] if decode_ms else ttft_ms)
+                        break
+                    ts = time.perf_counter()
+                    if self.mode == "cache":
+                        preempted += self._make_room_for(pos)
+                        logits = self._decode(token, pos)
+                    else:
+                        logits = eng.model.forward_dense(torch.tensor(seq, device=eng.device))[0]
+                    token = int(sampler(logits))  # reading the token synchronises the device
+                    ms = (time.perf_counter() - ts) * 1000
+                    decode_ms.append(ms)
+                    positions.append(pos)
+                    yield TokenEvent(delta, seq[-1], pos, ms)
+                    if cancel is not None and cancel.is_set():
+                        stop_reason = "cancelled"
+                        break
+            finally:
+                # runs on normal exit, on cancellation and if the consumer closes the
+                # generator: the cache stays consistent with self.tokens either way
+                tail = detok.flush()
+                reply = detok.text
+                self.messages.append({"role": "assistant", "content": reply})
+                self.turns += 1
+            stats = TurnStats(
+                turn=self.turns, prompt_tokens=len(ids), reused_tokens=reused,
+                computed_tokens=len(ids) - reused, generated_tokens=len(seq) - len(ids), ttft_ms=ttft_ms,
+                prefill_ms=prefill_ms, decode_ms=tuple(decode_ms), positions=tuple(positions),
+                stop_reason=stop_reason, reply=reply, mode=self.mode, kv_dtype=eng.kv_dtype,
+                policy=self.policy.name, dropped_messages=dropped,
+                evicted_blocks=eng.blocks.evictions - evictions0, preempted=preempted,
+                recomputed_tokens=recomputed if self.mode == "cache" else 0,
+                cache=eng.snapshot(self))
+            self.history.append(stats)
+            if tail:
+                yield TokenEvent(tail, -1, len(seq) - 1, 0.0)
+            yield stats
+
+    # ---- cache mechanics ----------------------------------------------------------------------
+    def _claim(self, ids: list[int]) -> int:
+        """Swap last turn's blocks for this turn's: release ours (full blocks stay indexed),
+        take the longest indexed prefix of `ids` (at least one token left to compute), and
+        allocate blocks for the rest. Returns conversations preempted to make room."""
+        bm = self.engine.blocks
+        bm.release(self.block_table)
+        matched = bm.match_prefix(ids[:-1])
+        bs = bm.block_size
+        self.block_table = list(matched)
+        self.block_keys = [bm.key_of(b) for b in matched]
+        self.reused_blocks = len(matched)
+        self.tokens = list(ids[: len(matched) * bs])
+        need = blocks_for(len(ids), bs) - len(matched)
+        preempted = self.engine.make_room(need, self)
+        self.block_table += bm.allocate(need)
+        self._table[: len(self.block_table)] = torch.tensor(self.block_table, dtype=torch.int32)
+        return preempted
+
+    def _make_room_for(self, pos: int) -> int:
+        """Before writing position pos: add a block when pos starts a new one."""
+        bs = self.engine.blocks.block_size
+        if pos // bs < len(self.block_table):
+            return 0
+        preempted = self.engine.make_room(1, self)
+        (block_id,) = self.engine.blocks.allocate(1)
+        self._table[len(self.block_table)] = block_id
+        self.block_table.append(block_id)
+        return preempted
+
+    def _slots(self, start: int, end: int) -> torch.Tensor:
+        bs = self.engine.blocks.block_size
+        pos = torch.arange(start, end)
+        table = torch.tensor(self.block_table, dtype=torch.int64)
+        return (table[pos // bs] * bs + pos % bs).to(self.engine.device)
+
+    def _prefill(self, new_ids: list[int], start: int) -> torch.Tensor:
+        eng = self.engine
+        logits = None
+        for c0 in range(0, len(new_ids), PREFILL_CHUNK):
+            chunk = new_ids[c0:c0 + PREFILL_CHUNK]
+            p0 = start + c0
+            step = Step(self._table, self._slots(p0, p0 + len(chunk)), p0, decode=False)
+            logits = eng.model.forward(torch.tensor(chunk, device=eng.device),
+                                       torch.arange(p0, p0 + len(chunk), device=eng.device), step, eng.pool)
+            self._wrote(chunk)
+        return logits[0]
+
+    def _decode(self, token: int, pos: int) -> torch.Tensor:
+        eng = self.engine
+        bs = eng.blocks.block_size
+        slot = self.block_table[pos // bs] * bs + pos % bs
+        step = Step(self._table, torch.tensor([slot], device=eng.device), pos, decode=True)
+        logits = eng.model.forward(torch.tensor([token], device=eng.device),
+                                   torch.tensor([pos], device=eng.device), step, eng.pool)
+        self._wrote([token])
+        return logits[0]
+
+    def _wrote(self, new_tokens: list[int]) -> None:
+        """Record tokens now in the cache and index every block they filled."""
+        bm = self.engine.blocks
+        bs = bm.block_size
+        self.tokens.extend(new_tokens)
+        while len(self.block_keys) < len(self.tokens) // bs:
+            i = len(self.block_keys)
+            parent = self.block_keys[-1] if self.block_keys else ROOT_KEY
+            self.block_keys.append(bm.commit(self.block_table[i], parent, self.tokens[i * bs:(i + 1) * bs]))
+
+    def _sync(self) -> None:
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize(self.engine.device)

@@ -1,0 +1,62 @@
+"""Context-cap policies: what happens when a conversation would hold more than its cap.
+
+A policy looks at the messages a turn would render and either returns the messages to
+keep or raises CapExceeded. New policies register in POLICIES.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from .errors import CapExceeded, KvchatError
+
+Messages = list[dict[str, str]]
+CountFn = Callable[[Messages], int]  # tokens the messages render to (with the generation prompt)
+
+
+class CapPolicy:
+    name = "base"
+    description = ""
+
+    def fit(self, messages: Messages, count: CountFn, cap: int) -> Messages:
+        raise NotImplementedError
+
+
+class StopPolicy(CapPolicy):
+    name = "stop"
+    description = "refuse a turn that would pass the cap"
+
+    def fit(self, messages: Messages, count: CountFn, cap: int) -> Messages:
+        n = count(messages)
+        if n > cap:
+            raise CapExceeded(f"this turn needs {n} tokens but the cap is {cap}: {n - cap} over; "
+                              "raise the cap, /reset, or switch to /policy drop-oldest")
+        return messages
+
+
+class DropOldestPolicy(CapPolicy):
+    name = "drop-oldest"
+    description = "drop whole oldest turns (keeping the system prompt) until the chat fits"
+
+    def fit(self, messages: Messages, count: CountFn, cap: int) -> Messages:
+        kept = list(messages)
+        head = 1 if kept and kept[0]["role"] == "system" else 0
+        while count(kept) > cap:
+            # the oldest turn: a user message and the replies up to the next user message
+            if len(kept) - head <= 1:
+                raise CapExceeded(f"the newest message alone needs {count(kept)} tokens, over the cap of "
+                                  f"{cap}; raise the cap or send less")
+            end = head + 1
+            while end < len(kept) - 1 and kept[end]["role"] != "user":
+                end += 1
+            del kept[head:end]
+        return kept
+
+
+POLICIES: dict[str, type[CapPolicy]] = {p.name: p for p in (StopPolicy, DropOldestPolicy)}
+
+
+def make_policy(name: str) -> CapPolicy:
+    try:
+        return POLICIES[name]()
+    except KeyError:
+        raise KvchatError(f"unknown cap policy {name!r}; accepted: {', '.join(POLICIES)}") from None

@@ -1,0 +1,133 @@
+"""Telemetry: immutable snapshots and events, the only things the app and the CLI read.
+
+Every object here is plain data (frozen dataclasses of ints, floats, strings and tuples),
+serialisable with `to_dict` and written as JSON Lines by `JsonlWriter`.
+"""
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+# Block map codes, one byte per pool block in CacheSnapshot.block_map.
+FREE, HELD, PARTIAL, REUSED, CACHED, SHARED, OTHER = range(7)
+BLOCK_STATE_NAMES = ("free", "held", "partial", "reused", "cached", "shared", "other")
+
+
+def to_dict(obj: Any) -> dict[str, Any]:
+    d = asdict(obj)
+    for k, v in list(d.items()):
+        if isinstance(v, bytes):
+            d[k] = list(v)
+    return d
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """One decoded token: its text delta, the position it was fed at, and the step time."""
+    text: str
+    token_id: int
+    position: int
+    latency_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillEvent:
+    """The prompt has been prefilled (sent before the first TokenEvent)."""
+    prompt_tokens: int
+    reused_tokens: int
+    computed_tokens: int
+    prefill_ms: float
+
+
+@dataclass(frozen=True, slots=True)
+class CacheSnapshot:
+    model: str
+    kv_dtype: str
+    block_size: int
+    num_blocks: int
+    bytes_per_token: int       # 2 x L x H_kv x d_h x element bytes
+    capacity_bytes: int        # the whole pool, scales included
+    tokens_held: int           # this conversation's cached tokens
+    bytes_used: int            # tokens_held x bytes_per_token
+    bytes_allocated: int       # blocks_used x block_size x bytes_per_token
+    blocks_used: int
+    wasted_slots: int          # empty slots in this conversation's partial last block
+    pool_free: int             # blocks by state, whole pool
+    pool_active: int
+    pool_cached: int
+    pool_shared: int
+    block_map: bytes           # one code per block: FREE, HELD, PARTIAL, REUSED, CACHED, SHARED, OTHER
+    cap: int | None
+    policy: str
+    mode: str                  # "cache" or "off"
+    evictions: int
+    preemptions: int
+
+    @property
+    def occupancy(self) -> float:
+        return (self.num_blocks - self.pool_free) / self.num_blocks if self.num_blocks else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class TurnStats:
+    turn: int
+    prompt_tokens: int
+    reused_tokens: int
+    computed_tokens: int
+    generated_tokens: int
+    ttft_ms: float
+    prefill_ms: float
+    decode_ms: tuple[float, ...]
+    positions: tuple[int, ...]
+    stop_reason: str           # eos, max_tokens, cap, cancelled
+    reply: str
+    mode: str
+    kv_dtype: str
+    policy: str
+    dropped_messages: int
+    evicted_blocks: int
+    preempted: int
+    recomputed_tokens: int
+    cache: CacheSnapshot
+
+    @property
+    def tokens_per_s(self) -> float:
+        total = sum(self.decode_ms)
+        return 1000.0 * len(self.decode_ms) / total if total > 0 else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """The flat record `kvchat ask --json` prints and the JSON Lines log keeps."""
+        c = self.cache
+        return {
+            "turn": self.turn, "reply": self.reply, "prompt_tokens": self.prompt_tokens,
+            "reused_tokens": self.reused_tokens, "computed_tokens": self.computed_tokens,
+            "generated_tokens": self.generated_tokens, "ttft_ms": round(self.ttft_ms, 3),
+            "prefill_ms": round(self.prefill_ms, 3), "decode_ms": [round(x, 3) for x in self.decode_ms],
+            "positions": list(self.positions), "stop_reason": self.stop_reason,
+            "kv_bytes_per_token": c.bytes_per_token, "kv_bytes_used": c.bytes_used,
+            "kv_bytes_allocated": c.bytes_allocated, "kv_capacity_bytes": c.capacity_bytes,
+            "block_size": c.block_size, "blocks_used": c.blocks_used, "tokens_held": c.tokens_held,
+            "mode": self.mode, "kv_dtype": self.kv_dtype, "policy": self.policy, "cap": c.cap,
+            "dropped_messages": self.dropped_messages, "evicted_blocks": self.evicted_blocks,
+            "preempted": self.preempted, "recomputed_tokens": self.recomputed_tokens,
+        }
+
+
+class JsonlWriter:
+    """Appends one JSON object per line and flushes each, so a crash loses nothing."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._fh = open(self.path, "a", encoding="utf-8")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._fh.write(json.dumps(record, ensure_ascii=False) + "\n")
+        self._fh.flush()
+        os.fsync(self._fh.fileno())
+
+    def close(self) -> None:
+        self._fh.close()
