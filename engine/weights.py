@@ -165,9 +165,12 @@ def convert_gguf(gguf: Path) -> Path:
     cfg["dtype"] = "float32"
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     tok.save_pretrained(tmp)
-    if out.exists():
-        shutil.rmtree(out)
-    tmp.rename(out)
+    try:
+        tmp.rename(out)
+    except OSError:  # another process finished the same conversion first
+        shutil.rmtree(tmp, ignore_errors=True)
+        if not (out / "model.safetensors").is_file():
+            raise
     return out
 
 

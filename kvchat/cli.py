@@ -242,7 +242,7 @@ def cmd_info(args) -> int:
     print(f"KV bytes per token ({kv}): {out['formula']} -> {per_token:,} B ({human_bytes(per_token)})")
     others = ", ".join(f"{d} {g.kv_bytes_per_token(d):,} B" for d in ("fp32", "bf16", "fp8") if d != kv)
     print(f"  in other KV dtypes: {others}")
-    for s in (1024, 8192, 32768, g.max_position):
+    for s in sorted({1024, 8192, 32768, g.max_position}):
         print(f"  {s:>7,} tokens: {human_bytes(per_token * s)}")
     if "tokens_that_fit" in out:
         print(f"--kv-budget {args.kv_budget}: {out['num_blocks']:,} blocks of {args.block_size} tokens = "
