@@ -43,6 +43,7 @@ class Conversation:
         self.policy = make_policy(policy)
         self.preempted_pending = 0          # tokens lost to preemption, recomputed next turn
         self.history: list[TurnStats] = []
+        self.last_logits: torch.Tensor | None = None  # (vocab,) fp32: the first token's logits, last turn
         self._table = torch.zeros(self._max_blocks(), dtype=torch.int32, device=engine.device)
 
     # ---- settings --------------------------------------------------------------------------
@@ -168,6 +169,7 @@ class Conversation:
                 logits = eng.model.forward_dense(torch.tensor(ids, device=eng.device))[0]
             self._sync()
             prefill_ms = (time.perf_counter() - t0) * 1000
+            self.last_logits = logits
             yield PrefillEvent(len(ids), reused, len(ids) - reused, prefill_ms)
 
             sampler = Sampler(sp, eng.device, vocab_limit=len(eng.tokenizer))
