@@ -15,6 +15,10 @@ scales: (num_blocks, block_size, n_kv_heads); slot = block_id * block_size + off
 """
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
+from functools import cache
+
 import torch
 import torch.nn.functional as F
 
@@ -22,16 +26,36 @@ FP8 = getattr(torch, "float8_e4m3fn", None)
 FP8_MAX = 448.0
 
 
+_FORCE_TRITON = False  # tests only: see force_triton
+
+
+@cache  # one import attempt, not one per call on the hot path
 def _kernels():
     try:
-        from . import kernels  # noqa: PLC0415  (optional: needs triton and CUDA)
+        from . import kernels  # noqa: PLC0415  (optional: needs triton)
     except ImportError:
         return None
     return kernels
 
 
 def _use_triton(t: torch.Tensor) -> bool:
-    return t.is_cuda and _kernels() is not None
+    return (t.is_cuda or _FORCE_TRITON) and _kernels() is not None
+
+
+@contextmanager
+def force_triton() -> Iterator[None]:
+    """Route CPU tensors through the Triton kernels too, for tests that run them under
+    TRITON_INTERPRET=1 (set before engine.kernels is first imported). Not thread-safe;
+    raises RuntimeError when the kernels cannot be imported, so a test never silently
+    checks the torch path against itself."""
+    global _FORCE_TRITON
+    if _kernels() is None:
+        raise RuntimeError("force_triton: engine.kernels does not import (is triton installed?)")
+    previous, _FORCE_TRITON = _FORCE_TRITON, True
+    try:
+        yield
+    finally:
+        _FORCE_TRITON = previous
 
 
 # ---- fp8 helpers -----------------------------------------------------------------------
