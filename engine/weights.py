@@ -112,12 +112,33 @@ def _from_dir(path: Path, name: str) -> ModelSource:
     except (OSError, ValueError) as err:
         raise ModelLoadError(f"{cfg_path}: unreadable JSON ({err})") from None
     geom = from_hf_config(cfg, name)
-    if not glob.glob(str(path / "*.safetensors")):
+    files = sorted(glob.glob(str(path / "*.safetensors")))
+    if not files:
         pickled = [p for p in os.listdir(path) if p.endswith(PICKLED)]
         hint = (f" (found {pickled[0]}: pickled checkpoints are not loaded; convert to safetensors)"
                 if pickled else "")
         raise ModelLoadError(f"{path}: no *.safetensors weights{hint}")
+    for f in files:
+        check_safetensors(Path(f))
     return ModelSource(name, geom, path, path)
+
+
+def check_safetensors(path: Path) -> None:
+    """Read only the header: valid JSON, and the file as long as its tensors say it is.
+    Catches truncated downloads before any tensor is read."""
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            n = int.from_bytes(head, "little") if len(head) == 8 else -1
+            if n <= 0 or 8 + n > size:
+                raise ValueError("header length does not fit the file")
+            header = json.loads(fh.read(n))
+        end = max((int(v["data_offsets"][1]) for k, v in header.items() if k != "__metadata__"), default=0)
+        if 8 + n + end > size:
+            raise ValueError(f"file has {size} bytes, its tensors need {8 + n + end}")
+    except (OSError, ValueError, KeyError, TypeError, IndexError, AttributeError) as err:
+        raise ModelLoadError(f"{path}: corrupt or truncated safetensors file ({err})") from None
 
 
 # ---- the bundled model ------------------------------------------------------------------------

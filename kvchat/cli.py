@@ -131,11 +131,19 @@ def sampling(args):
 
 
 def load_engine(args, quiet: bool = False):
+    """Validate everything that can be checked cheaply before saying "loading"."""
     from engine import Engine
+    from engine.weights import resolve
+    from engine.engine import pick_device, pick_dtypes
+    from engine.kv_cache import plan_pool
     cfg = engine_config(args)
+    src = resolve(cfg.model, cfg.random_weights)
+    _, kv_dtype = pick_dtypes(cfg, pick_device(cfg.device))
+    if cfg.kv_budget:
+        plan_pool(src.geometry, kv_dtype, cfg.kv_budget, cfg.block_size)
     if not quiet:
-        print(f"loading {cfg.model or 'the bundled SmolLM2-135M-Instruct'} ...", file=sys.stderr, flush=True)
-    return Engine(cfg)
+        print(f"loading {src.name} ...", file=sys.stderr, flush=True)
+    return Engine(cfg, source=src)
 
 
 def run_turn(conv, text: str, sp, stream) -> dict:

@@ -2,7 +2,16 @@
 loaded once per session."""
 from __future__ import annotations
 
+import os
+
 import pytest
+import torch
+
+# Without a GPU the Triton kernels run in triton's interpreter (tests/test_kernels*.py). It is
+# chosen when a kernel is decorated, i.e. when engine.kernels is first imported, so it is set
+# here, before any test module imports the engine.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="session")

@@ -1,0 +1,106 @@
+"""Prefix reuse across turns, on the bundled model: each turn reuses every full block of
+what the previous turn left in the cache, and computes the same logits as a cold start."""
+from __future__ import annotations
+
+import torch
+
+from engine import SamplingParams, TurnStats
+
+MESSAGES = ["My name is Ada and I like sailing.", "What is a good first boat?", "What is my name?"]
+
+
+def run_turn(conv, text, max_tokens=20):
+    return [e for e in conv.send(text, SamplingParams(max_tokens=max_tokens)) if isinstance(e, TurnStats)][0]
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def test_each_turn_reuses_every_full_block_the_previous_turn_left(engine):
+    conv = engine.new_conversation()
+    bs = engine.spec.block_size
+    try:
+        held_before: list[int] = []
+        for k, text in enumerate(MESSAGES):
+            stats = run_turn(conv, text)
+            ids = conv.render(conv.messages[:-1])  # this turn's prompt
+            shared = common_prefix(held_before, ids[:-1])
+            assert stats.reused_tokens == (shared // bs) * bs, f"turn {k + 1}"
+            assert stats.computed_tokens == stats.prompt_tokens - stats.reused_tokens
+            if k > 0:
+                # the previous turn's tokens reappear in this prompt, so almost all of it is reused
+                assert stats.reused_tokens >= (len(held_before) // bs - 1) * bs
+                assert stats.computed_tokens < stats.prompt_tokens / 2
+            held_before = list(conv.tokens)
+            assert stats.cache.tokens_held == len(conv.tokens)
+            assert stats.cache.bytes_used == len(conv.tokens) * engine.bytes_per_token
+            assert stats.cache.bytes_allocated == len(conv.block_table) * bs * engine.bytes_per_token
+    finally:
+        engine.close_conversation(conv)
+
+
+def test_reused_turn_logits_equal_a_cold_recomputation(engine):
+    warm = engine.new_conversation()
+    try:
+        for text in MESSAGES[:2]:
+            run_turn(warm, text)
+        stats = run_turn(warm, MESSAGES[2], max_tokens=4)
+        assert stats.reused_tokens > 0
+        warm_logits = warm.last_logits.clone()
+        ids = warm.render(warm.messages[:-1])
+    finally:
+        engine.close_conversation(warm)
+    cold = engine.model.forward_dense(torch.tensor(ids))[0]
+    assert float((warm_logits - cold).abs().max() / cold.abs().max()) < 1e-3
+    assert int(warm_logits.argmax()) == int(cold.argmax())
+
+
+def test_reset_cache_makes_the_next_turn_recompute_everything(engine):
+    conv = engine.new_conversation()
+    try:
+        run_turn(conv, MESSAGES[0])
+        assert conv.tokens_held > 0
+        conv.reset_cache()
+        assert conv.tokens_held == 0 and engine.snapshot(conv).bytes_used == 0
+        stats = run_turn(conv, MESSAGES[1])
+        assert stats.reused_tokens == 0
+        assert stats.computed_tokens == stats.prompt_tokens
+    finally:
+        engine.close_conversation(conv)
+
+
+def test_cancelling_mid_reply_keeps_the_cache_consistent(engine):
+    import threading
+    conv = engine.new_conversation()
+    cancel = threading.Event()
+    try:
+        n = 0
+        stats = None
+        for ev in conv.send("Write a long story about a lighthouse keeper.", SamplingParams(max_tokens=200),
+                            cancel=cancel):
+            if isinstance(ev, TurnStats):
+                stats = ev
+            elif type(ev).__name__ == "TokenEvent":
+                n += 1
+                if n == 5:
+                    cancel.set()
+        assert stats.stop_reason == "cancelled"
+        assert stats.generated_tokens == 5
+        assert conv.messages[-1]["role"] == "assistant" and conv.messages[-1]["content"] == stats.reply
+        # every held token has its K/V in the cache: one more decode step over it gives the
+        # logits of a dense recomputation of the same tokens
+        probe = engine.tokenizer.encode(" Then", add_special_tokens=False)[0]
+        pos = conv.tokens_held
+        cold = engine.model.forward_dense(torch.tensor(conv.tokens + [probe]))[0]
+        with engine.lock:
+            conv._make_room_for(pos)
+            warm = conv._decode(probe, pos)
+        assert float((warm - cold).abs().max() / cold.abs().max()) < 1e-3
+    finally:
+        engine.close_conversation(conv)
