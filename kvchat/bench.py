@@ -1,0 +1,374 @@
+"""`kvchat bench`: decode latency, TTFT and KV bytes against context length, next to the peers.
+
+For each context length C and each run, on one deterministic C-token history (a system
+prompt, then numbered notes the model is asked to repeat, so that it keeps talking):
+
+  kvchat, KV cache   turn 1: prefill the C tokens, then N timed decode steps;
+                     turn 2: a short follow-up, TTFT with the history's blocks reused;
+                     reset_cache(), then the same turn 2 again: TTFT recomputing everything.
+  kvchat, cache off  turn 1 with every step recomputing the whole sequence
+                     (only up to --skip-nocache-above, over --nocache-tokens steps).
+  kvchat, fp8 KV     turn 1 and turn 2 with the pool rebuilt as float8 e4m3 plus scales.
+  transformers       `generate` on the same turn-1 ids, then on the same turn-2 ids.
+  llama.cpp          the same, on the bundled GGUF, when llama-cpp-python is installed.
+
+The engine is driven only through its public API (Engine, Conversation.send, TurnStats).
+Statistics, tables, JSON and plots are in bench_report.py; the peers in bench_peers.py.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import random
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from engine.errors import KvchatError
+
+from . import bench_peers, bench_report
+from .bench_report import Series, Timing
+
+DEFAULT_CONTEXTS = (256, 1024, 4096)
+SYSTEM = "Repeat the user's notes word for word."
+FOLLOW_UP = "Thank you. Now repeat only the second note."
+NEXT_TURN_MARGIN = 64   # positions the follow-up turn adds beyond the reply
+MIN_HISTORY = 8         # tokens of notes the shortest history holds
+
+METHOD = {
+    "decode": "per-token latency of each decode step after the first token: kvchat's TokenEvent.latency_ms; "
+              "transformers: the gaps between its generate() streamer calls (its own loop, DynamicCache); "
+              "llama.cpp: the gaps between tokens yielded by Llama.generate",
+    "prefill": "first turn's prompt forward: kvchat PrefillEvent.prefill_ms over computed tokens; transformers "
+               "from the streamer's prompt call to its first token",
+    "ttft": "next turn after the history: kvchat with prefix reuse, and after reset_cache() (full recomputation); "
+            "transformers and llama.cpp re-prefilling the whole re-rendered chat",
+    "statistics": "decode: median, p10, p90 over every timed step of every run; prefill and TTFT: median over runs",
+}
+
+
+# ---- arguments -----------------------------------------------------------------------------
+def add_parser(subparsers, add_model_args) -> argparse.ArgumentParser:
+    from .cli import positive_int
+    p = subparsers.add_parser("bench", help="decode latency, TTFT and KV bytes against context length, "
+                                            "next to transformers and llama.cpp")
+    add_model_args(p)
+    p.add_argument("--contexts", default=",".join(map(str, DEFAULT_CONTEXTS)),
+                   help="comma-separated history lengths in tokens (default 256,1024,4096)")
+    p.add_argument("--new-tokens", type=positive_int("--new-tokens"), default=32,
+                   help="timed decode steps per turn (default 32)")
+    p.add_argument("--runs", type=positive_int("--runs"), default=3, help="repetitions; figures are medians (default 3)")
+    p.add_argument("--json", default=None, metavar="FILE", help="write the full record as JSON")
+    p.add_argument("--plot", default=None, metavar="FILE.png", help="write a PNG plot")
+    p.add_argument("--no-peers", action="store_true", help="measure kvchat only (no transformers, no llama.cpp)")
+    p.add_argument("--skip-nocache-above", type=nonneg_int("--skip-nocache-above"), default=1024, metavar="N",
+                   help="run the cache-off baseline only for contexts up to N tokens (default 1024; 0: never)")
+    p.add_argument("--nocache-tokens", type=positive_int("--nocache-tokens"), default=8,
+                   help="timed steps for the cache-off baseline (default 8)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the generated history text (default 0)")
+    return p
+
+
+def nonneg_int(name: str):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer >= 0, got {text!r}") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"{name} must be an integer >= 0, got {text!r}")
+        return value
+    return parse
+
+
+def parse_contexts(text: str) -> tuple[int, ...]:
+    from .cli import UsageError
+    parts = [p.strip() for p in text.split(",")]
+    if not text.strip() or any(not p for p in parts):
+        raise UsageError(f"--contexts {text!r}: expected comma-separated token counts, e.g. 256,1024,4096")
+    values = []
+    for p in parts:
+        try:
+            v = int(p)
+        except ValueError:
+            raise UsageError(f"--contexts: {p!r} is not a whole number of tokens; e.g. 256,1024,4096") from None
+        if v <= 0:
+            raise UsageError(f"--contexts: {v} is not a positive number of tokens; e.g. 256,1024,4096")
+        values.append(v)
+    return tuple(sorted(set(values)))
+
+
+def output_path(flag: str, text: str | None, suffix: str | None = None) -> Path | None:
+    """Check an output file can be written before minutes of measuring, not after."""
+    from .cli import UsageError
+    if text is None:
+        return None
+    path = Path(text).expanduser()
+    if path.is_dir():
+        raise UsageError(f"{flag} {text!r} is a directory; give a file name")
+    if suffix and path.suffix.lower() != suffix:
+        raise UsageError(f"{flag} {text!r}: expected a {suffix} file name")
+    parent = path.parent
+    if not parent.is_dir():
+        raise UsageError(f"{flag} {text!r}: directory {str(parent)!r} does not exist")
+    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
+        raise UsageError(f"{flag} {text!r} is not writable")
+    return path
+
+
+@dataclass(slots=True)
+class BenchConfig:
+    contexts: tuple[int, ...]
+    new_tokens: int
+    runs: int
+    json_path: Path | None
+    plot_path: Path | None
+    peers: bool
+    nocache_max: int
+    nocache_tokens: int
+    seed: int
+
+    @classmethod
+    def from_args(cls, args) -> BenchConfig:
+        return cls(parse_contexts(args.contexts), args.new_tokens, args.runs,
+                   output_path("--json", args.json), output_path("--plot", args.plot, ".png"),
+                   not args.no_peers, args.skip_nocache_above, args.nocache_tokens, args.seed)
+
+    def command(self, args) -> str:
+        parts = ["kvchat", "bench", "--contexts", ",".join(map(str, self.contexts)),
+                 "--new-tokens", str(self.new_tokens), "--runs", str(self.runs)]
+        for flag in ("model", "device", "dtype", "kv_dtype", "threads"):
+            value = getattr(args, flag, None)
+            if value not in (None, "auto"):
+                parts += [f"--{flag.replace('_', '-')}", str(value)]
+        if args.random_weights:
+            parts.append("--random-weights")
+        if not self.peers:
+            parts.append("--no-peers")
+        return " ".join(parts)
+
+
+# ---- the history -----------------------------------------------------------------------------
+WHO = ("The ferryman", "A lantern maker", "The old clock", "Our neighbour", "The red kite", "A night train",
+       "The baker", "The north wind", "A small boat", "The librarian", "The choir", "A grey cat")
+DID = ("carried", "painted", "counted", "followed", "remembered", "mended", "watched", "sorted", "found", "lost")
+WHAT = ("seven blue stones", "the morning letters", "a map of the harbour", "three copper keys", "the spring seeds",
+        "an unfinished song", "the lighthouse log", "twelve paper boats", "a box of buttons", "the winter apples")
+WHEN = ("before dawn", "near the bridge", "after the rain", "during the fair", "on the hill", "by the canal",
+        "at noon", "under the station clock")
+
+
+def notes(seed: int, lines: int) -> str:
+    rng = random.Random(seed)
+    return "\n".join(f"Note {i}: {rng.choice(WHO)} {rng.choice(DID)} {rng.choice(WHAT)} {rng.choice(WHEN)}."
+                     for i in range(1, lines + 1))
+
+
+def history(render, tokenizer, context: int, seed: int) -> tuple[str, list[int]]:
+    """A user message whose rendered first turn is `context` tokens (or a token or two
+    short, where BPE merges across the cut), and those ids."""
+    from .cli import UsageError
+
+    def ids_for(body: str) -> list[int]:
+        return render([{"role": "system", "content": SYSTEM}, {"role": "user", "content": body}])
+
+    floor = len(ids_for(""))
+    if context < floor + MIN_HISTORY:
+        raise UsageError(f"--contexts {context} is shorter than the chat template around the history "
+                         f"({floor} tokens); use at least {floor + MIN_HISTORY}")
+    body = tokenizer.encode(notes(seed, context // 8 + 8), add_special_tokens=False)
+    lo, hi = 0, min(len(body), context)
+    while lo < hi:  # the longest cut of the notes whose rendering fits
+        mid = (lo + hi + 1) // 2
+        if len(ids_for(tokenizer.decode(body[:mid]))) <= context:
+            lo = mid
+        else:
+            hi = mid - 1
+    text = tokenizer.decode(body[:lo])
+    return text, ids_for(text)
+
+
+# ---- driving the engine ---------------------------------------------------------------------
+def finish(events):
+    """Run a turn to its end; return its TurnStats."""
+    from engine import TurnStats
+    stats = None
+    for ev in events:
+        if isinstance(ev, TurnStats):
+            stats = ev
+    return stats
+
+
+class Bench:
+    def __init__(self, cfg: BenchConfig, engine, hf, llama, threads: int) -> None:
+        self.cfg, self.engine, self.hf, self.llama, self.threads = cfg, engine, hf, llama, threads
+        self.base_kv = engine.kv_dtype
+        self.renderer = engine.new_conversation()   # only its render() is used
+        engine.close_conversation(self.renderer)
+        self.t0 = time.perf_counter()
+
+    def say(self, text: str) -> None:
+        print(f"kvchat bench [{time.perf_counter() - self.t0:6.0f}s] {text}", file=sys.stderr, flush=True)
+
+    def ours(self, text: str, steps: int, s: Series, next_turn: str, mode: str = "cache") -> list[int] | None:
+        """Turn 1 (timed prefill and decode); with next_turn 'reuse' or 'both', turn 2 with
+        reuse, and with 'both' turn 2 again after reset_cache(). Returns turn 2's ids."""
+        from engine import SamplingParams
+        eng = self.engine
+        conv = eng.new_conversation(system_prompt=SYSTEM)
+        try:
+            if mode == "off":
+                conv.set_mode("off")
+            first = finish(conv.send(text, SamplingParams(max_tokens=steps + 1)))
+            s.add(Timing(first.computed_tokens, first.prefill_ms, first.ttft_ms, first.decode_ms))
+            if first.reused_tokens:
+                s.note(f"turn 1 reused {first.reused_tokens} cached tokens; its prefill is not a full one")
+            if len(first.decode_ms) < steps:
+                s.note(f"the reply stopped ({first.stop_reason}) after {len(first.decode_ms)} of {steps} timed steps")
+            if mode == "cache":
+                c = first.cache
+                s.kv = {"tokens_held": c.tokens_held, "bytes_per_token": c.bytes_per_token,
+                        "bytes_used": c.bytes_used, "bytes_allocated": c.bytes_allocated,
+                        "blocks_used": c.blocks_used, "block_size": c.block_size,
+                        "scale_bytes": c.tokens_held * eng.spec.scale_bytes_per_token}
+            if next_turn == "none":
+                return None
+            second = finish(conv.send(FOLLOW_UP, SamplingParams(max_tokens=1)))
+            s.ttft_reuse_ms.append(second.ttft_ms)
+            s.next_turn = {"prompt_tokens": second.prompt_tokens, "reused_tokens": second.reused_tokens,
+                           "computed_tokens": second.computed_tokens}
+            ids = conv.render(conv.messages[:-1])
+            if next_turn == "both":
+                conv.reset_cache()
+                again = finish(conv.regenerate(SamplingParams(max_tokens=1)))
+                s.ttft_reset_ms.append(again.ttft_ms)
+            return ids
+        finally:
+            conv.reset_cache()       # forget its blocks, so no later turn 1 reuses them
+            eng.close_conversation(conv)
+
+    def peer(self, peer, ids1: list[int], ids2: list[int] | None, steps: int, s: Series) -> None:
+        s.add(peer.generate(ids1, steps))
+        if ids2 is not None:
+            s.ttft_reset_ms.append(peer.generate(ids2, 0).ttft_ms)
+
+    def context(self, ctx: int, run: int, steps: int, row: dict[str, Series]) -> None:
+        cfg, eng = self.cfg, self.engine
+        text, ids1 = history(self.renderer.render, eng.tokenizer, ctx, cfg.seed + 1000 * run + ctx)
+        tag = f"context {ctx}, run {run + 1}/{cfg.runs}:"
+        s = row.setdefault("kvchat", Series())
+        ids2 = self.ours(text, steps, s, "both")
+        self.say(f"{tag} kvchat          prefill {s.prefill_ms[-1]:8.0f} ms, decode {_med(s.decode_ms[-steps:])} "
+                 f"ms/token, next turn {s.ttft_reuse_ms[-1]:.0f} ms reusing / {s.ttft_reset_ms[-1]:.0f} ms after reset")
+        for key, peer in (("transformers", self.hf), ("llama_cpp", self.llama)):
+            if peer is None:
+                continue
+            p = row.setdefault(key, Series())
+            self.peer(peer, ids1, ids2, steps, p)
+            self.say(f"{tag} {peer.name:<15} prefill {p.prefill_ms[-1]:8.0f} ms, decode {_med(p.decode_ms[-steps:])} "
+                     f"ms/token, next turn {p.ttft_reset_ms[-1]:.0f} ms re-prefilling")
+        if self.base_kv != "fp8":
+            f = row.setdefault("kvchat_fp8", Series())
+            try:
+                eng.set_kv_dtype("fp8")
+                self.ours(text, steps, f, "reuse")
+                self.say(f"{tag} kvchat fp8      prefill {f.prefill_ms[-1]:8.0f} ms, decode "
+                         f"{_med(f.decode_ms[-steps:])} ms/token")
+            except Exception as err:  # reported in the row: an fp8 failure must not lose the run
+                f.note(f"fp8 KV cache failed: {type(err).__name__}: {err}")
+                self.say(f"{tag} kvchat fp8      failed: {type(err).__name__}: {err}")
+            finally:
+                eng.set_kv_dtype(self.base_kv)
+        if ctx <= cfg.nocache_max:
+            n = min(steps, cfg.nocache_tokens)
+            o = row.setdefault("kvchat_nocache", Series())
+            self.ours(text, n, o, "none", mode="off")
+            self.say(f"{tag} kvchat off      decode {_med(o.decode_ms[-n:])} ms/token")
+        else:
+            row.setdefault("kvchat_nocache", Series()).note(
+                f"skipped: above --skip-nocache-above {cfg.nocache_max} (each step recomputes all {ctx}+ tokens)")
+
+    def measure(self) -> dict[int, dict[str, Series]]:
+        cfg = self.cfg
+        self.say(f"warming up (context {cfg.contexts[0]}, 2 steps; discarded)")
+        self.context(cfg.contexts[0], 0, 2, {})
+        results: dict[int, dict[str, Series]] = {ctx: {} for ctx in cfg.contexts}
+        for run in range(cfg.runs):  # runs outermost, so slow drift on a shared machine hits every context
+            for ctx in cfg.contexts:
+                self.context(ctx, run, cfg.new_tokens, results[ctx])
+        return {ctx: {k: row[k] for k in bench_report.SERIES if k in row} for ctx, row in results.items()}
+
+
+def _med(xs: list[float]) -> str:
+    m = bench_report.median(xs)
+    return "–" if m is None else f"{m:6.1f}"
+
+
+# ---- the command -----------------------------------------------------------------------------
+def check_fits(engine, cfg: BenchConfig) -> None:
+    g = engine.geometry
+    need = max(cfg.contexts) + 2 * cfg.new_tokens + NEXT_TURN_MARGIN
+    limit = min(g.max_position, engine.spec.capacity_tokens)
+    if need > limit:
+        what = (f"{g.name} has {g.max_position} positions" if g.max_position <= engine.spec.capacity_tokens
+                else f"the KV pool holds {engine.spec.capacity_tokens} tokens (raise --kv-budget)")
+        raise KvchatError(f"--contexts {max(cfg.contexts)} with --new-tokens {cfg.new_tokens} needs about {need} "
+                          f"positions but {what}; use contexts up to {limit - 2 * cfg.new_tokens - NEXT_TURN_MARGIN}")
+
+
+def run(args) -> int:
+    import torch
+    from engine import Engine
+
+    from .cli import engine_config
+    cfg = BenchConfig.from_args(args)
+    print(f"kvchat bench: loading {args.model or 'the bundled SmolLM2-135M-Instruct'} ...", file=sys.stderr, flush=True)
+    engine = Engine(engine_config(args))
+    check_fits(engine, cfg)
+    threads = torch.get_num_threads()
+    notes = [f"torch threads: {threads} for kvchat and transformers (one process)"]
+    hf = llama = None
+    if cfg.peers:
+        hf = bench_peers.HFPeer(engine.source, engine.device, engine.dtype)
+        n_ctx = max(cfg.contexts) + 2 * cfg.new_tokens + NEXT_TURN_MARGIN
+        llama, why = bench_peers.load_llama_cpp(engine.source, args.model, n_ctx, threads)
+        if llama is None:
+            notes.append(why)
+            print(f"kvchat bench: {why}", file=sys.stderr, flush=True)
+        else:
+            notes.append(f"llama.cpp runs {llama.gguf.name} (its own quantized weights), {threads} threads")
+    else:
+        notes.append("peers not measured (--no-peers)")
+
+    results = Bench(cfg, engine, hf, llama, threads).measure()
+
+    meta = {
+        "command": cfg.command(args), "model": engine.describe(), "threads": threads,
+        "runs": cfg.runs, "new_tokens": cfg.new_tokens, "nocache_tokens": min(cfg.new_tokens, cfg.nocache_tokens),
+        "skip_nocache_above": cfg.nocache_max, "method": METHOD, "notes": notes,
+        "versions": {"python": platform.python_version(), "torch": torch.__version__, "transformers": _version()},
+        "machine": {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()},
+    }
+    summary = bench_report.summarise(results)
+    print(bench_report.markdown(results, meta, summary))
+    checks = bench_report.targets(summary)
+    if checks:
+        print("\nTargets:\n" + bench_report.target_lines(checks))
+    print("\n" + bench_report.terminal_plot(results, meta))
+    try:
+        if cfg.json_path is not None:
+            bench_report.write_json(cfg.json_path, bench_report.record(results, meta, summary))
+            print(f"kvchat bench: wrote {cfg.json_path}", file=sys.stderr)
+        if cfg.plot_path is not None:
+            bench_report.write_png(cfg.plot_path, results, meta)
+            print(f"kvchat bench: wrote {cfg.plot_path}", file=sys.stderr)
+    except OSError as err:
+        raise KvchatError(f"cannot write the bench output: {err}") from None
+    return 0
+
+
+def _version() -> str:
+    import transformers
+    return transformers.__version__

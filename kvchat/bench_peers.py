@@ -1,0 +1,148 @@
+"""The peers `kvchat bench` measures in the same process, on the same token ids.
+
+- transformers: `LlamaForCausalLM.from_pretrained` on the very safetensors directory the
+  engine loads (same weights, device, dtype and torch threads), timed inside its own
+  `generate` through a streamer: `generate` hands the streamer the prompt before the
+  prefill and then each token as it is chosen, so the gaps between those calls are the
+  prefill and the per-token decode steps of transformers' own loop with its DynamicCache.
+  The next turn after a history is `generate` on the whole re-rendered chat: what a plain
+  transformers user does, re-prefilling every token of the history.
+- llama.cpp (optional, `pip install llama-cpp-python`): the bundled Q4_1 GGUF through
+  `Llama.generate`, timing each yielded token. Never installed by kvchat or its CI.
+
+This module touches torch because the peer does; kvchat's own engine is only driven
+through its public API in `bench.py`.
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+from engine.errors import KvchatError
+
+from .bench_report import Timing
+
+LLAMA_CPP_MISSING = "llama-cpp-python is not installed (pip install llama-cpp-python); llama.cpp peer skipped"
+
+
+class _Clock:
+    """A transformers streamer that only records when each put() arrives."""
+
+    def __init__(self, sync) -> None:
+        self.sync = sync
+        self.times: list[float] = []
+
+    def put(self, value) -> None:
+        self.sync()
+        self.times.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+class HFPeer:
+    """transformers' LlamaForCausalLM on the engine's weights, device and dtype."""
+
+    name = "transformers"
+
+    def __init__(self, source, device, dtype) -> None:
+        import torch
+        from transformers import LlamaForCausalLM
+        from transformers.utils import logging as hf_logging
+        hf_logging.set_verbosity_error()
+        hf_logging.disable_progress_bar()
+        self.torch, self.device = torch, device
+        try:
+            if source.path is not None:
+                model = LlamaForCausalLM.from_pretrained(str(source.path), dtype=dtype)
+            else:
+                with torch.device(device):  # random weights: the geometry only, made on the device
+                    model = LlamaForCausalLM._from_config(hf_config(source.geometry), dtype=dtype)
+        except (OSError, ValueError, RuntimeError) as err:
+            raise KvchatError(f"transformers peer: cannot load {source.name} ({type(err).__name__}: {err})") from None
+        self.model = model.to(device).eval()
+        self.eos = source.geometry.eos_token_ids[0] if source.geometry.eos_token_ids else 0
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            self.torch.cuda.synchronize(self.device)
+
+    def generate(self, ids: list[int], steps: int) -> Timing:
+        """Greedy generate of steps + 1 tokens (EOS suppressed, so every step is timed)."""
+        torch = self.torch
+        input_ids = torch.tensor([ids], device=self.device)
+        clock = _Clock(self._sync)
+        n = steps + 1
+        self._sync()
+        t0 = time.perf_counter()
+        self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), max_new_tokens=n,
+                            min_new_tokens=n, do_sample=False, pad_token_id=self.eos, streamer=clock)
+        # times[0]: the prompt, handed over just before the prefill; then one per token
+        t = clock.times
+        if len(t) < 2:
+            raise KvchatError(f"transformers peer: generate produced no token for a {len(ids)}-token prompt")
+        decode = tuple((b - a) * 1000 for a, b in zip(t[1:], t[2:]))
+        return Timing(len(ids), (t[1] - t[0]) * 1000, (t[1] - t0) * 1000, decode)
+
+
+def hf_config(geom):
+    """A LlamaConfig with the engine's geometry, for --random-weights."""
+    from transformers import LlamaConfig
+    return LlamaConfig(
+        vocab_size=geom.vocab_size, hidden_size=geom.hidden, intermediate_size=geom.intermediate,
+        num_hidden_layers=geom.n_layers, num_attention_heads=geom.n_heads, num_key_value_heads=geom.n_kv_heads,
+        head_dim=geom.head_dim, max_position_embeddings=geom.max_position, rms_norm_eps=geom.norm_eps,
+        rope_theta=geom.rope_theta, tie_word_embeddings=geom.tie_embeddings)
+
+
+class LlamaCppPeer:
+    """llama-cpp-python on a GGUF file, with the same thread count as torch."""
+
+    name = "llama.cpp"
+
+    def __init__(self, gguf: Path, n_ctx: int, threads: int) -> None:
+        from llama_cpp import Llama  # ImportError: the caller notes the peer as skipped
+        self.gguf = gguf
+        self.llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                         n_batch=512, verbose=False)
+
+    def generate(self, ids: list[int], steps: int) -> Timing:
+        """Greedy; reset first, so llama.cpp's own prefix reuse never shortens the prefill."""
+        self.llm.reset()
+        times: list[float] = []
+        t0 = time.perf_counter()
+        for _ in self.llm.generate(ids, top_k=1, top_p=1.0, temp=0.0, reset=True):
+            times.append(time.perf_counter())
+            if len(times) == steps + 1:
+                break
+        if not times:
+            raise KvchatError(f"llama.cpp peer: no token for a {len(ids)}-token prompt")
+        decode = tuple((b - a) * 1000 for a, b in zip(times, times[1:]))
+        return Timing(len(ids), (times[0] - t0) * 1000, (times[0] - t0) * 1000, decode)
+
+
+def load_llama_cpp(source, model_arg: str | None, n_ctx: int, threads: int) -> tuple[LlamaCppPeer | None, str]:
+    """(peer, "") or (None, why it is skipped): the optional peer never stops the run."""
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return None, LLAMA_CPP_MISSING
+    gguf = gguf_for(source, model_arg)
+    if gguf is None:
+        return None, f"no GGUF file for {source.name}; llama.cpp runs on the bundled model or a --model *.gguf"
+    try:
+        return LlamaCppPeer(gguf, n_ctx, threads), ""
+    except (OSError, ValueError, RuntimeError) as err:
+        return None, f"llama.cpp could not load {gguf.name} ({type(err).__name__}: {err}); skipped"
+
+
+def gguf_for(source, model_arg: str | None) -> Path | None:
+    """The GGUF the engine's weights were converted from, when there is one."""
+    from engine.weights import BUNDLED, bundled_gguf
+    if source.random_weights:
+        return None
+    if model_arg and model_arg.strip().endswith(".gguf"):
+        return Path(model_arg.strip()).expanduser()
+    if source.name == BUNDLED:
+        return bundled_gguf()
+    return None

@@ -1,0 +1,131 @@
+"""`kvchat bench`: runs end to end on a tiny setting, writes its JSON and PNG, skips a missing
+optional peer with a message, and turns bad arguments into one line and exit status 2.
+
+No timing is asserted: the numbers are the benchmark's output, not a test's."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import sys
+
+import pytest
+
+from kvchat.bench_peers import LLAMA_CPP_MISSING
+from kvchat.bench_report import Series, percentile, summarise
+from kvchat.cli import main
+
+TINY = ["bench", "--contexts", "32,64", "--new-tokens", "4", "--runs", "1", "--kv-budget", "64MiB",
+        "--nocache-tokens", "2"]
+
+
+@pytest.fixture(scope="module")
+def bench_run(tmp_path_factory):
+    """One tiny run of the whole command, shared by the tests below. llama-cpp-python is made
+    unimportable (a None entry in sys.modules), so the skip path is taken whether or not the
+    machine has it."""
+    out = tmp_path_factory.mktemp("bench")
+    json_path, png_path = out / "bench.json", out / "bench.png"
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(sys.modules, "llama_cpp", None)
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code = main(TINY + ["--json", str(json_path), "--plot", str(png_path)])
+    return {"code": code, "out": stdout.getvalue(), "err": stderr.getvalue(), "json": json_path, "png": png_path}
+
+
+def test_bench_exits_zero_and_prints_the_markdown_tables(bench_run):
+    assert bench_run["code"] == 0, bench_run["err"]
+    out = bench_run["out"]
+    assert "| context | kvchat, KV cache |" in out
+    assert "| 32 |" in out and "| 64 |" in out
+    assert "median (p10–p90) over 1 run(s) × 4 tokens" in out
+
+
+def test_bench_json_holds_every_context_and_positive_summary_ratios(bench_run):
+    rec = json.loads(bench_run["json"].read_text())
+    assert set(rec["contexts"]) == {"32", "64"}
+    assert rec["runs"] == 1 and rec["new_tokens"] == 4
+    for ctx in ("32", "64"):
+        ours = rec["contexts"][ctx]["kvchat"]
+        assert ours["decode_ms"]["n"] == 4
+        assert ours["kv"]["bytes_used"] == ours["kv"]["tokens_held"] * ours["kv"]["bytes_per_token"]
+        assert rec["contexts"][ctx]["transformers"]["decode_ms"]["n"] == 4
+    for name in ("decode_ratio_vs_hf", "prefill_ratio_vs_hf", "reuse_ttft_speedup_vs_hf"):
+        ratios = rec["summary"][name]
+        assert set(ratios) == {"32", "64"}
+        assert all(isinstance(v, float) and v > 0 for v in ratios.values()), ratios
+
+
+def test_bench_plot_is_a_png(bench_run):
+    data = bench_run["png"].read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    assert len(data) > 10_000
+
+
+def test_bench_shows_progress_on_stderr_and_a_terminal_plot(bench_run):
+    assert "context 64, run 1/1: transformers" in bench_run["err"]
+    assert "decode ms/token vs context" in bench_run["out"]
+
+
+def test_missing_llama_cpp_is_skipped_with_a_message(bench_run):
+    assert LLAMA_CPP_MISSING in bench_run["err"]
+    rec = json.loads(bench_run["json"].read_text())
+    assert LLAMA_CPP_MISSING in rec["notes"]
+    assert "llama_cpp" not in rec["contexts"]["32"]
+
+
+def fails_with(capsys, argv, *fragments):
+    code = main(argv)
+    captured = capsys.readouterr()
+    err = captured.err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1, err
+    assert "Traceback" not in err
+    for f in fragments:
+        assert f in err, err
+    return err
+
+
+@pytest.mark.parametrize("argv, fragment", [
+    (["--contexts", "abc"], "'abc' is not a whole number"),
+    (["--contexts", "256,,1024"], "comma-separated"),
+    (["--contexts", ""], "comma-separated"),
+    (["--contexts", "0,256"], "0 is not a positive number"),
+    (["--contexts", "-64"], "-64 is not a positive number"),
+    (["--new-tokens", "0"], "--new-tokens must be a positive integer"),
+    (["--runs", "-2"], "--runs must be a positive integer"),
+    (["--skip-nocache-above", "-1"], "--skip-nocache-above must be an integer >= 0"),
+    (["--json", "/nonexistent-dir/out.json"], "does not exist"),
+    (["--plot", "/tmp"], "is a directory"),
+    (["--plot", "out.txt"], "expected a .png file name"),
+])
+def test_bad_arguments_give_one_line_and_exit_2(capsys, argv, fragment):
+    fails_with(capsys, ["bench"] + argv, fragment)
+
+
+def test_a_context_shorter_than_the_chat_template_is_refused(capsys):
+    fails_with(capsys, ["bench", "--contexts", "8", "--no-peers", "--kv-budget", "16MiB"], "--contexts 8", "at least")
+
+
+def test_a_context_beyond_the_model_positions_is_refused(capsys):
+    fails_with(capsys, ["bench", "--contexts", "1000000", "--no-peers", "--kv-budget", "16MiB"],
+               "--contexts 1000000", "use contexts up to")
+
+
+def test_summary_ratios_point_the_way_the_targets_read():
+    """decode: ours / theirs (lower is better); prefill: our tokens/s / theirs; reuse:
+    their re-prefill TTFT / ours with reuse (higher is better for both)."""
+    ours = Series(decode_ms=[10.0], prefill_ms=[100.0], prefill_tokens=1000, ttft_reuse_ms=[5.0])
+    hf = Series(decode_ms=[20.0], prefill_ms=[400.0], prefill_tokens=1000, ttft_reset_ms=[500.0])
+    s = summarise({1024: {"kvchat": ours, "transformers": hf}})
+    assert s == {"decode_ratio_vs_hf": {"1024": 0.5}, "prefill_ratio_vs_hf": {"1024": 4.0},
+                 "reuse_ttft_speedup_vs_hf": {"1024": 100.0}}
+
+
+def test_percentiles_interpolate_between_ranks():
+    xs = [4.0, 1.0, 3.0, 2.0, 5.0]
+    assert percentile(xs, 50) == 3.0
+    assert percentile(xs, 10) == pytest.approx(1.4)
+    assert percentile(xs, 90) == pytest.approx(4.6)
+    assert percentile([], 50) is None
