@@ -1,0 +1,49 @@
+"""The app's keys: one table of id, default keys, action, footer label and help text.
+
+The ids are what the user's config file rebinds (`"keys": {"reset_cache": "ctrl+e"}`).
+No default is a printable character, because the message input has focus and would take it.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from textual.binding import Binding
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    id: str
+    keys: str        # Textual key names, comma-separated
+    action: str
+    label: str       # shown in the footer
+    help: str        # shown on the help screen
+    footer: bool = True
+
+
+KEYS: tuple[Key, ...] = (
+    Key("help", "f1", "help", "help", "show keys and commands"),
+    Key("reset_cache", "ctrl+r", "reset_cache", "reset",
+        "free every block of this conversation: the next turn prefills the whole history"),
+    Key("cap_down", "f3", "cap_down", "cap -", "lower the context cap one step"),
+    Key("cap_up", "f4", "cap_up", "cap +", "raise the context cap one step (past the top: no cap)"),
+    Key("choose_policy", "f2", "choose_policy", "policy", "choose what happens when a turn would pass the cap"),
+    Key("stop", "escape", "stop", "stop", "stop generating; the reply keeps what was generated"),
+    Key("new_conversation", "ctrl+n", "new_conversation", "new",
+        "start a new conversation (the old one stays saved; its blocks stay cached)"),
+    Key("regenerate", "f5", "regenerate", "regen", "drop the last reply and generate it again"),
+    Key("cache_mode", "f7", "cache_mode", "cache on/off",
+        "switch the KV cache off (recompute everything each token) or back on", footer=False),
+    Key("kv_dtype", "f8", "kv_dtype", "kv dtype", "rebuild the pool in the next KV dtype (fp32, bf16, fp16, fp8)",
+        footer=False),
+    Key("toggle_panels", "ctrl+b", "toggle_panels", "panels", "hide or show the telemetry panels"),
+    Key("save", "ctrl+s", "save", "save", "write the transcript (Markdown) and telemetry (JSON Lines) here"),
+    Key("theme", "ctrl+t", "theme", "theme", "switch to the next theme (remembered)"),
+    Key("quit", "ctrl+q", "quit", "quit", "finish the reply in progress, save, and quit"),
+)
+KEY_IDS = tuple(k.id for k in KEYS)
+
+
+def bindings() -> list[Binding]:
+    """Priority bindings, so they work while the input has focus."""
+    return [Binding(k.keys, k.action, k.label, show=k.footer, priority=True, id=k.id, tooltip=k.help)
+            for k in KEYS]

@@ -1,0 +1,64 @@
+"""Everything `kvchat` checks before the UI starts: flags, settings, theme, the model's
+location, the conversation to resume. Any problem is one line and exit status 2; loading
+the weights then happens inside the UI, with progress shown."""
+from __future__ import annotations
+
+from engine.errors import KvchatError
+
+from . import settings as settings_mod
+from . import theming
+from .settings import SettingsError
+from .store import StoreError
+
+
+class LaunchError(Exception):
+    """Why kvchat cannot start; str() is one line."""
+
+
+def prepare(args):
+    try:
+        return _prepare(args)
+    except (KvchatError, SettingsError, StoreError) as err:
+        raise LaunchError(str(err)) from None
+    except OSError as err:
+        raise LaunchError(f"{err.filename or ''}: {err.strerror or err}".lstrip(": ")) from None
+
+
+def _prepare(args):
+    from engine import Engine
+    from engine.engine import pick_device, pick_dtypes
+    from engine.policy import make_policy
+    from engine.weights import resolve
+
+    from .app import AppOptions, KvChatApp
+    from .cli import engine_config, sampling
+    from .session import SessionOptions
+    from .store import last_conversation, restore
+
+    path = settings_mod.config_path()
+    settings = settings_mod.load(path)
+    themes = theming.available()
+    if args.theme is not None and args.theme not in themes:
+        raise KvchatError(f"unknown --theme {args.theme!r}; accepted: {', '.join(themes)}")
+    if args.theme is None and settings.theme is not None and settings.theme not in themes:
+        raise SettingsError(f"settings file {path}: unknown theme {settings.theme!r}; accepted: {', '.join(themes)}")
+    theme = args.theme or settings.theme or "dark"
+    make_policy(args.policy)
+    cfg = engine_config(args)
+    sp = sampling(args)
+    pick_dtypes(cfg, pick_device(cfg.device))
+    source = resolve(cfg.model, cfg.random_weights)
+    restored = None
+    if args.resume:
+        last = last_conversation()
+        if last is None:
+            raise KvchatError("--resume: no saved conversation yet; start one with plain `kvchat`")
+        restored = restore(last)
+    if args.theme is not None and args.theme != settings.theme:
+        settings.theme = args.theme
+        settings_mod.save(settings, path)
+    options = AppOptions(
+        model=source.name, sampling=sp, theme=theme, restored=restored,
+        session=SessionOptions(system=args.system, cap=args.cap, policy=args.policy,
+                               mode="off" if args.no_cache else "cache"))
+    return KvChatApp(lambda: Engine(cfg, source=source), options, settings, path)

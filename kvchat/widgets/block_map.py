@@ -1,0 +1,100 @@
+"""The block map: one cell per pool block, coloured by state, with a legend, the occupancy
+and the slots wasted in this conversation's partial last block.
+
+With more blocks than cells, each cell stands for k blocks (the ratio is shown) and takes
+the most notable state among them, so a few held blocks in a huge pool stay visible.
+The work is done with bytes.translate / max over slices, which run in C: a 10^5-block
+pool costs about a millisecond per redraw.
+"""
+from __future__ import annotations
+
+from rich.text import Text
+from textual.widget import Widget
+
+from engine.telemetry import BLOCK_STATE_NAMES, CACHED, FREE, HELD, OTHER, PARTIAL, REUSED, SHARED, CacheSnapshot
+from engine.units import human_bytes
+
+NOTABLE = (FREE, CACHED, OTHER, HELD, PARTIAL, SHARED, REUSED)   # least to most
+_RANK = bytes(NOTABLE.index(c) if c in NOTABLE else 0 for c in range(256))
+_UNRANK = bytes(NOTABLE) + bytes(256 - len(NOTABLE))
+LEGEND_LABELS = {FREE: "free", HELD: "held", PARTIAL: "partial", REUSED: "reused",
+                 CACHED: "cached", SHARED: "shared", OTHER: "other chats"}
+CELL = "■"
+NBSP = "\u00a0"
+
+
+def aggregate(codes: bytes, cells: int) -> tuple[bytes, int]:
+    """Squeeze a block map into at most `cells` cells; returns (cell codes, blocks per cell)."""
+    n = len(codes)
+    if n <= cells:
+        return codes, 1
+    k = -(-n // cells)
+    ranked = codes.translate(_RANK)
+    out = bytes(max(ranked[i:i + k]) for i in range(0, n, k))
+    return out.translate(_UNRANK), k
+
+
+class BlockMap(Widget):
+    """Draws CacheSnapshot.block_map; colours come from the component classes (themes)."""
+
+    COMPONENT_CLASSES = {f"blockmap--{name}" for name in BLOCK_STATE_NAMES}
+    DEFAULT_CSS = """
+    BlockMap { height: auto; border: round $primary 50%; padding: 0 1; }
+    BlockMap > .blockmap--free { color: $foreground 25%; }
+    BlockMap > .blockmap--held { color: $success; }
+    BlockMap > .blockmap--partial { color: $warning; }
+    BlockMap > .blockmap--reused { color: $accent; }
+    BlockMap > .blockmap--cached { color: $secondary; }
+    BlockMap > .blockmap--shared { color: $primary; }
+    BlockMap > .blockmap--other { color: $foreground 60%; }
+    """
+    MAX_ROWS = 10
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.border_title = "blocks"
+        self.snapshot: CacheSnapshot | None = None
+        self.ratio = 1
+
+    def show(self, snapshot: CacheSnapshot) -> None:
+        old = self.snapshot
+        self.snapshot = snapshot
+        if old is None or old.block_map != snapshot.block_map or old.wasted_slots != snapshot.wasted_slots:
+            self.refresh(layout=True)
+
+    def on_resize(self) -> None:
+        self.refresh(layout=True)
+
+    def _style(self, code: int):
+        return self.get_component_rich_style(f"blockmap--{BLOCK_STATE_NAMES[code]}")
+
+    def render(self) -> Text:
+        s = self.snapshot
+        if s is None:
+            return Text("no pool yet", style="dim")
+        width = max(self.content_region.width or self.size.width, 8)
+        cells, self.ratio = aggregate(s.block_map, width * self.MAX_ROWS)
+        out = Text()
+        for row in range(0, len(cells), width):
+            line = cells[row:row + width]
+            i = 0
+            while i < len(line):     # one span per run of equal cells
+                j = i
+                while j < len(line) and line[j] == line[i]:
+                    j += 1
+                out.append(CELL * (j - i), self._style(line[i]))
+                i = j
+            out.append("\n")
+        legend = Text()
+        for code, label in LEGEND_LABELS.items():
+            count = s.block_map.count(code)
+            if count or code in (FREE, HELD, PARTIAL, REUSED, CACHED):
+                legend.append(CELL, self._style(code))
+                legend.append(f"{NBSP}{label.replace(' ', NBSP)}{NBSP}{count:,}  ")   # wrap between entries only
+        out.append_text(legend)
+        out.append("\n")
+        ratio = "1 cell = 1 block" if self.ratio == 1 else f"1 cell = {self.ratio:,} blocks"
+        out.append(f"occupancy {100 * s.occupancy:.1f}% · {ratio} of {s.block_size} tokens\n", style="dim")
+        out.append(f"wasted {s.wasted_slots} slots in the partial block "
+                   f"({human_bytes(s.wasted_slots * s.bytes_per_token)})", style="dim")
+        return out

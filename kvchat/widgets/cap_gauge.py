@@ -1,0 +1,63 @@
+"""The context-cap gauge: tokens held against the cap, and the policy in force."""
+from __future__ import annotations
+
+from rich.text import Text
+from textual.widget import Widget
+
+GAUGE_NEAR = 0.8
+
+
+class CapGauge(Widget):
+    """`show(tokens, cap, policy, description, max_position)`; colours from component classes."""
+
+    COMPONENT_CLASSES = {"capgauge--ok", "capgauge--near", "capgauge--over", "capgauge--empty"}
+    DEFAULT_CSS = """
+    CapGauge { height: auto; border: round $primary 50%; padding: 0 1; }
+    CapGauge > .capgauge--ok { color: $success; }
+    CapGauge > .capgauge--near { color: $warning; }
+    CapGauge > .capgauge--over { color: $error; }
+    CapGauge > .capgauge--empty { color: $foreground 20%; }
+    """
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.border_title = "context cap"
+        self.tokens = 0
+        self.cap: int | None = None
+        self.policy = "stop"
+        self.description = ""
+        self.max_position = 0
+
+    def show(self, tokens: int, cap: int | None, policy: str, description: str = "", max_position: int = 0) -> None:
+        state = (tokens, cap, policy, description, max_position)
+        if state != (self.tokens, self.cap, self.policy, self.description, self.max_position):
+            self.tokens, self.cap, self.policy, self.description, self.max_position = state
+            self.refresh(layout=True)
+
+    @property
+    def fraction(self) -> float:
+        limit = self.cap or self.max_position
+        return self.tokens / limit if limit else 0.0
+
+    def render(self) -> Text:
+        limit = self.cap or self.max_position
+        frac = self.fraction
+        level = "over" if frac >= 1 else "near" if frac >= GAUGE_NEAR else "ok"
+        width = max((self.content_region.width or 30) - 8, 8)
+        filled = min(width, round(width * frac))
+        out = Text()
+        if self.cap is not None:
+            out.append(f"{self.tokens:,} / {self.cap:,} tokens")
+        else:
+            out.append(f"{self.tokens:,} tokens · no cap")
+            if self.max_position:
+                out.append(f" (model max {self.max_position:,})", style="dim")
+        out.append("\n")
+        out.append("█" * filled, self.get_component_rich_style(f"capgauge--{level}"))
+        out.append("░" * (width - filled), self.get_component_rich_style("capgauge--empty"))
+        out.append(f" {100 * frac:3.0f}%" if limit else "")
+        out.append("\npolicy ")
+        out.append(self.policy, style="bold")
+        if self.description:
+            out.append(f": {self.description}", style="dim")
+        return out

@@ -1,0 +1,142 @@
+"""The latency panel: per-token decode latency against context position (a plotext chart)
+with the fitted growth in ms per 1k tokens, and per turn the TTFT and how much of the
+prompt was reused from the cache versus computed."""
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+from textual.app import ComposeResult
+from textual.containers import Vertical
+from textual.widgets import Static
+from textual_plotext import PlotextPlot
+
+MAX_PLOTTED = 600      # points drawn; the fit uses all of them
+TURNS_SHOWN = 4
+
+
+def fit_slope(points: list[tuple[int, float]]) -> float | None:
+    """Least-squares slope in ms per 1,000 positions, or None without enough spread."""
+    n = len(points)
+    if n < 3:
+        return None
+    mx = sum(p for p, _ in points) / n
+    my = sum(m for _, m in points) / n
+    sxx = sum((p - mx) ** 2 for p, _ in points)
+    if sxx == 0:
+        return None
+    sxy = sum((p - mx) * (m - my) for p, m in points)
+    return 1000.0 * sxy / sxx
+
+
+class LatencyPanel(Vertical):
+    """Holds the conversation's points by cache mode; `add_points` during a turn,
+    `end_turn` replaces that turn's live points with the exact ones from TurnStats."""
+
+    DEFAULT_CSS = """
+    LatencyPanel { height: auto; border: round $primary 50%; padding: 0 1; }
+    LatencyPanel > PlotextPlot { height: 11; }
+    LatencyPanel > #latency-turns { height: auto; }
+    """
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.border_title = "latency"
+        self.points: dict[str, list[tuple[int, float]]] = {"cache": [], "off": []}
+        self.turns: list[dict[str, Any]] = []
+        self._live: list[tuple[int, float]] = []
+        self._live_mode = "cache"
+
+    def compose(self) -> ComposeResult:
+        yield PlotextPlot(id="latency-plot")
+        yield Static(id="latency-turns")
+
+    def on_mount(self) -> None:
+        self._redraw()
+
+    @property
+    def point_count(self) -> int:
+        return sum(len(v) for v in self.points.values())
+
+    def slope(self, mode: str = "cache") -> float | None:
+        return fit_slope(self.points[mode])
+
+    def clear(self) -> None:
+        self.points = {"cache": [], "off": []}
+        self.turns = []
+        self._live = []
+        self._redraw()
+
+    def begin_turn(self, mode: str) -> None:
+        self._live = []
+        self._live_mode = mode if mode in self.points else "cache"
+
+    def add_points(self, points: tuple[tuple[int, float], ...]) -> None:
+        if points:
+            self._live.extend(points)
+            self.points[self._live_mode].extend(points)
+            self._redraw(table=False)
+
+    def end_turn(self, summary: dict[str, Any] | None) -> None:
+        """Swap the live points for the turn's exact (position, ms) pairs."""
+        series = self.points[self._live_mode]
+        del series[len(series) - len(self._live):]
+        self._live = []
+        if summary is not None:
+            self.add_turn(summary, redraw=False)
+        self._redraw()
+
+    def add_turn(self, summary: dict[str, Any], redraw: bool = True) -> None:
+        mode = summary.get("mode", "cache")
+        self.points.setdefault(mode, []).extend(zip(summary.get("positions", ()), summary.get("decode_ms", ())))
+        self.turns.append(summary)
+        if redraw:
+            self._redraw()
+
+    def _redraw(self, table: bool = True) -> None:
+        if not self.is_mounted:
+            return
+        plot = self.query_one(PlotextPlot)
+        plt = plot.plt
+        plt.clear_data()
+        plt.clear_figure()
+        titles = []
+        for mode, label, color in (("cache", "cache on", "cyan"), ("off", "cache off", "orange")):
+            pts = self.points[mode]
+            if not pts:
+                continue
+            step = max(1, len(pts) // MAX_PLOTTED)
+            shown = pts[::step]
+            plt.scatter([p for p, _ in shown], [m for _, m in shown], marker="dot", color=color, label=label)
+            slope = fit_slope(pts)
+            if slope is not None:
+                x0, x1 = min(p for p, _ in pts), max(p for p, _ in pts)
+                my = sum(m for _, m in pts) / len(pts)
+                mx = sum(p for p, _ in pts) / len(pts)
+                y = lambda x: my + slope / 1000.0 * (x - mx)  # noqa: E731
+                plt.plot([x0, x1], [y(x0), y(x1)], marker="braille", color="red")
+                titles.append(f"{label} {slope:+.3g} ms per 1k tokens")
+        plt.title(" · ".join(titles) if titles else "decode ms per token vs context position")
+        plt.xlabel("context position")
+        plot.refresh()
+        if table:
+            self.query_one("#latency-turns", Static).update(self._turn_table())
+
+    def _turn_table(self) -> Table | Text:
+        if not self.turns:
+            return Text("no turns yet", style="dim")
+        t = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold")
+        t.add_column("turn", justify="right")
+        t.add_column("TTFT", justify="right")
+        t.add_column("reused", justify="right", style="green")
+        t.add_column("computed", justify="right", style="yellow")
+        t.add_column("", no_wrap=True)
+        for s in self.turns[-TURNS_SHOWN:]:
+            total = max(s["prompt_tokens"], 1)
+            bar_w = 12
+            r = round(bar_w * s["reused_tokens"] / total)
+            bar = Text("█" * r, style="green") + Text("█" * (bar_w - r), style="yellow")
+            t.add_row(str(s["turn"]), f"{s['ttft_ms']:.0f} ms", f"{s['reused_tokens']:,}",
+                      f"{s['computed_tokens']:,}", bar)
+        return t

@@ -1,0 +1,42 @@
+"""Choosing the cap policy from the registered ones (engine.policy.POLICIES)."""
+from __future__ import annotations
+
+from textual.app import ComposeResult
+from textual.binding import Binding
+from textual.screen import ModalScreen
+from textual.widgets import OptionList
+from textual.widgets.option_list import Option
+
+from engine.policy import POLICIES
+
+
+class PolicyPicker(ModalScreen[str | None]):
+    """Dismisses with the chosen policy name, or None on escape."""
+
+    DEFAULT_CSS = """
+    PolicyPicker { align: center middle; }
+    PolicyPicker > OptionList { width: 72; max-width: 95%; height: auto; border: thick $primary; }
+    """
+    BINDINGS = [Binding("escape", "cancel", "cancel", priority=True)]
+
+    def __init__(self, current: str) -> None:
+        super().__init__()
+        self.current = current
+
+    def compose(self) -> ComposeResult:
+        options = [Option(f"{name}: {cls.description}", id=name) for name, cls in POLICIES.items()]
+        picker = OptionList(*options)
+        picker.border_title = "cap policy (enter to choose, escape to cancel)"
+        yield picker
+
+    def on_mount(self) -> None:
+        picker = self.query_one(OptionList)
+        names = list(POLICIES)
+        picker.highlighted = names.index(self.current) if self.current in names else 0
+        picker.focus()
+
+    def on_option_list_option_selected(self, event: OptionList.OptionSelected) -> None:
+        self.dismiss(event.option.id)
+
+    def action_cancel(self) -> None:
+        self.dismiss(None)

@@ -1,0 +1,128 @@
+"""The transcript: user messages, replies streamed as Markdown with a stats line under each,
+and one-line notices (command results and errors)."""
+from __future__ import annotations
+
+from typing import Any
+
+from rich.text import Text
+from textual.containers import Vertical, VerticalScroll
+from textual.widgets import Markdown, Static
+from textual.widgets.markdown import MarkdownStream
+
+from ..store import stats_line
+
+
+class UserMessage(Static):
+    """What the user sent, shown as typed (not as Markdown)."""
+
+    DEFAULT_CSS = "UserMessage { margin: 1 0 0 0; padding: 0 1; }"
+
+    def __init__(self, text: str) -> None:
+        super().__init__(Text(text))
+        self.text = text
+
+    def refuse(self, reason: str) -> None:
+        """The turn was refused: nothing of it entered the conversation."""
+        self.add_class("refused")
+        self.border_subtitle = "not sent"
+        self.tooltip = reason
+
+
+class Reply(Vertical):
+    """One assistant reply: Markdown that grows as tokens arrive, then a stats line."""
+
+    DEFAULT_CSS = """
+    Reply { height: auto; padding: 0 1; }
+    Reply > Markdown { margin: 0; padding: 0; }
+    Reply > .stats { color: $text-muted; }
+    """
+
+    def __init__(self, text: str = "", summary: dict[str, Any] | None = None) -> None:
+        super().__init__()
+        self.text = text
+        self.summary = summary
+        self._stream: MarkdownStream | None = None
+
+    def compose(self):
+        yield Markdown(self.text)
+        yield Static(stats_line(self.summary) if self.summary else "…", classes="stats")
+
+    @property
+    def markdown(self) -> Markdown:
+        return self.query_one(Markdown)
+
+    async def append(self, fragment: str) -> None:
+        if not fragment:
+            return
+        self.text += fragment
+        if self._stream is None:
+            self._stream = Markdown.get_stream(self.markdown)
+        await self._stream.write(fragment)
+
+    async def finish(self, summary: dict[str, Any] | None, error: str | None = None) -> None:
+        if self._stream is not None:
+            await self._stream.stop()
+            self._stream = None
+        self.summary = summary
+        stats = self.query_one(".stats", Static)
+        if error:
+            stats.update(Text(error))
+            stats.add_class("error")
+        elif summary is not None:
+            stats.update(stats_line(summary))
+            if summary.get("reply") is not None and summary["reply"] != self.text:
+                self.text = summary["reply"]   # the detokenizer's final text wins
+                await self.markdown.update(self.text)
+        else:
+            stats.update("")
+
+
+class Notice(Static):
+    """A one-line message from kvchat: a command's result, or an error (class "error")."""
+
+    DEFAULT_CSS = "Notice { padding: 0 1; color: $text-muted; } Notice.error { color: $error; }"
+
+    def __init__(self, text: str, error: bool = False) -> None:
+        super().__init__(Text(text), classes="error" if error else "")
+        self.text = text
+
+
+class Transcript(VerticalScroll):
+    """The conversation, kept scrolled to the newest line unless the user scrolls up."""
+
+    DEFAULT_CSS = "Transcript { height: 1fr; }"
+
+    def on_mount(self) -> None:
+        self.anchor()
+
+    async def add_user(self, text: str) -> UserMessage:
+        widget = UserMessage(text)
+        await self.mount(widget)
+        return widget
+
+    async def start_reply(self) -> Reply:
+        reply = Reply()
+        await self.mount(reply)
+        return reply
+
+    def add_notice(self, text: str, error: bool = False) -> Notice:
+        """Mounts without waiting: notices come from sync handlers too."""
+        notice = Notice(text, error)
+        self.mount(notice)
+        return notice
+
+    async def show_history(self, messages: list[dict[str, str]], turns: list[dict[str, Any]]) -> None:
+        """Replay a restored conversation: each reply with its stats line."""
+        by_reply = {t.get("reply"): t for t in turns}
+        widgets = []
+        for m in messages:
+            if m["role"] == "user":
+                widgets.append(UserMessage(m["content"]))
+            elif m["role"] == "assistant":
+                widgets.append(Reply(m["content"], by_reply.get(m["content"])))
+        if widgets:
+            await self.mount_all(widgets)
+
+    def last_reply(self) -> Reply | None:
+        replies = self.query(Reply)
+        return replies.last() if replies else None

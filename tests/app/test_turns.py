@@ -1,0 +1,30 @@
+"""A turn through the UI on the scripted engine: streaming, stats line, panels, stopping."""
+from __future__ import annotations
+
+from kvchat.widgets import BlockMap, CachePanel, CapGauge, LatencyPanel, Reply, UserMessage
+
+from .conftest import SIZE, make_app, ready, send, wait_until
+
+
+async def test_a_reply_streams_into_the_transcript_with_a_stats_line(fake):
+    app = make_app(fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "hello kv cache")
+        reply = app.query_one(Reply)
+        assert reply.text.startswith("Hello there!")
+        stats = str(reply.query_one(".stats").render())
+        assert "tokens · TTFT" in stats and "reused" in stats and "computed" in stats
+        assert app.query_one(UserMessage).text == "hello kv cache"
+
+
+async def test_panels_show_the_turns_bytes_blocks_and_latency(fake):
+    app = make_app(fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "hello kv cache")
+        snap = app.query_one(CachePanel).snapshot
+        assert snap.bytes_used == snap.tokens_held * fake.bytes_per_token > 0
+        assert app.query_one(BlockMap).snapshot.blocks_used == -(-snap.tokens_held // 16)
+        assert app.query_one(LatencyPanel).point_count == app.session.turns[-1]["generated_tokens"]
+        assert app.query_one(CapGauge).tokens == snap.tokens_held
