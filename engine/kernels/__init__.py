@@ -16,6 +16,6 @@ except ImportError as err:  # the engine's torch paths stand in
     raise ImportError(f"engine.kernels needs triton ({err})") from err
 
 from .cache_write import write_kv
-from .paged_decode import DecodeConfig, paged_decode
+from .decode import DecodeConfig, paged_decode
 
 __all__ = ["write_kv", "paged_decode", "DecodeConfig"]
