@@ -28,6 +28,10 @@ class Step:
     slots: torch.Tensor        # (T,) int64: flat pool slots of the new tokens
     prefix_len: int            # tokens already cached before this pass
     decode: bool               # one new token against the cache
+    # (1,) int32/int64 on the device: prefix_len + 1 for a decode step. Given, the step
+    # reads its length from the device (a CUDA graph replays it with new values); left
+    # None, forward makes it from prefix_len, and the CPU path reads that int directly.
+    context_lens: torch.Tensor | None = None
 
 
 def rope_inv_freq(geom: Geometry) -> torch.Tensor:
@@ -108,9 +112,10 @@ class Llama:
         hq, hk, d = g.n_heads, g.n_kv_heads, g.head_dim
         cos, sin = self.rope(positions, step.prefix_len + t)
         context = step.prefix_len + t
-        context_lens = None
-        if step.decode:
+        context_lens, max_context = step.context_lens, None
+        if step.decode and context_lens is None:
             context_lens = torch.tensor([context], dtype=torch.int32, device=self.device)
+            max_context = context
         x = self.embed[ids]                                               # (T, hidden)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache, k_scale, v_scale = pool.layer(i)
@@ -123,7 +128,7 @@ class Llama:
             write_kv(k_cache, v_cache, k, v, step.slots, k_scale, v_scale)
             if step.decode:
                 o = paged_decode(q, k_cache, v_cache, step.block_table[None], context_lens, self.scale,
-                                 k_scale, v_scale, max_context=context)  # (1, hq, d)
+                                 k_scale, v_scale, max_context=max_context)  # (1, hq, d)
             else:
                 o = paged_prefill(q, k_cache, v_cache, step.block_table, step.prefix_len, self.scale,
                                   k_scale, v_scale)                      # (T, hq, d)
