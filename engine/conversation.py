@@ -13,6 +13,7 @@ from collections.abc import Iterator
 import torch
 
 from .block_manager import ROOT_KEY
+from .cuda_graph import decoder_for
 from .detokenizer import Detokenizer
 from .errors import KvchatError
 from .kv_cache import blocks_for
@@ -288,6 +289,10 @@ class Conversation:
         eng = self.engine
         bs = eng.blocks.block_size
         slot = self.block_table[pos // bs] * bs + pos % bs
+        if eng.device.type == "cuda":  # static shapes, replayed from a CUDA graph
+            logits = decoder_for(eng.model, eng.pool)(token, pos, slot, self._table, pos // bs + 1)
+            self._wrote([token])
+            return logits
         step = Step(self._table, torch.tensor([slot], device=eng.device), pos, decode=True)
         logits = eng.model.forward(torch.tensor([token], device=eng.device),
                                    torch.tensor([pos], device=eng.device), step, eng.pool)
