@@ -58,7 +58,9 @@ class Op:
     conv: Callable[[], Any] | None = None       # whose snapshot to show (default: current)
 
 
-class KvChatApp(ChatActions, App[int]):
+class KvChatApp(ChatActions, App[int], inherit_bindings=False):
+    """App's own ctrl+q / ctrl+c bindings are replaced by keys.KEYS (not inherited)."""
+
     TITLE = "kvchat"
     ENABLE_COMMAND_PALETTE = False
     BINDINGS = keys.bindings()
@@ -170,7 +172,7 @@ class KvChatApp(ChatActions, App[int]):
         if not self.jobs:
             self.status("quitting" if self.quitting else "ready")
         if self.quitting and not self.jobs:
-            self.exit(0)
+            self.exit()
             return
         self._next_job()
 
@@ -179,11 +181,11 @@ class KvChatApp(ChatActions, App[int]):
         self.quitting = True
         self.jobs.clear()
         if self.busy is None:
-            self.exit(0)
+            self.exit()
             return
         self.cancel.set()
         self.status("quitting…")
-        self.set_timer(10, lambda: self.exit(0))   # a stuck job must not keep the app open
+        self.set_timer(10, lambda: self.exit())   # a stuck job must not keep the app open
 
     # ---- loading --------------------------------------------------------------------------------
     @work(thread=True, group="load", exit_on_error=False)
@@ -206,7 +208,7 @@ class KvChatApp(ChatActions, App[int]):
             self.session = ChatSession.start(self.engine, self.options.session, self.options.data_root, restored)
         except (KvchatError, OSError) as err:
             self.failure = f"cannot start the conversation: {err}"
-            self.exit(2)
+            self.exit(return_code=2)
             return
         await self.query_one("#loading").remove()
         transcript = self.query_one(Transcript)
@@ -227,7 +229,7 @@ class KvChatApp(ChatActions, App[int]):
 
     def on_engine_failed(self, msg: EngineFailed) -> None:
         self.failure = msg.error
-        self.exit(2)
+        self.exit(return_code=2)
 
     # ---- turns ----------------------------------------------------------------------------------
     def on_chat_input_submitted(self, event: ChatInput.Submitted) -> None:

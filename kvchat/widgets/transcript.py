@@ -35,6 +35,7 @@ class Reply(Vertical):
     Reply { height: auto; padding: 0 1; }
     Reply > Markdown { margin: 0; padding: 0; }
     Reply > .stats { color: $text-muted; }
+    Reply > .stats.error { color: $error; }
     """
 
     def __init__(self, text: str = "", summary: dict[str, Any] | None = None) -> None:
@@ -66,7 +67,7 @@ class Reply(Vertical):
         self.summary = summary
         stats = self.query_one(".stats", Static)
         if error:
-            stats.update(Text(error))
+            stats.update(Text(f"stopped by an error: {error}"))
             stats.add_class("error")
         elif summary is not None:
             stats.update(stats_line(summary))

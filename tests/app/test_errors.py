@@ -1,0 +1,81 @@
+"""Errors reach the user as one line and the app goes on; a load failure exits with 2."""
+from __future__ import annotations
+
+import threading
+
+from engine.errors import KvchatError, ModelLoadError
+from kvchat.widgets import Notice, Reply, UserMessage
+
+from .conftest import SIZE, make_app, ready, send, wait_until
+from .fake_engine import FakeEngine
+
+
+async def test_a_model_that_fails_to_load_exits_with_status_2_and_one_line():
+    def factory():
+        raise ModelLoadError("/models/x: no *.safetensors weights")
+    app = make_app(factory=factory)
+    async with app.run_test(size=SIZE) as pilot:
+        await wait_until(pilot, lambda: not app.is_running, what="the app to exit")
+    assert app.return_code == 2 and app.failure == "/models/x: no *.safetensors weights"
+
+
+async def test_an_engine_error_mid_turn_is_shown_under_the_reply_and_the_app_goes_on(fake):
+    app = make_app(fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        fake.fail_next = KvchatError("KV pool full: this turn needs 9 more blocks")
+        app.query_one("#input").load_text("hello")
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: app.busy is None and app.query(Reply), what="the failed turn")
+        stats = app.query_one("Reply .stats")
+        assert stats.has_class("error") and "KV pool full" in stats.render().plain
+        await send(pilot, "and again")
+        assert app.session.turns[-1]["generated_tokens"] > 0
+
+
+async def test_a_bug_in_a_turn_is_reported_with_where_the_traceback_went(fake, private_dirs):
+    app = make_app(fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        fake.fail_next = RuntimeError("boom")
+        app.query_one("#input").load_text("hello")
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: app.busy is None and app.query(Reply), what="the failed turn")
+        line = app.query_one("Reply .stats").render().plain
+        assert "internal error (RuntimeError: boom); traceback in" in line
+    assert "RuntimeError: boom" in (private_dirs / "data" / "errors.log").read_text()
+
+
+async def test_sending_while_replying_says_so_and_keeps_the_text(slow_fake):
+    app = make_app(slow_fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        app.query_one("#input").load_text("first")
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: app.busy == "reply", what="the reply to start")
+        app.query_one("#input").load_text("second")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.query(Notice).last().text.startswith("still replying")
+        assert app.query_one("#input").text == "second" and len(app.query(UserMessage)) == 1
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: app.busy is None, what="the stop")
+
+
+async def test_a_message_typed_while_the_model_loads_is_sent_once_it_is_ready():
+    loaded = threading.Event()
+    engine = FakeEngine()
+
+    def factory():
+        loaded.wait(10)
+        return engine
+    app = make_app(factory=factory)
+    async with app.run_test(size=SIZE) as pilot:
+        app.query_one("#input").load_text("early bird")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert "loading" in app.query_one("StatusBar").state
+        loaded.set()
+        await wait_until(pilot, lambda: app.session is not None and app.session.turns and app.busy is None,
+                         what="the queued turn")
+        assert app.session.conv.messages[0]["content"] == "early bird"

@@ -1,0 +1,57 @@
+"""Resizing and hiding panels; the block map's aggregation."""
+from __future__ import annotations
+
+from engine.telemetry import CACHED, FREE, HELD, PARTIAL, REUSED
+from kvchat.widgets import BlockMap
+from kvchat.widgets.block_map import aggregate
+
+from .conftest import SIZE, make_app, ready, screen_text, send, wait_until
+from .fake_engine import FakeEngine, FakeEngineConfig
+
+
+def test_aggregation_keeps_one_cell_per_block_when_they_fit():
+    codes = bytes([FREE, HELD, PARTIAL])
+    assert aggregate(codes, 10) == (codes, 1)
+
+
+def test_aggregation_groups_blocks_and_shows_the_most_notable_state_of_each_group():
+    codes = bytes([FREE] * 10 + [HELD] + [FREE] * 9 + [CACHED, REUSED] + [FREE] * 8)   # 30 blocks
+    cells, ratio = aggregate(codes, 3)
+    assert ratio == 10 and cells == bytes([FREE, HELD, REUSED])
+
+
+async def test_a_narrow_terminal_hides_the_panels_and_ctrl_b_brings_them_back(fake):
+    app = make_app(fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        panels = app.query_one("#panels")
+        assert panels.display
+        await pilot.resize_terminal(70, 30)
+        await wait_until(pilot, lambda: not panels.display, what="panels to hide")
+        await pilot.press("ctrl+b")
+        assert panels.display
+        await pilot.resize_terminal(60, 30)   # the user's choice now wins over the width
+        await pilot.pause()
+        assert panels.display
+        await send(pilot, "still chatting in a small window")
+
+
+async def test_panel_command_hides_one_panel(fake):
+    app = make_app(fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        app.query_one("#input").load_text("/panel blocks")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert not app.query_one(BlockMap).display and app.query_one("#cache-panel").display
+
+
+async def test_a_big_pool_is_drawn_aggregated_with_the_ratio_shown():
+    app = make_app(FakeEngine(FakeEngineConfig(num_blocks=5000)))
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await send(pilot, "hello")
+        await pilot.pause()
+        bm = app.query_one(BlockMap)
+        assert bm.ratio > 1 and f"1 cell = {bm.ratio} blocks" in screen_text(app)
+        assert "held 1" in screen_text(app).replace("\u00a0", " ")

@@ -1,0 +1,21 @@
+"""The whole screen after one scripted turn, compared with a committed SVG snapshot.
+
+The FakeEngine's telemetry is fixed (latencies, token counts, block map), so the picture is
+deterministic. Update after an intended change with `pytest tests/app/test_snapshot.py
+--snapshot-update` and look at the new SVG before committing it.
+"""
+from __future__ import annotations
+
+from .conftest import make_app, ready, send
+
+
+def test_the_screen_after_one_turn(snap_compare, fake):
+    app = make_app(fake, cap=256)
+
+    async def run_before(pilot) -> None:
+        await ready(pilot)
+        await send(pilot, "What does the KV cache hold?")
+        await send(pilot, "And per token?")
+        await pilot.pause()
+
+    assert snap_compare(app, terminal_size=(140, 48), run_before=run_before)
