@@ -189,7 +189,9 @@ class ChatActions:
             except CommandError as err:
                 self.notice(str(err), error=True)
                 return
-            self.send(text)
+            lines = text.splitlines()
+            preview = "\n".join(lines[:4]) + (f"\n… ({len(lines) - 4:,} more lines)" if len(lines) > 4 else "")
+            self.send(text, shown=f"/load {arg} ({len(text):,} characters)\n{preview}", typed=f"/load {arg}")
         elif name == "save":
             self.save_to(arg)
         elif name == "theme":

@@ -245,16 +245,18 @@ class KvChatApp(ChatActions, App[int], inherit_bindings=False):
         else:
             self.run_command(cmd)
 
-    def send(self, text: str) -> None:
+    def send(self, text: str, shown: str | None = None, typed: str | None = None) -> None:
+        """Send a message, shown in the transcript as `shown` (a /load preview); `typed` is
+        what goes back into the input if the turn cannot run."""
         if self.busy == "reply" or any(label == "reply" for label, _ in self.jobs):
             self.notice("still replying: press escape to stop it, then send", error=True)
-            self.query_one(ChatInput).restore(text)
+            self.query_one(ChatInput).restore(typed or text)
             return
         if self.busy == "load":
             self.notice("the model is still loading; your message will be sent when it is ready")
-        self.start_turn(text)
+        self.start_turn(text, shown, typed)
 
-    def start_turn(self, text: str | None) -> None:
+    def start_turn(self, text: str | None, shown: str | None = None, typed: str | None = None) -> None:
         """Queue a turn: text to send, or None to regenerate the last reply."""
         async def start() -> None:
             transcript = self.query_one(Transcript)
@@ -263,9 +265,9 @@ class KvChatApp(ChatActions, App[int], inherit_bindings=False):
                 if last is not None:
                     await last.remove()
             else:
-                self.user_widget = await transcript.add_user(text)
+                self.user_widget = await transcript.add_user(shown or text)
             self.reply = await transcript.start_reply()
-            self.turn_text = text
+            self.turn_text = typed or text
             self.cancel = threading.Event()
             self.query_one(LatencyPanel).begin_turn(self.session.conv.mode)
             self.status("prefilling…")

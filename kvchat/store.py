@@ -140,6 +140,10 @@ def restore(path: Path) -> Restored:
     return out
 
 
+STOP_WORDS = {None: "", "eos": "", "max_tokens": "max tokens reached", "cap": "stopped at the cap",
+              "cancelled": "stopped"}
+
+
 # ---- export -------------------------------------------------------------------------------------
 def stats_line(s: dict[str, Any]) -> str:
     """The line under a reply: tokens, TTFT, speed, prompt reuse."""
@@ -151,8 +155,9 @@ def stats_line(s: dict[str, Any]) -> str:
         line += " · cache off"
     if s.get("dropped_messages"):
         line += f" · dropped {s['dropped_messages']} old messages"
-    if s.get("stop_reason") not in (None, "eos"):
-        line += f" · {s['stop_reason'].replace('_', ' ')}"
+    reason = STOP_WORDS.get(s.get("stop_reason"), s.get("stop_reason"))
+    if reason:
+        line += f" · {reason}"
     return line
 
 

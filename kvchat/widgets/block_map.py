@@ -20,7 +20,6 @@ _UNRANK = bytes(NOTABLE) + bytes(256 - len(NOTABLE))
 LEGEND_LABELS = {FREE: "free", HELD: "held", PARTIAL: "partial", REUSED: "reused",
                  CACHED: "cached", SHARED: "shared", OTHER: "other chats"}
 CELL = "■"
-NBSP = "\u00a0"
 
 
 def aggregate(codes: bytes, cells: int) -> tuple[bytes, int]:
@@ -85,13 +84,22 @@ class BlockMap(Widget):
                 out.append(CELL * (j - i), self._style(line[i]))
                 i = j
             out.append("\n")
-        legend = Text()
+        width = max(self.content_region.width or self.size.width, 8)
+        line_len = 0
         for code, label in LEGEND_LABELS.items():
             count = s.block_map.count(code)
-            if count or code in (FREE, HELD, PARTIAL, REUSED, CACHED):
-                legend.append(CELL, self._style(code))
-                legend.append(f"{NBSP}{label.replace(' ', NBSP)}{NBSP}{count:,}  ")   # wrap between entries only
-        out.append_text(legend)
+            if not count and code not in (FREE, HELD, PARTIAL, REUSED, CACHED):
+                continue
+            entry = f" {label} {count:,}"
+            if line_len and line_len + 2 + len(entry) + 1 > width:   # wrap between entries, never inside
+                out.append("\n")
+                line_len = 0
+            elif line_len:
+                out.append("  ")
+                line_len += 2
+            out.append(CELL, self._style(code))
+            out.append(entry)
+            line_len += 1 + len(entry)
         out.append("\n")
         ratio = "1 cell = 1 block" if self.ratio == 1 else f"1 cell = {self.ratio:,} blocks"
         out.append(f"occupancy {100 * s.occupancy:.1f}% · {ratio} of {s.block_size} tokens\n", style="dim")

@@ -16,10 +16,14 @@ MAX_PLOTTED = 600      # points drawn; the fit uses all of them
 TURNS_SHOWN = 4
 
 
+MIN_FIT_POINTS = 8
+MIN_FIT_SPAN = 32       # positions; a slope fitted over fewer is noise scaled up to 1k tokens
+
+
 def fit_slope(points: list[tuple[int, float]]) -> float | None:
-    """Least-squares slope in ms per 1,000 positions, or None without enough spread."""
+    """Least-squares slope in ms per 1,000 positions, or None without enough points or spread."""
     n = len(points)
-    if n < 3:
+    if n < MIN_FIT_POINTS or max(p for p, _ in points) - min(p for p, _ in points) < MIN_FIT_SPAN:
         return None
     mx = sum(p for p, _ in points) / n
     my = sum(m for _, m in points) / n
@@ -116,8 +120,9 @@ class LatencyPanel(Vertical):
                 mx = sum(p for p, _ in pts) / len(pts)
                 y = lambda x: my + slope / 1000.0 * (x - mx)  # noqa: E731
                 plt.plot([x0, x1], [y(x0), y(x1)], marker="braille", color="red")
-                titles.append(f"{label} {slope:+.3g} ms per 1k tokens")
-        plt.title(" · ".join(titles) if titles else "decode ms per token vs context position")
+                titles.append(f"{label} {slope:+,.0f} ms" if abs(slope) >= 100 else f"{label} {slope:+.3g} ms")
+        plt.title("fitted growth per 1k tokens: " + ", ".join(titles) if titles
+                  else "decode ms per token vs context position")
         plt.xlabel("context position")
         plot.refresh()
         if table:
