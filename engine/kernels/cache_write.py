@@ -14,35 +14,7 @@ import triton.language as tl
 
 from .checks import (ACT_DTYPES, INDEX_DTYPES, check_caches, check_devices, check_dim, check_dtype,
                      check_last_dim_dense, check_scales, check_shape)
-
-FP8_MAX = 448.0
-
-
-@triton.jit
-def _round_to_e4m3(y):
-    """Round fp32 y in [-448, 448] to the nearest float8_e4m3fn value (ties to even), still
-    as fp32, so that the cast to fp8 afterwards is exact whatever rounding the cast does
-    (triton's interpreter truncates and drops the carry into the exponent).
-
-    Adding c = 1.5 * 2**23 * spacing rounds to a multiple of spacing in IEEE fp32 addition;
-    the spacing is 2**(e - 3) for |y| in [2**e, 2**(e+1)), and 2**-9 below e4m3's smallest
-    normal 2**-6."""
-    a = tl.abs(y)
-    e = (a.to(tl.int32, bitcast=True) >> 23) & 0xFF                       # biased exponent of |y|
-    c = ((tl.maximum(e, 127 - 6) + 20) << 23) | 0x400000                    # bits of 1.5 * 2**(e+20)
-    c = c.to(tl.float32, bitcast=True)
-    r = (a + c) - c
-    return tl.where(y < 0, -r, r)
-
-
-@triton.jit
-def _quantize_fp8(x):
-    """x: (BLOCK_H, D) -> (q (BLOCK_H, D) fp32 holding e4m3 values, scale (BLOCK_H,) fp32)."""
-    x = x.to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12)           # (BLOCK_H,)
-    scale = tl.math.div_rn(amax, 448.0)
-    q = tl.math.div_rn(x, scale[:, None])
-    return _round_to_e4m3(tl.minimum(tl.maximum(q, -448.0), 448.0)), scale
+from .rounding import cast, quantize_fp8
 
 
 @triton.jit
@@ -58,12 +30,12 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scal
     v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)  # (BLOCK_H, D)
     dst = slot * (HK * D) + offs_h[:, None] * D + offs_d[None, :]          # (BLOCK_H, D) flat cache offsets
     if FP8:
-        k, k_scale = _quantize_fp8(k)
-        v, v_scale = _quantize_fp8(v)
+        k, k_scale = quantize_fp8(k)
+        v, v_scale = quantize_fp8(v)
         tl.store(k_scale_ptr + slot * HK + offs_h, k_scale, mask=offs_h < HK)
         tl.store(v_scale_ptr + slot * HK + offs_h, v_scale, mask=offs_h < HK)
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_cache_ptr + dst, cast(k, k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, cast(v, v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

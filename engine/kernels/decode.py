@@ -30,6 +30,7 @@ import triton.language as tl
 
 from .checks import (ACT_DTYPES, INDEX_DTYPES, check_caches, check_devices, check_dim, check_dtype,
                      check_last_dim_dense, check_pow2, check_scales, check_shape, interpreting)
+from .rounding import cast
 
 LOG2E = 1.4426950408889634
 # Every buffer the wrapper allocates goes through this; the tests swap in a NaN-filling
@@ -142,7 +143,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_p
         if FP8:
             v_sc = tl.load(v_scale_ptr + slot * HK + kvh, mask=valid, other=0.0)  # (BLOCK_N,)
             p = p * v_sc[None, :]
-        acc = acc * alpha[:, None] + _mm(p.to(q.dtype), v.to(q.dtype), DOT)  # (BLOCK_G, D)
+        acc = acc * alpha[:, None] + _mm(cast(p, q.dtype), v.to(q.dtype), DOT)  # (BLOCK_G, D)
         m_i = m_new
 
     # An empty range (past the end of the context) leaves l_i = 0: it stores a zero output
@@ -169,7 +170,7 @@ def _merge_kernel(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, HQ: t
     o = tl.load(o_part_ptr + (row + offs_s)[:, None] * D + offs_d[None, :],
                 mask=in_range[:, None], other=0.0)                         # (BLOCK_S, D)
     out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)               # (D,)
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, out.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, cast(out, out_ptr.dtype.element_ty))
 
 
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
