@@ -1,44 +1,117 @@
-"""The CUDA decode step: one token of `Llama.forward`, captured once in a CUDA graph and
+"""The CUDA decode step: one token through the model, captured once in a CUDA graph and
 replayed with new inputs.
 
-A batch-1 decode step launches a few hundred small kernels (matmuls, norms, RoPE, the
-cache write and paged attention per layer); launched one by one from Python they cost more
-host time than the GPU needs to run them. Captured in a graph, the whole step is one launch
-(the approach of gpt-fast's `torch.compile(mode="reduce-overhead")` and vLLM's CUDA graphs).
+A batch-1 decode step launches hundreds of small kernels; launched one by one from Python
+they cost more host time than the GPU needs to run them. Captured in a graph, the whole step
+is one launch (gpt-fast's `torch.compile(mode="reduce-overhead")` and vLLM's CUDA graphs do
+the same). Inside the graph each small kernel still costs a few microseconds, so the step
+captured here (`decode_step`) is `Llama.forward` for one token with its norms, rotations and
+activation fused (`engine/kernels/fused.py`): about 10 kernels per layer instead of about 35.
+`decode_step` with `TorchOps` is the same step in plain torch, operation for operation the
+arithmetic of `Llama.forward`, and the reference the fused kernels are tested against.
 
 A graph replays fixed addresses with fixed shapes, so everything a step varies lives in
-static device buffers that are refilled before each replay: the token, its position, its
-slot, the context length, and the block table. Nothing inside the step reads a value back to
-the host: the attention kernels take the context length from the device and their grid does
-not depend on it (see `engine/kernels/paged_decode.py`). The RoPE table is extended before
-capture, since the graph keeps reading the table it was captured with.
+static device buffers refilled before each replay: the token, its position, its slot, the
+context length, and the block table. Nothing inside the step reads a value back to the host:
+the attention kernels take the context length from the device and their grid does not depend
+on it (see `engine/kernels/decode.py`). The RoPE table is extended before capture, since the
+graph keeps reading the table it was captured with.
 
-On CPU (or with use_graph=False) the same buffers drive an eager forward, which is how the
-tests exercise this file without a GPU.
+On CPU (or with use_graph=False) the same buffers drive an eager step, which is how the tests
+exercise this file without a GPU.
 """
 from __future__ import annotations
 
+import warnings
 import weakref
 
 import torch
+import torch.nn.functional as F
 
+from . import attention
+from .attention import paged_decode, write_kv_ref
 from .kv_cache import KVPool
-from .model import Llama, Step
+from .model import Llama, Step, apply_rope, rms_norm
 
 ROPE_MARGIN = 4096  # positions added beyond the one asked for when the RoPE table must grow
+
+
+class TorchOps:
+    """The fused kernels' references: the torch operations `Llama.forward` performs."""
+
+    @staticmethod
+    def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor,
+                     eps: float) -> torch.Tensor:
+        """x: (T, H), set to x + residual in place; returns RMSNorm(x) * weight."""
+        if residual is not None:
+            x.copy_(x + residual)
+        return rms_norm(x, weight, eps)
+
+    @staticmethod
+    def rope_write(qkv, cos, sin, positions, k_cache, v_cache, slots, k_scale, v_scale, n_heads: int) -> torch.Tensor:
+        """qkv: (T, (hq + 2 hk) * d); cos, sin: (max_pos, 1, d). Writes RoPE(k), v to slots;
+        returns RoPE(q) (T, hq, d)."""
+        t = qkv.shape[0]
+        hk, d = k_cache.shape[2], k_cache.shape[3]
+        q, k, v = qkv.split((n_heads * d, hk * d, hk * d), dim=-1)
+        c, s = cos[positions].view(t, 1, d), sin[positions].view(t, 1, d)     # (T, 1, d)
+        q = apply_rope(q.view(t, n_heads, d), c, s)                            # (T, hq, d)
+        k = apply_rope(k.view(t, hk, d), c, s)                                 # (T, hk, d)
+        write_kv_ref(k_cache, v_cache, k, v.view(t, hk, d), slots, k_scale, v_scale)
+        return q
+
+    @staticmethod
+    def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)                                    # (T, inter) each
+        return F.silu(gate) * up
+
+
+def ops_for(t: torch.Tensor):
+    """The fused Triton kernels where attention would use Triton for t, else TorchOps."""
+    return attention._kernels() if attention._use_triton(t) else TorchOps
+
+
+@torch.inference_mode()
+def decode_step(model: Llama, pool: KVPool, ids: torch.Tensor, positions: torch.Tensor, step: Step,
+                ops=None) -> torch.Tensor:
+    """One decode token, the arithmetic of `Llama.forward` with fused elementwise work.
+    ids, positions: (1,); step.context_lens: (1,) on the device; the RoPE table must cover
+    positions. Returns logits (1, vocab) fp32."""
+    ops = ops or ops_for(ids)
+    g = model.geom
+    hq, d = g.n_heads, g.head_dim
+    layers = model.layers
+    x = model.embed[ids]                                                       # (1, hidden) residual stream
+    h = ops.add_rms_norm(x, None, layers[0].attn_norm, g.norm_eps)
+    for i, layer in enumerate(layers):
+        k_cache, v_cache, k_scale, v_scale = pool.layer(i)
+        q = ops.rope_write(h @ layer.wqkv.T, model._cos, model._sin, positions, k_cache, v_cache,
+                           step.slots, k_scale, v_scale, hq)                    # (1, hq, d)
+        o = paged_decode(q, k_cache, v_cache, step.block_table[None], step.context_lens, model.scale,
+                         k_scale, v_scale)                                      # (1, hq, d)
+        h = ops.add_rms_norm(x, o.reshape(1, hq * d) @ layer.wo.T, layer.mlp_norm, g.norm_eps)
+        after = layers[i + 1].attn_norm if i + 1 < len(layers) else model.norm
+        h = ops.add_rms_norm(x, ops.silu_mul(h @ layer.w_gate_up.T) @ layer.w_down.T, after, g.norm_eps)
+    return (h @ model.lm_head.T).float()                                       # (1, vocab)
 
 
 class GraphDecoder:
     """Decode steps of one model over one pool, replayed from a CUDA graph.
 
+    fused=True captures `decode_step`; fused=False captures `Llama.forward` itself. If the
+    fused step fails to run (a kernel that does not compile on this GPU, say), the decoder
+    warns and captures `Llama.forward` instead; `fallback` keeps the reason.
+
     Holds only weak references to the model and the pool, so an engine that rebuilds its
     pool frees the old one at once; `decoder_for` then makes a new decoder."""
 
-    def __init__(self, model: Llama, pool: KVPool, use_graph: bool | None = None) -> None:
+    def __init__(self, model: Llama, pool: KVPool, use_graph: bool | None = None, fused: bool = True) -> None:
         self._model = weakref.ref(model)
         self._pool = weakref.ref(pool)
         dev = model.device
         self.use_graph = dev.type == "cuda" if use_graph is None else use_graph
+        self.fused = fused
+        self.fallback: str | None = None
         self.inputs = torch.zeros(4, dtype=torch.int64, device=dev)  # token, position, slot, context length
         self._staging = torch.zeros(4, dtype=torch.int64, pin_memory=dev.type == "cuda")  # host side of inputs
         self._host = self._staging.numpy()
@@ -78,7 +151,10 @@ class GraphDecoder:
         return self.logits[0].clone()  # the next replay overwrites the buffer
 
     def _forward(self, model: Llama, pool: KVPool) -> torch.Tensor:
-        return model.forward(self.inputs[0:1], self.inputs[1:2], self.step, pool)  # (1, vocab)
+        ids, positions = self.inputs[0:1], self.inputs[1:2]
+        if self.fused:
+            return decode_step(model, pool, ids, positions, self.step)        # (1, vocab)
+        return model.forward(ids, positions, self.step, pool)                  # (1, vocab)
 
     def _capture(self, model: Llama, pool: KVPool) -> None:
         # Every position the pool can hold, up to the model's trained context, so that a
@@ -93,7 +169,16 @@ class GraphDecoder:
         side = torch.cuda.Stream(device=model.device)
         side.wait_stream(torch.cuda.current_stream(model.device))
         with torch.cuda.stream(side):
-            self._forward(model, pool)
+            try:
+                self._forward(model, pool)
+            except Exception as err:  # noqa: BLE001  (any kernel failure: fall back, loudly)
+                if not self.fused:
+                    raise
+                self.fused = False
+                self.fallback = f"{type(err).__name__}: {err}"
+                warnings.warn(f"fused CUDA decode step failed ({self.fallback}); capturing Llama.forward instead",
+                              RuntimeWarning, stacklevel=3)
+                self._forward(model, pool)
         torch.cuda.current_stream(model.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
