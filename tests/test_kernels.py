@@ -7,7 +7,9 @@ the context shows), and every buffer the decode wrapper allocates is NaN-filled 
 element left unwritten shows). Tolerances, on outputs compared in fp32:
   fp32 1e-5; fp16 2e-3; bf16 and fp8-with-bf16-queries 1.6e-2 relative + 1e-2 absolute
 (the kernel rounds the probabilities to q's dtype for the second matmul, as FlashAttention
-does; the reference keeps them in fp32). Cache writes must match bit for bit.
+does; the reference keeps them in fp32). Cache writes must match bit for bit, RoPE too (it
+rounds where torch rounds); RMSNorm and silu within torch's default tolerance for the dtype
+(their reductions and exp run in another order or precision).
 """
 from __future__ import annotations
 
@@ -17,7 +19,8 @@ import pytest
 import torch
 
 from engine import attention as A
-from engine.kernels import DecodeConfig, paged_decode, write_kv
+from engine.cuda_graph import TorchOps
+from engine.kernels import DecodeConfig, add_rms_norm, paged_decode, rope_write, silu_mul, write_kv
 from engine.kernels import checks
 from engine.kernels import decode as pd
 
@@ -185,6 +188,83 @@ def test_write_kv_matches_reference_and_touches_nothing_else(hk, d, bs, tokens, 
     for g, w in zip(got, want):
         if w is not None:
             assert torch.equal(bits(g), bits(w))
+
+
+# ---- the decode step's fused kernels ---------------------------------------------------------
+@pytest.mark.parametrize("dtype,hidden,tokens,residual", [
+    (torch.bfloat16, 256, 1, True), (torch.bfloat16, 576, 3, False), (torch.float32, 576, 2, True),
+    (torch.float16, 128, 1, True),
+], ids=lambda p: str(p).replace("torch.", ""))
+def test_add_rms_norm_matches_torch_ops(dtype, hidden, tokens, residual):
+    gen = torch.Generator().manual_seed(hidden + tokens)
+    x = (torch.randn(tokens, hidden, generator=gen) * 3).to(dtype).to(DEVICE)
+    res = torch.randn(tokens, hidden, generator=gen).to(dtype).to(DEVICE) if residual else None
+    w = (1 + torch.randn(hidden, generator=gen) * 0.1).to(dtype).to(DEVICE)
+    x_ref = x.clone()
+    want = TorchOps.add_rms_norm(x_ref, res, w, 1e-5)
+    got = add_rms_norm(x, res, w, 1e-5)
+    assert torch.equal(bits(x), bits(x_ref))        # the residual add, in place, bit for bit
+    torch.testing.assert_close(got, want)
+
+
+@pytest.mark.parametrize("hq,hk,d,dtype,cache", [
+    (8, 2, 64, torch.bfloat16, torch.bfloat16), (32, 8, 128, torch.bfloat16, torch.bfloat16),
+    (9, 3, 64, torch.float32, torch.float32), (4, 4, 128, torch.float16, torch.float16),
+    (8, 2, 128, torch.bfloat16, FP8), (6, 3, 64, torch.float32, FP8),
+], ids=lambda p: str(p).replace("torch.", ""))
+def test_rope_write_matches_torch_ops_bit_for_bit(hq, hk, d, dtype, cache):
+    gen = torch.Generator().manual_seed(hq * d)
+    tokens, nb, bs, max_pos = 3, 6, 16, 5000
+    qkv = (torch.randn(tokens, (hq + 2 * hk) * d, generator=gen) * 2).to(dtype).to(DEVICE)
+    angles = torch.rand(max_pos, 1, d // 2, generator=gen) * 6.3
+    cos = torch.cat((angles.cos(), angles.cos()), -1).to(dtype).to(DEVICE)   # (max_pos, 1, d), as Llama's
+    sin = torch.cat((angles.sin(), angles.sin()), -1).to(dtype).to(DEVICE)
+    positions = torch.randint(0, max_pos, (tokens,), generator=gen).to(DEVICE)
+    slots = torch.randperm(nb * bs, generator=gen)[:tokens].to(DEVICE)
+
+    def fresh():
+        caches = [torch.full((nb, bs, hk, d), float("nan"), device=DEVICE).to(cache) for _ in range(2)]
+        scales = [torch.full((nb, bs, hk), float("nan"), device=DEVICE) for _ in range(2)] if cache == FP8 else [None, None]
+        return caches + scales
+
+    got, want = fresh(), fresh()
+    q_got = rope_write(qkv, cos, sin, positions, *got[:2], slots, *got[2:], hq)
+    q_want = TorchOps.rope_write(qkv, cos, sin, positions, *want[:2], slots, *want[2:], hq)
+    assert torch.equal(bits(q_got), bits(q_want.contiguous()))
+    for g, w in zip(got, want):
+        if w is not None:
+            assert torch.equal(bits(g), bits(w))
+
+
+@pytest.mark.parametrize("dtype,inter,tokens", [(torch.bfloat16, 1536, 1), (torch.float32, 300, 2),
+                                                 (torch.float16, 4096, 1)],
+                         ids=lambda p: str(p).replace("torch.", ""))
+def test_silu_mul_matches_torch_ops(dtype, inter, tokens):
+    gate_up = (torch.randn(tokens, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 4).to(dtype)
+    gate_up = gate_up.to(DEVICE)
+    torch.testing.assert_close(silu_mul(gate_up), TorchOps.silu_mul(gate_up))
+
+
+@pytest.mark.parametrize("call,message", [
+    (lambda: add_rms_norm(torch.randn(2, 8, 4), None, torch.ones(4), 1e-5), "x must be 2-D"),
+    (lambda: add_rms_norm(torch.randn(2, 8), None, torch.ones(4), 1e-5), "weight must have shape"),
+    (lambda: add_rms_norm(torch.randn(2, 8), torch.randn(3, 8), torch.ones(8), 1e-5), "residual must have shape"),
+    (lambda: add_rms_norm(torch.randn(2, 8), None, torch.ones(8).half(), 1e-5), "must match"),
+    (lambda: silu_mul(torch.randn(2, 7)), "even"),
+    (lambda: silu_mul(torch.randn(2, 8).to(torch.int32)), "gate_up has dtype"),
+    (lambda: rope_write(torch.randn(1, 11 * 64), torch.ones(9, 1, 64), torch.ones(9, 1, 64), torch.zeros(1).long(),
+                        torch.randn(2, 16, 2, 64), torch.randn(2, 16, 2, 64), torch.zeros(1).long(), None, None, 8),
+     "qkv must have shape"),
+    (lambda: rope_write(torch.randn(1, 12 * 64), torch.ones(9, 1, 32), torch.ones(9, 1, 64), torch.zeros(1).long(),
+                        torch.randn(2, 16, 2, 64), torch.randn(2, 16, 2, 64), torch.zeros(1).long(), None, None, 8),
+     "cos must be"),
+    (lambda: rope_write(torch.randn(1, 12 * 64), torch.ones(9, 1, 64), torch.ones(9, 1, 64), torch.zeros(1).long(),
+                        torch.randn(2, 16, 2, 64), torch.randn(2, 16, 2, 64), torch.zeros(1).long(), None, None, 7),
+     "n_heads must be"),
+])
+def test_fused_kernels_reject_bad_arguments(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
 
 
 # ---- wrapper validation -------------------------------------------------------------------

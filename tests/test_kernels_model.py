@@ -1,6 +1,7 @@
 """A tiny random-weights Llama run end to end through the Triton kernels gives the logits of
 the torch reference path: a prefill, a prefill over that cached prefix, then decode steps,
-through a real KVPool with a shuffled block table. Also the CUDA decode path's static
+through a real KVPool with a shuffled block table. Also the CUDA decode path: its fused
+step (`decode_step`), which in torch form must be Llama.forward bit for bit, and its static
 buffers (`GraphDecoder`), run eagerly on CPU (graph capture itself needs a GPU).
 
 Without a GPU the kernels run in triton's interpreter (tests/conftest.py); `force_triton`
@@ -13,7 +14,7 @@ import torch
 
 from engine import kernels
 from engine.attention import force_triton
-from engine.cuda_graph import GraphDecoder
+from engine.cuda_graph import GraphDecoder, TorchOps, decode_step
 from engine.geometry import Geometry
 from engine.kv_cache import KVPool, plan_pool
 from engine.model import Step
@@ -121,13 +122,33 @@ def test_tiny_llama_through_the_kernels_matches_the_reference_path(dtype, table,
         torch.testing.assert_close(g, w, **TOL[dtype], msg=lambda m, s=step: f"step {s}: {m}")
 
 
-def test_graph_decoder_buffers_give_the_reference_logits(table, ids):
+@pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp8"])
+def test_decode_step_with_torch_ops_is_llama_forward_bit_for_bit(dtype, table, ids):
+    """The fused step's torch form is the reference the fused kernels are held to: it must be
+    Llama.forward's arithmetic exactly."""
+    model = model_for(dtype)
+    want = conversation(Run(model, dtype, table), ids)
+    run = Run(model, dtype, table)
+
+    def step(token: int, pos: int) -> torch.Tensor:
+        st = Step(run.table, run.slots(pos, pos + 1), pos, decode=True,
+                  context_lens=torch.tensor([pos + 1], device=DEVICE))
+        return decode_step(model, run.pool, torch.tensor([token], device=DEVICE),
+                           torch.tensor([pos], device=DEVICE), st, ops=TorchOps)[0]
+
+    got = conversation(run, ids, decode_step=step)
+    for s, (g, w) in enumerate(zip(got, want)):
+        assert torch.equal(g, w), f"step {s}"
+
+
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-step", "llama-forward"])
+def test_graph_decoder_buffers_give_the_reference_logits(fused, table, ids):
     """The static inputs (token, position, slot, context length, block table) drive the same
     step as the plain path; on CPU the decoder runs eagerly instead of replaying a graph."""
     model = model_for("fp32")
     want = conversation(Run(model, "fp32", table), ids)
     run = Run(model, "fp32", table)
-    decoder = GraphDecoder(model, run.pool, use_graph=DEVICE.type == "cuda")
+    decoder = GraphDecoder(model, run.pool, use_graph=DEVICE.type == "cuda", fused=fused)
 
     def step(token: int, pos: int) -> torch.Tensor:
         slot = run.table_list[pos // BLOCK] * BLOCK + pos % BLOCK
