@@ -202,11 +202,17 @@ def finish(events):
 
 
 class Bench:
-    def __init__(self, cfg: BenchConfig, engine, hf, llama, threads: int) -> None:
-        self.cfg, self.engine, self.hf, self.llama, self.threads = cfg, engine, hf, llama, threads
+    """The measurement loop. Built before anything is printed, so that a history the
+    template cannot fit is refused in one line."""
+
+    def __init__(self, cfg: BenchConfig, engine) -> None:
+        self.cfg, self.engine = cfg, engine
+        self.hf = self.llama = None           # the peers, when measured
         self.base_kv = engine.kv_dtype
-        self.renderer = engine.new_conversation()   # only its render() is used
-        engine.close_conversation(self.renderer)
+        renderer = engine.new_conversation()   # only its render() is used
+        engine.close_conversation(renderer)
+        self.histories = {(ctx, run): history(renderer.render, engine.tokenizer, ctx, cfg.seed + 1000 * run + ctx)
+                          for ctx in cfg.contexts for run in range(cfg.runs)}
         self.t0 = time.perf_counter()
 
     def say(self, text: str) -> None:
@@ -256,7 +262,7 @@ class Bench:
 
     def context(self, ctx: int, run: int, steps: int, row: dict[str, Series]) -> None:
         cfg, eng = self.cfg, self.engine
-        text, ids1 = history(self.renderer.render, eng.tokenizer, ctx, cfg.seed + 1000 * run + ctx)
+        text, ids1 = self.histories[ctx, run]
         tag = f"context {ctx}, run {run + 1}/{cfg.runs}:"
         s = row.setdefault("kvchat", Series())
         ids2 = self.ours(text, steps, s, "both")
@@ -324,32 +330,36 @@ def run(args) -> int:
 
     from .cli import engine_config
     cfg = BenchConfig.from_args(args)
-    print(f"kvchat bench: loading {args.model or 'the bundled SmolLM2-135M-Instruct'} ...", file=sys.stderr, flush=True)
-    engine = Engine(engine_config(args))
+    engine = Engine(engine_config(args))  # quietly: a bad --contexts is still refused in one line
     check_fits(engine, cfg)
+    bench = Bench(cfg, engine)
     threads = torch.get_num_threads()
+    d = engine.describe()
+    print(f"kvchat bench: {d['model']} in {d['dtype']} on {d['device']}, KV {d['kv_dtype']}, {threads} thread(s); "
+          f"contexts {', '.join(map(str, cfg.contexts))} x {cfg.runs} run(s)", file=sys.stderr, flush=True)
     notes = [f"torch threads: {threads} for kvchat and transformers (one process)"]
-    hf = llama = None
     if cfg.peers:
-        hf = bench_peers.HFPeer(engine.source, engine.device, engine.dtype)
+        bench.hf = bench_peers.HFPeer(engine.source, engine.device, engine.dtype)
         n_ctx = max(cfg.contexts) + 2 * cfg.new_tokens + NEXT_TURN_MARGIN
-        llama, why = bench_peers.load_llama_cpp(engine.source, args.model, n_ctx, threads)
-        if llama is None:
+        bench.llama, why = bench_peers.load_llama_cpp(engine.source, args.model, n_ctx, threads)
+        if bench.llama is None:
             notes.append(why)
             print(f"kvchat bench: {why}", file=sys.stderr, flush=True)
         else:
-            notes.append(f"llama.cpp runs {llama.gguf.name} (its own quantized weights), {threads} threads")
+            notes.append(f"llama.cpp runs {bench.llama.gguf.name} (its own quantized weights), {threads} threads")
     else:
         notes.append("peers not measured (--no-peers)")
 
-    results = Bench(cfg, engine, hf, llama, threads).measure()
+    load0 = busy_note(notes)
+    results = bench.measure()
 
     meta = {
         "command": cfg.command(args), "model": engine.describe(), "threads": threads,
         "runs": cfg.runs, "new_tokens": cfg.new_tokens, "nocache_tokens": min(cfg.new_tokens, cfg.nocache_tokens),
         "skip_nocache_above": cfg.nocache_max, "method": METHOD, "notes": notes,
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "transformers": _version()},
-        "machine": {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count()},
+        "machine": {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+                    "load_average_before": load0, "load_average_after": _load()},
     }
     summary = bench_report.summarise(results)
     print(bench_report.markdown(results, meta, summary))
@@ -367,6 +377,23 @@ def run(args) -> int:
     except OSError as err:
         raise KvchatError(f"cannot write the bench output: {err}") from None
     return 0
+
+
+def _load() -> float | None:
+    try:
+        return round(os.getloadavg()[0], 2)
+    except OSError:
+        return None
+
+
+def busy_note(notes: list[str]) -> float | None:
+    """Other work on the CPUs skews every figure; say so where the numbers are read."""
+    load, cpus = _load(), os.cpu_count() or 1
+    if load is not None and load > 0.5 * cpus:
+        why = f"the machine was busy when the run began (1-minute load {load:.1f} on {cpus} CPUs): figures are noisy"
+        notes.append(why)
+        print(f"kvchat bench: {why}", file=sys.stderr, flush=True)
+    return load
 
 
 def _version() -> str:

@@ -10,13 +10,16 @@ import json
 import sys
 
 import pytest
+import torch
 
 from kvchat.bench_peers import LLAMA_CPP_MISSING
 from kvchat.bench_report import Series, percentile, summarise
 from kvchat.cli import main
 
+# One thread: on a shared 2-core machine, two OpenMP threads per process made this run five
+# times slower (measured: 23 s against 119 s while other test suites ran).
 TINY = ["bench", "--contexts", "32,64", "--new-tokens", "4", "--runs", "1", "--kv-budget", "64MiB",
-        "--nocache-tokens", "2"]
+        "--nocache-tokens", "2", "--threads", "1"]
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +30,14 @@ def bench_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
     json_path, png_path = out / "bench.json", out / "bench.png"
     stdout, stderr = io.StringIO(), io.StringIO()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setitem(sys.modules, "llama_cpp", None)
-        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-            code = main(TINY + ["--json", str(json_path), "--plot", str(png_path)])
+    threads = torch.get_num_threads()
+    try:
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setitem(sys.modules, "llama_cpp", None)
+            with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+                code = main(TINY + ["--json", str(json_path), "--plot", str(png_path)])
+    finally:
+        torch.set_num_threads(threads)  # --threads is process-wide; later tests keep their setting
     return {"code": code, "out": stdout.getvalue(), "err": stderr.getvalue(), "json": json_path, "png": png_path}
 
 
