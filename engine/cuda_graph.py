@@ -109,7 +109,9 @@ class GraphDecoder:
         self._model = weakref.ref(model)
         self._pool = weakref.ref(pool)
         dev = model.device
-        self.use_graph = dev.type == "cuda" if use_graph is None else use_graph
+        if use_graph is None:  # the torch paths read context lengths back to the host: no graph
+            use_graph = dev.type == "cuda" and attention._kernels() is not None
+        self.use_graph = use_graph
         self.fused = fused
         self.fallback: str | None = None
         self.inputs = torch.zeros(4, dtype=torch.int64, device=dev)  # token, position, slot, context length
