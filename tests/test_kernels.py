@@ -179,7 +179,9 @@ def test_write_kv_matches_reference_and_touches_nothing_else(hk, d, bs, tokens, 
 
     def fresh():
         caches = [torch.full((nb, bs, hk, d), float("nan"), device=DEVICE).to(dtype) for _ in range(2)]
-        scales = [torch.full((nb, bs, hk), float("nan"), device=DEVICE) for _ in range(2)] if dtype == FP8 else [None, None]
+        scales = [None, None]
+        if dtype == FP8:
+            scales = [torch.full((nb, bs, hk), float("nan"), device=DEVICE) for _ in range(2)]
         return caches + scales
 
     got, want = fresh(), fresh()
@@ -224,7 +226,9 @@ def test_rope_write_matches_torch_ops_bit_for_bit(hq, hk, d, dtype, cache):
 
     def fresh():
         caches = [torch.full((nb, bs, hk, d), float("nan"), device=DEVICE).to(cache) for _ in range(2)]
-        scales = [torch.full((nb, bs, hk), float("nan"), device=DEVICE) for _ in range(2)] if cache == FP8 else [None, None]
+        scales = [None, None]
+        if cache == FP8:
+            scales = [torch.full((nb, bs, hk), float("nan"), device=DEVICE) for _ in range(2)]
         return caches + scales
 
     got, want = fresh(), fresh()
