@@ -136,3 +136,36 @@ def test_percentiles_interpolate_between_ranks():
     assert percentile(xs, 10) == pytest.approx(1.4)
     assert percentile(xs, 90) == pytest.approx(4.6)
     assert percentile([], 50) is None
+
+
+class FakeLlama:
+    """Stands in for llama_cpp.Llama: llama-cpp-python is an optional extra that CI never
+    installs, so its adapter is checked against the calls it makes, on a recorded script."""
+    calls: list[str] = []
+
+    def __init__(self, model_path, n_ctx, n_threads, n_threads_batch, n_batch, verbose):
+        self.model_path, self.n_threads = model_path, n_threads
+
+    def reset(self):
+        self.calls.append("reset")
+
+    def generate(self, tokens, top_k, top_p, temp, reset):
+        self.calls.append(f"generate {len(tokens)} temp={temp}")
+        i = 0
+        while True:  # like llama.cpp's, the generator never ends by itself
+            i += 1
+            yield 100 + i
+
+
+def test_llama_cpp_peer_resets_then_times_each_token(monkeypatch):
+    from engine.weights import resolve
+    from kvchat.bench_peers import load_llama_cpp
+    fake = type(sys)("llama_cpp")
+    fake.Llama = FakeLlama
+    monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    FakeLlama.calls = []
+    peer, why = load_llama_cpp(resolve(None), None, n_ctx=256, threads=2)
+    assert why == "" and peer.gguf.name.endswith(".gguf") and peer.llm.n_threads == 2
+    t = peer.generate(list(range(40)), steps=3)
+    assert FakeLlama.calls == ["reset", "generate 40 temp=0.0"]
+    assert t.prompt_tokens == 40 and len(t.decode_ms) == 3 and t.ttft_ms >= 0
