@@ -93,7 +93,7 @@ class ChatActions:
         self.set_kv_dtype(order[(order.index(current) + 1) % len(order)] if current in order else order[0])
 
     def action_toggle_panels(self) -> None:
-        panels = self.query_one("#panels")
+        panels = self.part("#panels")
         panels.display = not panels.display
         self.panels_forced = True
 
@@ -169,7 +169,7 @@ class ChatActions:
         ids = ["cache-panel", "cap-gauge", "block-map", "latency-panel"] if name == "all" else [
             {"cache": "cache-panel", "cap": "cap-gauge", "blocks": "block-map", "latency": "latency-panel"}[name]]
         for wid in ids:
-            w = self.query_one(f"#{wid}")
+            w = self.part(f"#{wid}")
             w.display = not w.display
 
     # ---- commands ---------------------------------------------------------------------------

@@ -88,6 +88,7 @@ class KvChatApp(ChatActions, App[int], inherit_bindings=False):
         self.prompt_tokens = 0
         self.context_tokens = 0
         self.quitting = False
+        self.exiting = False
         self.panels_forced = False
         self.failure: str | None = None         # one line for stderr after exit
         self._load_started = time.perf_counter()
@@ -109,16 +110,16 @@ class KvChatApp(ChatActions, App[int], inherit_bindings=False):
     def on_mount(self) -> None:
         self.apply_theme(self.theme_name)
         self.set_keymap(self.settings.keys)
-        self.query_one(StatusBar).info = f"kvchat · {self.options.model}"
+        self.part(StatusBar).info = f"kvchat · {self.options.model}"
         bar = ProgressBar(total=None, show_eta=False, show_percentage=False, id="loading")
-        self.query_one(Transcript).mount(bar)
+        self.part(Transcript).mount(bar)
         self._load_timer = self.set_interval(0.1, self._loading_tick)
-        self.query_one(ChatInput).focus()
+        self.part(ChatInput).focus()
         self._load()
 
     def on_resize(self, event) -> None:
         if not self.panels_forced:
-            self.query_one("#panels").display = event.size.width >= NARROW
+            self.part("#panels").display = event.size.width >= NARROW
 
     def apply_theme(self, name: str) -> None:
         for t in self.themes.values():
@@ -126,6 +127,14 @@ class KvChatApp(ChatActions, App[int], inherit_bindings=False):
         self.add_class(self.themes[name].css_class)
         self.theme = self.themes[name].base
         self.theme_name = name
+
+    def part(self, selector):
+        """A widget of the chat screen, also while a dialog is on top of it."""
+        return self.screen_stack[0].query_one(selector)
+
+    def exit(self, *args, **kwargs) -> None:
+        self.exiting = True     # worker messages still in the queue are dropped from now on
+        super().exit(*args, **kwargs)
 
     def keymap(self) -> dict[str, str]:
         return {k.id: self.settings.keys.get(k.id, k.keys) for k in keys.KEYS}
@@ -141,17 +150,17 @@ class KvChatApp(ChatActions, App[int], inherit_bindings=False):
 
     # ---- status ---------------------------------------------------------------------------------
     def status(self, state: str) -> None:
-        self.query_one(StatusBar).state = state
+        self.part(StatusBar).state = state
 
     def update_status(self) -> None:
         e, conv = self.engine, self.session.conv
         cap = f"cap {conv.cap:,}" if conv.cap else "no cap"
-        self.query_one(StatusBar).info = (
+        self.part(StatusBar).info = (
             f"{e.source.name} · {e.device} · {e.dtype_name} · KV {e.kv_dtype} · "
             f"cache {'on' if conv.mode == 'cache' else 'off'} · {cap} · {conv.policy.name}")
 
     def notice(self, text: str, error: bool = False) -> None:
-        self.query_one(Transcript).add_notice(text, error)
+        self.part(Transcript).add_notice(text, error)
 
     def _loading_tick(self) -> None:
         self.status(f"loading {self.options.model} … {time.perf_counter() - self._load_started:.1f} s")
@@ -201,6 +210,8 @@ class KvChatApp(ChatActions, App[int], inherit_bindings=False):
             self.post_message(EngineReady(engine, time.perf_counter() - t0))
 
     async def on_engine_ready(self, msg: EngineReady) -> None:
+        if self.exiting:
+            return
         self._load_timer.stop()
         self.engine = msg.engine
         restored = self.options.restored
@@ -210,19 +221,19 @@ class KvChatApp(ChatActions, App[int], inherit_bindings=False):
             self.failure = f"cannot start the conversation: {err}"
             self.exit(return_code=2)
             return
-        await self.query_one("#loading").remove()
-        transcript = self.query_one(Transcript)
+        await self.part("#loading").remove()
+        transcript = self.part(Transcript)
         if restored is not None:
             await transcript.show_history(self.session.conv.messages, self.session.turns)
             for summary in self.session.turns:
-                self.query_one(LatencyPanel).add_turn(summary)
+                self.part(LatencyPanel).add_turn(summary)
             transcript.add_notice(f"resumed {restored.path.name}: {len(restored.turns)} turns; the cache "
                                         "is empty, so the next turn prefills the whole history")
             if restored.unanswered:
-                self.query_one(ChatInput).restore(restored.unanswered)
+                self.part(ChatInput).restore(restored.unanswered)
                 transcript.add_notice("your last message got no reply; it is back in the input")
         transcript.add_notice(f"{self.engine.source.name} loaded in {msg.seconds:.0f} s; F1 shows the keys")
-        self.query_one(CachePanel).geometry = self.engine.geometry
+        self.part(CachePanel).geometry = self.engine.geometry
         self.update_status()
         self.run_op("read the cache", lambda: None)   # first snapshot, taken off the UI thread
         self._job_done()
@@ -250,7 +261,7 @@ class KvChatApp(ChatActions, App[int], inherit_bindings=False):
         what goes back into the input if the turn cannot run."""
         if self.busy == "reply" or any(label == "reply" for label, _ in self.jobs):
             self.notice("still replying: press escape to stop it, then send", error=True)
-            self.query_one(ChatInput).restore(typed or text)
+            self.part(ChatInput).restore(typed or text)
             return
         if self.busy == "load":
             self.notice("the model is still loading; your message will be sent when it is ready")
@@ -259,7 +270,7 @@ class KvChatApp(ChatActions, App[int], inherit_bindings=False):
     def start_turn(self, text: str | None, shown: str | None = None, typed: str | None = None) -> None:
         """Queue a turn: text to send, or None to regenerate the last reply."""
         async def start() -> None:
-            transcript = self.query_one(Transcript)
+            transcript = self.part(Transcript)
             if text is None:
                 last = transcript.last_reply()
                 if last is not None:
@@ -269,7 +280,7 @@ class KvChatApp(ChatActions, App[int], inherit_bindings=False):
             self.reply = await transcript.start_reply()
             self.turn_text = typed or text
             self.cancel = threading.Event()
-            self.query_one(LatencyPanel).begin_turn(self.session.conv.mode)
+            self.part(LatencyPanel).begin_turn(self.session.conv.mode)
             self.status("prefilling…")
             self._turn_worker(self.session, text, self.cancel)
         self.submit("reply", start)
@@ -296,10 +307,12 @@ class KvChatApp(ChatActions, App[int], inherit_bindings=False):
         self.post_message(TurnEnded(stats, error, snapshot=snap))
 
     async def on_turn_progress(self, msg: TurnProgress) -> None:
+        if self.exiting:
+            return
         p = msg.progress
         if self.reply is not None:
             await self.reply.append(p.text)
-        self.query_one(LatencyPanel).add_points(p.points)
+        self.part(LatencyPanel).add_points(p.points)
         if p.prefill is not None:
             self.prompt_tokens = p.prefill.prompt_tokens
         self.context_tokens = self.prompt_tokens + p.generated
@@ -308,21 +321,23 @@ class KvChatApp(ChatActions, App[int], inherit_bindings=False):
         self.status(f"replying · {p.generated} tokens")
 
     async def on_turn_ended(self, msg: TurnEnded) -> None:
-        transcript = self.query_one(Transcript)
+        if self.exiting:
+            return
+        transcript = self.part(Transcript)
         if not msg.accepted:
             if self.reply is not None:
                 await self.reply.remove()
             if self.turn_text is not None:
                 self.user_widget.refuse(msg.error or "")
-                if not self.query_one(ChatInput).text:
-                    self.query_one(ChatInput).restore(self.turn_text)
+                if not self.part(ChatInput).text:
+                    self.part(ChatInput).restore(self.turn_text)
             transcript.add_notice(msg.error or "the turn was refused", error=True)
-            self.query_one(LatencyPanel).end_turn(None)
+            self.part(LatencyPanel).end_turn(None)
         else:
             summary = msg.stats.summary() if msg.stats is not None else None
             if self.reply is not None:
                 await self.reply.finish(summary, error=msg.error)
-            self.query_one(LatencyPanel).end_turn(summary)
+            self.part(LatencyPanel).end_turn(summary)
             if summary is not None:
                 self.context_tokens = summary["prompt_tokens"] + summary["generated_tokens"]
         if msg.snapshot is not None:
@@ -358,6 +373,8 @@ class KvChatApp(ChatActions, App[int], inherit_bindings=False):
             return None
 
     async def on_op_ended(self, msg: OpEnded) -> None:
+        if self.exiting:
+            return
         if msg.then is not None:
             result = msg.then()
             if hasattr(result, "__await__"):
@@ -373,22 +390,22 @@ class KvChatApp(ChatActions, App[int], inherit_bindings=False):
 
     async def switch_session(self, session: ChatSession) -> None:
         self.session = session
-        await self.query_one(Transcript).remove_children()
-        self.query_one(LatencyPanel).clear()
+        await self.part(Transcript).remove_children()
+        self.part(LatencyPanel).clear()
         self.context_tokens = 0
 
     # ---- panels -----------------------------------------------------------------------------------
     def show_snapshot(self, snap: CacheSnapshot) -> None:
         self.snapshot = snap
-        self.query_one(CachePanel).show(snap, self.engine.geometry)
-        self.query_one(BlockMap).show(snap)
+        self.part(CachePanel).show(snap, self.engine.geometry)
+        self.part(BlockMap).show(snap)
         self.update_gauge()
 
     def update_gauge(self) -> None:
         conv = self.session.conv
         held = self.snapshot.tokens_held if self.snapshot is not None else 0
         tokens = held if conv.mode == "cache" else self.context_tokens
-        self.query_one(CapGauge).show(tokens, conv.cap, conv.policy.name, conv.policy.description,
+        self.part(CapGauge).show(tokens, conv.cap, conv.policy.name, conv.policy.description,
                                       self.engine.geometry.max_position)
 
 

@@ -78,11 +78,11 @@ async def ready(pilot) -> None:
                      and pilot.app.snapshot is not None, what="the engine to load")
 
 
-async def send(pilot, text: str) -> None:
+async def send(pilot, text: str, timeout: float = 60.0) -> None:
     """Type text and Enter, then wait for the reply to finish."""
     app = pilot.app
     n = len(app.session.turns) if app.session else 0
     app.query_one("#input").load_text(text)
     await pilot.press("enter")
     await wait_until(pilot, lambda: app.session is not None and len(app.session.turns) > n and app.busy is None,
-                     what=f"the reply to {text!r}")
+                     timeout=timeout, what=f"the reply to {text!r}")

@@ -28,3 +28,19 @@ async def test_panels_show_the_turns_bytes_blocks_and_latency(fake):
         assert app.query_one(BlockMap).snapshot.blocks_used == -(-snap.tokens_held // 16)
         assert app.query_one(LatencyPanel).point_count == app.session.turns[-1]["generated_tokens"]
         assert app.query_one(CapGauge).tokens == snap.tokens_held
+
+
+async def test_a_reply_keeps_streaming_while_the_help_screen_is_open(slow_fake):
+    app = make_app(slow_fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        app.query_one("#input").load_text("go on")
+        await pilot.press("enter")
+        await pilot.press("f1")
+        n = len(app.screen_stack[0].query_one(Reply).text)
+        await wait_until(pilot, lambda: len(app.screen_stack[0].query_one(Reply).text) > n + 20, what="more text")
+        await pilot.press("escape")            # closes help; the reply goes on
+        assert app.busy == "reply"
+        await pilot.press("escape")            # stops the reply
+        await wait_until(pilot, lambda: app.busy is None, what="the stop")
+        assert app.session.turns[-1]["stop_reason"] == "cancelled"
