@@ -107,7 +107,7 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_p
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     ctx = tl.load(lens_ptr + b).to(tl.int32)
-    per_split = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N) * BLOCK_N   # whole tiles per range
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N), 1) * BLOCK_N  # whole tiles per range
     start = split * per_split
     end = tl.minimum(start + per_split, ctx)
 
@@ -157,19 +157,32 @@ def _decode_split_kernel(q_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scale_p
 
 
 @triton.jit
-def _merge_kernel(o_part_ptr, lse_part_ptr, out_ptr, stride_ob, stride_oh, HQ: tl.constexpr,
-                  D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_S: tl.constexpr):
+def _merge_kernel(o_part_ptr, lse_part_ptr, lens_ptr, out_ptr, stride_ob, stride_oh, HQ: tl.constexpr,
+                  D: tl.constexpr, NUM_SPLITS: tl.constexpr, BLOCK_N: tl.constexpr, CHUNK: tl.constexpr):
+    """out = sum_s exp2(lse_s - m) o_s / sum_s exp2(lse_s - m) over the ranges that hold rows,
+    CHUNK ranges at a time (registers stay bounded however many splits there are)."""
     b = tl.program_id(0)
     h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
+    ctx = tl.load(lens_ptr + b).to(tl.int32)
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_N), 1) * BLOCK_N  # as the split kernel does
+    used = tl.cdiv(ctx, per_split)                                         # ranges holding rows
+    offs_c = tl.arange(0, CHUNK)
     offs_d = tl.arange(0, D)
-    in_range = offs_s < NUM_SPLITS
     row = (b * HQ + h).to(tl.int64) * NUM_SPLITS
-    lse = tl.load(lse_part_ptr + row + offs_s, mask=in_range, other=float("-inf"))  # (BLOCK_S,)
-    w = tl.exp2(lse - tl.max(lse, axis=0))                                 # (BLOCK_S,) 0 for empty ranges
-    o = tl.load(o_part_ptr + (row + offs_s)[:, None] * D + offs_d[None, :],
-                mask=in_range[:, None], other=0.0)                         # (BLOCK_S, D)
-    out = tl.sum(o * w[:, None], axis=0) / tl.sum(w, axis=0)               # (D,)
+    m = tl.full((CHUNK,), float("-inf"), tl.float32)
+    for s0 in range(0, used, CHUNK):
+        m = tl.maximum(m, tl.load(lse_part_ptr + row + s0 + offs_c, mask=s0 + offs_c < used, other=float("-inf")))
+    m_all = tl.max(m, axis=0)
+    acc = tl.zeros((D,), tl.float32)
+    denom = tl.zeros((CHUNK,), tl.float32)
+    for s0 in range(0, used, CHUNK):
+        in_range = s0 + offs_c < used
+        w = tl.exp2(tl.load(lse_part_ptr + row + s0 + offs_c, mask=in_range, other=float("-inf")) - m_all)
+        o = tl.load(o_part_ptr + (row + s0 + offs_c)[:, None] * D + offs_d[None, :],
+                    mask=in_range[:, None], other=0.0)                     # (CHUNK, D)
+        acc += tl.sum(o * w[:, None], axis=0)
+        denom += w
+    out = acc / tl.sum(denom, axis=0)                                      # (D,)
     tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, cast(out, out_ptr.dtype.element_ty))
 
 
@@ -230,8 +243,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         q.stride(0), q.stride(1), block_tables.stride(0),
         HK=hk, G=g, BLOCK_G=max(16, triton.next_power_of_2(g)), D=d, PAGE=page, BLOCK_N=cfg.block_n,
         NUM_SPLITS=splits, FP8=fp8, DOT=dot.value, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _merge_kernel[(b, hq)](o_part, lse_part, out, out.stride(0), out.stride(1), HQ=hq, D=d,
-                           NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits), num_warps=1)
+    _merge_kernel[(b, hq)](o_part, lse_part, context_lens, out, out.stride(0), out.stride(1), HQ=hq, D=d,
+                           NUM_SPLITS=splits, BLOCK_N=cfg.block_n, CHUNK=16, num_warps=2)
     return out
 
 
