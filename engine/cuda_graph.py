@@ -128,9 +128,11 @@ class GraphDecoder:
     def serves(self, model: Llama, pool: KVPool) -> bool:
         return self._model() is model and self._pool() is pool
 
-    def __call__(self, token: int, pos: int, slot: int, block_table: torch.Tensor, n_blocks: int) -> torch.Tensor:
-        """Logits (vocab,) fp32 of `token` at position `pos`, whose K/V go to flat `slot`;
-        block_table: (>= n_blocks,) int32 on the device, its first n_blocks entries in use."""
+    def __call__(self, token: int, pos: int, slot: int, block_table: torch.Tensor, n_blocks: int,
+                 context_len: int | None = None) -> torch.Tensor:
+        """Logits (vocab,) fp32 of `token` at RoPE position `pos`, whose K/V go to flat `slot`;
+        block_table: (>= n_blocks,) int32 on the device, its first n_blocks entries in use;
+        context_len: cached rows to attend to, this one included (pos + 1 unless given)."""
         model, pool = self._model(), self._pool()
         if model is None or pool is None:
             raise RuntimeError("GraphDecoder: its model or pool is gone; make a new one with decoder_for")
@@ -140,7 +142,7 @@ class GraphDecoder:
             self.graph = None  # captured with a table too short for this position
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copy out of the staging buffer is done
-        self._host[:] = (token, pos, slot, pos + 1)
+        self._host[:] = (token, pos, slot, pos + 1 if context_len is None else context_len)
         self.inputs.copy_(self._staging, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
