@@ -20,6 +20,7 @@ from .kv_cache import blocks_for
 from .model import Step
 from .policy import make_policy
 from .sampler import Sampler, SamplingParams
+from .streaming import DEFAULT_SINK_TOKENS, evict_middle, sink_blocks
 from .telemetry import PrefillEvent, TokenEvent, TurnStats
 
 PREFILL_CHUNK = 2048
@@ -33,7 +34,12 @@ class Conversation:
         self.messages: list[dict[str, str]] = []
         if system_prompt:
             self.messages.append({"role": "system", "content": system_prompt})
-        self.tokens: list[int] = []        # tokens whose K/V this conversation's blocks hold
+        self.tokens: list[int] = []        # tokens whose K/V this conversation's blocks hold, in cache order
+        self.logical: list[int] = []       # every token fed since the cache was last empty, in text order
+                                           # (equal to tokens unless sink-window evicted some)
+        self.sink_tokens = DEFAULT_SINK_TOKENS
+        self.evicted_tokens = 0            # by sink-window, since start
+        self._private = False              # blocks unshared and unindexed (sink-window rewrites keys)
         self.block_table: list[int] = []
         self.block_keys: list[int] = []    # keys of the indexed full blocks, in order
         self.reused_blocks = 0             # leading blocks that came from the prefix index this turn
@@ -54,10 +60,25 @@ class Conversation:
     def set_cap(self, cap: int | None) -> None:
         if cap is not None and (not isinstance(cap, int) or cap <= 0):
             raise KvchatError(f"cap must be a positive number of tokens, got {cap!r}")
+        if cap is not None and getattr(self, "policy", None) is not None and self.policy.streaming:
+            self._check_window(cap)
         self.cap = cap
 
     def set_policy(self, name: str) -> None:
-        self.policy = make_policy(name)
+        policy = make_policy(name)
+        if policy.streaming and self.cap is not None:
+            self._check_window(self.cap)
+        with self.engine.lock:
+            if self._private and not policy.streaming:
+                self.drop_cache()  # shifted windows are no text's prefix: recompute, then index again
+            self.policy = policy
+
+    def _check_window(self, cap: int) -> None:
+        bs = self.engine.spec.block_size
+        least = (sink_blocks(self.sink_tokens, bs) + 2) * bs
+        if cap < least:
+            raise KvchatError(f"sink-window needs a cap of at least {least} tokens (sink blocks plus two "
+                              f"blocks of {bs}), got {cap}")
 
     def set_mode(self, mode: str) -> None:
         if mode not in MODES:
@@ -81,8 +102,9 @@ class Conversation:
                 self.engine.blocks.release(self.block_table)
             else:
                 self.engine.blocks.forget(self.block_table)
-            self.block_table, self.block_keys, self.tokens = [], [], []
+            self.block_table, self.block_keys, self.tokens, self.logical = [], [], [], []
             self.reused_blocks = 0
+            self._private = False
             if self.engine.pool.data.shape[2] != self._table.shape[0]:
                 self._table = torch.zeros(self._max_blocks(), dtype=torch.int32, device=self.engine.device)
             return n
@@ -161,7 +183,11 @@ class Conversation:
             recomputed = self.preempted_pending
             self.preempted_pending = 0
             preempted = 0
-            if self.mode == "cache":
+            evicted0 = self.evicted_tokens
+            if self.mode == "cache" and self.streaming:
+                reused, preempted = self._claim_streaming(ids)
+                logits = self._prefill_streaming(ids[reused:])
+            elif self.mode == "cache":
                 preempted = self._claim(ids)
                 reused = len(self.tokens)
                 logits = self._prefill(ids[reused:], reused)
@@ -194,7 +220,7 @@ class Conversation:
                     if i == sp.max_tokens - 1:
                         yield TokenEvent(delta, token, pos, decode_ms[-1] if decode_ms else ttft_ms)
                         break
-                    if self.cap is not None and len(seq) >= self.cap:
+                    if self.cap is not None and not self.streaming and len(seq) >= self.cap:
                         stop_reason = "cap"
                         yield TokenEvent(delta, token, pos, decode_ms[-1] if decode_ms else ttft_ms)
                         break
@@ -204,8 +230,11 @@ class Conversation:
                         break
                     ts = time.perf_counter()
                     if self.mode == "cache":
-                        preempted += self._make_room_for(pos)
-                        logits = self._decode(token, pos)
+                        if self.streaming and self.tokens_held + 1 > self.cap:
+                            evict_middle(self, 1)
+                        cpos = self.tokens_held  # the position in the cache (= pos unless sink-window evicted)
+                        preempted += self._make_room_for(cpos)
+                        logits = self._decode(token, cpos)
                     else:
                         logits = eng.model.forward_dense(torch.tensor(seq, device=eng.device))[0]
                     token = int(sampler(logits))  # reading the token synchronises the device
@@ -229,7 +258,8 @@ class Conversation:
                 prefill_ms=prefill_ms, decode_ms=tuple(decode_ms), positions=tuple(positions),
                 stop_reason=stop_reason, reply=reply, mode=self.mode, kv_dtype=eng.kv_dtype,
                 policy=self.policy.name, dropped_messages=dropped,
-                evicted_blocks=eng.blocks.evictions - evictions0, preempted=preempted,
+                evicted_blocks=eng.blocks.evictions - evictions0 + (self.evicted_tokens - evicted0) // eng.spec.block_size,
+                preempted=preempted,
                 recomputed_tokens=recomputed if self.mode == "cache" else 0,
                 cache=eng.snapshot(self))
             self.history.append(stats)
@@ -250,11 +280,68 @@ class Conversation:
         self.block_keys = [bm.key_of(b) for b in matched]
         self.reused_blocks = len(matched)
         self.tokens = list(ids[: len(matched) * bs])
+        self.logical = list(self.tokens)
+        self._private = False
         need = blocks_for(len(ids), bs) - len(matched)
         preempted = self.engine.make_room(need, self)
         self.block_table += bm.allocate(need)
         self._table[: len(self.block_table)] = torch.tensor(self.block_table, dtype=torch.int32)
         return preempted
+
+    @property
+    def streaming(self) -> bool:
+        return self.policy.streaming and self.cap is not None
+
+    def _claim_streaming(self, ids: list[int]) -> tuple[int, int]:
+        """Sink-window: keep what the cache holds of the text that `ids` still begins with,
+        drop any tail the new rendering changed, and return (tokens kept, preempted)."""
+        bm = self.engine.blocks
+        bs = bm.block_size
+        if not self._private:  # start from private, unindexed blocks: their keys will be rewritten
+            self.drop_cache(keep_index=True)
+            self._private = True
+        common = 0
+        for x, y in zip(self.logical, ids[:-1]):
+            if x != y:
+                break
+            common += 1
+        drop = len(self.logical) - common
+        if drop > len(self.tokens) - sink_blocks(self.sink_tokens, bs) * bs:
+            self.drop_cache()  # the change reaches evicted text: start over
+            self._private, common = True, 0
+        elif drop:
+            del self.tokens[len(self.tokens) - drop:]
+            del self.logical[common:]
+            keep = blocks_for(len(self.tokens), bs)
+            bm.forget(self.block_table[keep:])
+            del self.block_table[keep:]
+        return common, 0
+
+    def _prefill_streaming(self, new_ids: list[int], chunk_size: int = PREFILL_CHUNK,
+                           all_logits: bool = False) -> torch.Tensor:
+        """Prefill in chunks that fit the window, evicting middle blocks before each.
+        Returns the last token's logits (vocab,), or every token's (T, vocab)."""
+        eng = self.engine
+        bs = eng.spec.block_size
+        size = min(self.cap - (sink_blocks(self.sink_tokens, bs) + 1) * bs, chunk_size)
+        outs = []
+        for c0 in range(0, len(new_ids), size):
+            chunk = new_ids[c0:c0 + size]
+            over = self.tokens_held + len(chunk) - self.cap
+            if over > 0:
+                evict_middle(self, -(-over // bs))
+            p0 = self.tokens_held
+            need = blocks_for(p0 + len(chunk), bs) - len(self.block_table)
+            self.engine.make_room(need, self)
+            new = eng.blocks.allocate(need)
+            self._table[len(self.block_table):len(self.block_table) + need] = torch.tensor(new, dtype=torch.int32)
+            self.block_table += new
+            step = Step(self._table, self._slots(p0, p0 + len(chunk)), p0, decode=False)
+            outs.append(eng.model.forward(torch.tensor(chunk, device=eng.device),
+                                          torch.arange(p0, p0 + len(chunk), device=eng.device), step, eng.pool,
+                                          last_only=not all_logits))
+            self._wrote(chunk)
+        return torch.cat(outs) if all_logits else outs[-1][0]
 
     def _make_room_for(self, pos: int) -> int:
         """Before writing position pos: add a block when pos starts a new one."""
@@ -304,6 +391,9 @@ class Conversation:
         bm = self.engine.blocks
         bs = bm.block_size
         self.tokens.extend(new_tokens)
+        self.logical.extend(new_tokens)
+        if self._private:
+            return
         while len(self.block_keys) < len(self.tokens) // bs:
             i = len(self.block_keys)
             parent = self.block_keys[-1] if self.block_keys else ROOT_KEY

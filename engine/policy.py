@@ -16,6 +16,7 @@ CountFn = Callable[[Messages], int]  # tokens the messages render to (with the g
 class CapPolicy:
     name = "base"
     description = ""
+    streaming = False  # True: the cache itself evicts blocks mid-sequence (engine/streaming.py)
 
     def fit(self, messages: Messages, count: CountFn, cap: int) -> Messages:
         raise NotImplementedError
@@ -52,7 +53,16 @@ class DropOldestPolicy(CapPolicy):
         return kept
 
 
-POLICIES: dict[str, type[CapPolicy]] = {p.name: p for p in (StopPolicy, DropOldestPolicy)}
+class SinkWindowPolicy(CapPolicy):
+    name = "sink-window"
+    description = "keep the first tokens (attention sinks) and a recent window; evict blocks between"
+    streaming = True
+
+    def fit(self, messages: Messages, count: CountFn, cap: int) -> Messages:
+        return messages  # nothing is dropped from the text; the cache evicts instead
+
+
+POLICIES: dict[str, type[CapPolicy]] = {p.name: p for p in (StopPolicy, DropOldestPolicy, SinkWindowPolicy)}
 
 
 def make_policy(name: str) -> CapPolicy:

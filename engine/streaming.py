@@ -1,0 +1,78 @@
+"""Sink-and-window eviction (StreamingLLM: Xiao et al., "Efficient Streaming Language Models
+with Attention Sinks", 2023).
+
+A conversation under the `sink-window` policy keeps its first block(s), the "attention
+sinks", and the most recent tokens, and evicts whole blocks in between so that its cache
+never holds more than the cap. Positions are assigned within the cache, as the paper does:
+a token's RoPE position is its index in the cache, not in the text. Since keys are stored
+after RoPE, evicting E tokens from the middle re-rotates every later key by -E positions in
+place (R(p - E) = R(-E) R(p)), so the window stays contiguous in position. The kept K/V
+are not recomputed: above the first layer they still carry what the evicted tokens
+contributed when they were computed, as in the paper.
+"""
+from __future__ import annotations
+
+import torch
+
+from .attention import FP8_MAX, quantize_fp8
+from .model import apply_rope
+
+DEFAULT_SINK_TOKENS = 4
+
+
+def sink_blocks(sink_tokens: int, block_size: int) -> int:
+    """Sinks are kept in whole blocks: 4 sink tokens keep the first block."""
+    return -(-sink_tokens // block_size) if sink_tokens > 0 else 0
+
+
+@torch.inference_mode()
+def rerotate_keys(model, pool, block_ids: list[int], delta: int) -> None:
+    """Shift the RoPE position of every key in `block_ids` by `delta` (negative: earlier)."""
+    if not block_ids or delta == 0:
+        return
+    ids = torch.tensor(block_ids, dtype=torch.long, device=pool.data.device)
+    d = model.geom.head_dim
+    angle = torch.tensor([float(delta)], device=pool.data.device)
+    freqs = torch.outer(angle, model.inv_freq)                            # (1, d/2)
+    emb = torch.cat((freqs, freqs), dim=-1)                               # (1, d)
+    cos, sin = emb.cos()[:, None, None, :], emb.sin()[:, None, None, :]   # (1, 1, 1, d)
+    for i in range(model.geom.n_layers):
+        k_cache, _, k_scale, _ = pool.layer(i)
+        keys = k_cache.index_select(0, ids).float()                       # (n, bs, hk, d)
+        if k_scale is not None:
+            keys = keys * k_scale.index_select(0, ids).unsqueeze(-1)
+        n, bs, hk, _ = keys.shape
+        rotated = apply_rope(keys.view(n * bs, hk, d), cos[0], sin[0]).view(n, bs, hk, d)
+        if k_scale is not None:
+            q, s = quantize_fp8(rotated.view(n * bs, hk, d))
+            k_cache.index_copy_(0, ids, q.view(n, bs, hk, d))
+            k_scale.index_copy_(0, ids, s.view(n, bs, hk))
+        else:
+            k_cache.index_copy_(0, ids, rotated.to(k_cache.dtype))
+
+
+def evict_middle(conv, n_blocks: int) -> int:
+    """Evict the n oldest blocks after the sinks from `conv`, re-rotating the rest. Returns
+    the number of tokens evicted."""
+    eng = conv.engine
+    bs = eng.spec.block_size
+    first = sink_blocks(conv.sink_tokens, bs)
+    full = len(conv.tokens) // bs
+    n_blocks = min(n_blocks, max(full - first, 0))
+    if n_blocks <= 0:
+        return 0
+    gone = conv.block_table[first:first + n_blocks]
+    kept_after = conv.block_table[first + n_blocks:]
+    eng.blocks.forget(gone)
+    rerotate_keys(eng.model, eng.pool, kept_after, -n_blocks * bs)
+    conv.block_table = conv.block_table[:first] + kept_after
+    del conv.tokens[first * bs:(first + n_blocks) * bs]
+    conv.block_keys = []   # a shifted window is not a prefix of any text: never indexed
+    conv.evicted_tokens += n_blocks * bs
+    n = len(conv.block_table)
+    if n:
+        conv._table[:n] = torch.tensor(conv.block_table, dtype=torch.int32)
+    return n_blocks * bs
+
+
+__all__ = ["DEFAULT_SINK_TOKENS", "FP8_MAX", "evict_middle", "rerotate_keys", "sink_blocks"]
