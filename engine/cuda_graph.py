@@ -185,7 +185,8 @@ class GraphDecoder:
                 self._forward(model, pool)
         torch.cuda.current_stream(model.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        # thread_local: the app's UI thread may query the device (memory telemetry) meanwhile
+        with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self.logits = self._forward(model, pool)
         self.graph = graph
         self._rope = (model._cos, model._sin)
