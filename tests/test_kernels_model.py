@@ -14,7 +14,7 @@ import torch
 
 from engine import kernels
 from engine.attention import force_triton
-from engine.cuda_graph import GraphDecoder, TorchOps, decode_step
+from engine.cuda_graph import GraphDecoder, TorchOps, decode_step, decoder_for
 from engine.geometry import Geometry
 from engine.kv_cache import KVPool, plan_pool
 from engine.model import Step
@@ -172,3 +172,14 @@ def test_graph_decoder_extends_the_rope_table_past_its_end(table):
     got = decoder(5, 3, table[0] * BLOCK + 3, graphed.table, 1)
     assert model._cos.shape[0] > 3
     torch.testing.assert_close(got, want, **TOL["fp32"])
+
+
+def test_decoder_for_keeps_one_decoder_per_model_and_pool(table):
+    """The engine asks for its model's decoder every step: the same one while the pool lives
+    (its graph is reused), a new one once the pool is rebuilt (the old graph's addresses are gone)."""
+    model = model_for("fp32")
+    first = Run(model, "fp32", table)
+    dec = decoder_for(model, first.pool)
+    assert decoder_for(model, first.pool) is dec
+    rebuilt = Run(model, "fp32", table)
+    assert decoder_for(model, rebuilt.pool) is not dec
