@@ -34,7 +34,7 @@ from .messages import EngineFailed, EngineReady, OpEnded, TurnEnded, TurnProgres
 from .session import ChatSession, SessionOptions
 from .settings import Settings
 from .store import Restored, data_dir
-from .turn import relay
+from .turn import Governor, relay
 from .widgets import BlockMap, CachePanel, CapGauge, ChatInput, LatencyPanel, Reply, StatusBar, Transcript
 
 NARROW = 90   # below this many columns the panels hide themselves (ctrl+b shows them)
@@ -89,6 +89,7 @@ class KvChatApp(ChatActions, App[int], inherit_bindings=False):
         self.context_tokens = 0
         self.quitting = False
         self.exiting = False
+        self.governor = Governor()
         self.panels_forced = False
         self.failure: str | None = None         # one line for stderr after exit
         self._load_started = time.perf_counter()
@@ -282,6 +283,7 @@ class KvChatApp(ChatActions, App[int], inherit_bindings=False):
             self.cancel = threading.Event()
             self.part(LatencyPanel).begin_turn(self.session.conv.mode)
             self.status("prefilling…")
+            self.governor.begin()
             self._turn_worker(self.session, text, self.cancel)
         self.submit("reply", start)
 
@@ -297,7 +299,8 @@ class KvChatApp(ChatActions, App[int], inherit_bindings=False):
         session.log.sync(conv.messages)
         stats, error = None, None
         try:
-            stats = relay(events, lambda: self.engine.snapshot(conv), lambda p: self.post_message(TurnProgress(p)))
+            stats = relay(events, lambda: self.engine.snapshot(conv), lambda p: self.post_message(TurnProgress(p)),
+                          interval=lambda: self.governor.interval)
         except Exception as err:
             error = _one_line(err)
         session.log.sync(conv.messages)
@@ -319,6 +322,7 @@ class KvChatApp(ChatActions, App[int], inherit_bindings=False):
         if p.snapshot is not None:
             self.show_snapshot(p.snapshot)
         self.status(f"replying · {p.generated} tokens")
+        self.governor.tick()
 
     async def on_turn_ended(self, msg: TurnEnded) -> None:
         if self.exiting:

@@ -1,10 +1,13 @@
-"""Relaying one turn's engine events to the UI at a bounded rate.
+"""Relaying one turn's engine events to the UI at a bounded cost.
 
 The engine yields one event per token. Redrawing per token would cost more than the decode
-step itself on a fast device, so `relay` batches the text and the latency points, and
-takes a cache snapshot at most every `interval` seconds. A snapshot walks every block of
-the pool (a large GPU pool has ~10^5), so the interval also stretches to keep snapshots
-under 1/SNAPSHOT_SHARE of the turn's time: the UI's cost stays bounded on any pool.
+step itself on a fast device, so `relay` (in the worker) batches the text and the latency
+points and takes a cache snapshot at most every `interval()` seconds. Two costs are kept
+bounded, each measured where it is paid:
+- the snapshot walks every block of the pool (a large GPU pool has ~10^5), on the worker:
+  the interval stretches to keep it under 1/SNAPSHOT_SHARE of the turn;
+- the redraw, on the UI thread: `Governor` reads the UI thread's own CPU clock and sets the
+  interval so that the UI uses at most `share` of the turn's time.
 """
 from __future__ import annotations
 
@@ -14,8 +17,10 @@ from dataclasses import dataclass
 
 from engine.telemetry import CacheSnapshot, PrefillEvent, TokenEvent, TurnStats
 
-INTERVAL_S = 0.125          # ~8 updates a second
+INTERVAL_S = 0.125          # ~8 updates a second at most
+MAX_INTERVAL_S = 1.0        # and at least one a second
 SNAPSHOT_SHARE = 50         # snapshot time <= 2% of the turn
+UI_SHARE = 0.03             # UI thread CPU time <= 3% of the turn
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,8 +33,37 @@ class Progress:
     generated: int                            # tokens so far this turn
 
 
+class Governor:
+    """Sets the update interval so the UI thread's CPU time stays under `share` of the wall
+    time. `tick()` runs on the UI thread after each update; the worker reads `interval`."""
+
+    def __init__(self, share: float = UI_SHARE, lo: float = INTERVAL_S, hi: float = MAX_INTERVAL_S,
+                 cpu: Callable[[], float] = time.thread_time, wall: Callable[[], float] = time.perf_counter,
+                 window: float = 0.5) -> None:
+        self.share, self.lo, self.hi, self.window = share, lo, hi, window
+        self._cpu, self._wall = cpu, wall
+        self.interval = lo
+        self.begin()
+
+    def begin(self) -> None:
+        """A turn starts: measure from here (the interval learnt so far is kept)."""
+        self._cpu0, self._wall0 = self._cpu(), self._wall()
+
+    def tick(self) -> None:
+        cpu, now = self._cpu(), self._wall()
+        elapsed = now - self._wall0
+        if elapsed < self.window:
+            return
+        used = (cpu - self._cpu0) / elapsed              # the UI's share of this window
+        # cost per update is ~used x interval; the interval that meets the share is that / share
+        want = self.interval * used / self.share
+        self.interval = min(self.hi, max(self.lo, (self.interval * want) ** 0.5))   # damped
+        self._cpu0, self._wall0 = cpu, now
+
+
 def relay(events: Iterable, snapshot: Callable[[], CacheSnapshot], emit: Callable[[Progress], None],
-          interval: float = INTERVAL_S, clock: Callable[[], float] = time.perf_counter) -> TurnStats | None:
+          interval: Callable[[], float] = lambda: INTERVAL_S,
+          clock: Callable[[], float] = time.perf_counter) -> TurnStats | None:
     """Consume a turn's events, emitting batched Progress; returns the TurnStats (None if
     the events ended without one)."""
     text: list[str] = []
@@ -64,7 +98,7 @@ def relay(events: Iterable, snapshot: Callable[[], CacheSnapshot], emit: Callabl
             if ev.token_id >= 0:
                 generated += 1
                 points.append((ev.position, ev.latency_ms))
-        if clock() - last >= max(interval, SNAPSHOT_SHARE * cost):
+        if clock() - last >= max(interval(), SNAPSHOT_SHARE * cost):
             flush(take_snapshot=True)
     if text or points or prefill:
         flush(take_snapshot=True)

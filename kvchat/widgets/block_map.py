@@ -54,12 +54,18 @@ class BlockMap(Widget):
         self.border_title = "blocks"
         self.snapshot: CacheSnapshot | None = None
         self.ratio = 1
+        self._grid_key: tuple | None = None
+        self._grid_text = Text()
 
     def show(self, snapshot: CacheSnapshot) -> None:
         old = self.snapshot
         self.snapshot = snapshot
         if old is None or old.block_map != snapshot.block_map or old.wasted_slots != snapshot.wasted_slots:
-            self.refresh(layout=True)
+            # the height only changes with the number of blocks or the legend's entries
+            same_shape = old is not None and old.num_blocks == snapshot.num_blocks and (
+                {c for c in LEGEND_LABELS if old.block_map.count(c)} ==
+                {c for c in LEGEND_LABELS if snapshot.block_map.count(c)})
+            self.refresh(layout=not same_shape)
 
     def on_resize(self) -> None:
         self.refresh(layout=True)
@@ -67,24 +73,33 @@ class BlockMap(Widget):
     def _style(self, code: int):
         return self.get_component_rich_style(f"blockmap--{BLOCK_STATE_NAMES[code]}")
 
+    def _grid(self, codes: bytes, width: int) -> Text:
+        """The cells, one span per run of equal cells; cached, as it changes once a block."""
+        styles = tuple(self._style(c) for c in range(len(BLOCK_STATE_NAMES)))
+        key = (codes, width, styles)
+        if self._grid_key == key:
+            return self._grid_text
+        cells, self.ratio = aggregate(codes, width * self.MAX_ROWS)
+        out = Text()
+        for row in range(0, len(cells), width):
+            line = cells[row:row + width]
+            i = 0
+            while i < len(line):
+                j = i
+                while j < len(line) and line[j] == line[i]:
+                    j += 1
+                out.append(CELL * (j - i), styles[line[i]])
+                i = j
+            out.append("\n")
+        self._grid_key, self._grid_text = key, out
+        return out
+
     def render(self) -> Text:
         s = self.snapshot
         if s is None:
             return Text("no pool yet", style="dim")
         width = max(self.content_region.width or self.size.width, 8)
-        cells, self.ratio = aggregate(s.block_map, width * self.MAX_ROWS)
-        out = Text()
-        for row in range(0, len(cells), width):
-            line = cells[row:row + width]
-            i = 0
-            while i < len(line):     # one span per run of equal cells
-                j = i
-                while j < len(line) and line[j] == line[i]:
-                    j += 1
-                out.append(CELL * (j - i), self._style(line[i]))
-                i = j
-            out.append("\n")
-        width = max(self.content_region.width or self.size.width, 8)
+        out = self._grid(s.block_map, width).copy()
         line_len = 0
         for code, label in LEGEND_LABELS.items():
             count = s.block_map.count(code)

@@ -30,9 +30,10 @@ class CapGauge(Widget):
 
     def show(self, tokens: int, cap: int | None, policy: str, description: str = "", max_position: int = 0) -> None:
         state = (tokens, cap, policy, description, max_position)
-        if state != (self.tokens, self.cap, self.policy, self.description, self.max_position):
+        old = (self.tokens, self.cap, self.policy, self.description, self.max_position)
+        if state != old:
             self.tokens, self.cap, self.policy, self.description, self.max_position = state
-            self.refresh(layout=True)
+            self.refresh(layout=state[2:4] != old[2:4])   # only the policy line can change the height
 
     @property
     def fraction(self) -> float:

@@ -3,6 +3,7 @@ with the fitted growth in ms per 1k tokens, and per turn the TTFT and how much o
 prompt was reused from the cache versus computed."""
 from __future__ import annotations
 
+import time
 from typing import Any
 
 from rich.table import Table
@@ -13,6 +14,7 @@ from textual.widgets import Static
 from textual_plotext import PlotextPlot
 
 MAX_PLOTTED = 600      # points drawn; the fit uses all of them
+REDRAW_S = 1.0         # during a turn the plot is redrawn at most this often
 TURNS_SHOWN = 4
 
 
@@ -51,6 +53,7 @@ class LatencyPanel(Vertical):
         self.turns: list[dict[str, Any]] = []
         self._live: list[tuple[int, float]] = []
         self._live_mode = "cache"
+        self._drawn_at = 0.0
 
     def compose(self) -> ComposeResult:
         yield PlotextPlot(id="latency-plot")
@@ -80,7 +83,9 @@ class LatencyPanel(Vertical):
         if points:
             self._live.extend(points)
             self.points[self._live_mode].extend(points)
-            self._redraw(table=False)
+            now = time.monotonic()
+            if now - self._drawn_at >= REDRAW_S:
+                self._redraw(table=False)
 
     def end_turn(self, summary: dict[str, Any] | None) -> None:
         """Swap the live points for the turn's exact (position, ms) pairs."""
@@ -101,6 +106,7 @@ class LatencyPanel(Vertical):
     def _redraw(self, table: bool = True) -> None:
         if not self.is_mounted:
             return
+        self._drawn_at = time.monotonic()
         plot = self.query_one(PlotextPlot)
         plt = plot.plt
         plt.clear_data()

@@ -13,6 +13,7 @@ def test_the_screen_after_one_turn(snap_compare, fake):
     app = make_app(fake, cap=256)
 
     async def run_before(pilot) -> None:
+        app.query_one("#input").cursor_blink = False     # a blinking cursor would make the picture flaky
         await ready(pilot)
         await send(pilot, "What does the KV cache hold?")
         await send(pilot, "And per token?")

@@ -1,0 +1,62 @@
+"""turn.relay batches a turn's events; turn.Governor bounds the UI's share of the turn."""
+from __future__ import annotations
+
+from engine.telemetry import PrefillEvent, TokenEvent
+from kvchat.turn import Governor, relay
+
+from .fake_engine import FakeEngine
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def events(clock: Clock, n: int, step: float):
+    """A turn: a prefill, n tokens `step` seconds apart, and its stats."""
+    engine = FakeEngine()
+    conv = engine.new_conversation()
+    yield PrefillEvent(10, 0, 10, 1.0)
+    for i in range(n):
+        clock.t += step
+        yield TokenEvent(f"t{i} ", 100 + i, 10 + i, 5.0)
+    yield next(ev for ev in conv.send("hi") if not isinstance(ev, (PrefillEvent, TokenEvent)))
+
+
+def test_relay_batches_tokens_at_the_interval_and_loses_none():
+    clock, out, snaps = Clock(), [], []
+    stats = relay(events(clock, 100, 0.01), lambda: snaps.append(clock.t) or None, out.append,
+                  interval=lambda: 0.25, clock=clock)
+    assert stats is not None and stats.reply
+    assert "".join(p.text for p in out) == "".join(f"t{i} " for i in range(100))
+    assert [pt for p in out for pt in p.points] == [(10 + i, 5.0) for i in range(100)]
+    assert out[0].prefill is not None and out[0].text == ""          # prefill is shown at once
+    assert 4 <= len(out) <= 6                                        # 1 s of tokens at 4 updates a second
+    assert out[-1].generated == 100
+
+
+def test_relay_stretches_the_interval_when_snapshots_are_slow():
+    clock, out = Clock(), []
+
+    def slow_snapshot():
+        clock.t += 0.02          # 20 ms per snapshot: at most one per second (2% of the turn)
+    relay(events(clock, 200, 0.01), slow_snapshot, out.append, interval=lambda: 0.1, clock=clock)
+    assert len(out) <= 4
+
+
+def test_governor_slows_updates_when_the_ui_costs_too_much_and_speeds_up_when_cheap():
+    cpu, wall = Clock(), Clock()
+    gov = Governor(share=0.03, lo=0.1, hi=1.0, cpu=cpu, wall=wall, window=0.5)
+    for _ in range(20):                    # the UI spends 15% of the time: intervals grow to the cap
+        wall.t += 0.5
+        cpu.t += 0.075
+        gov.tick()
+    assert gov.interval == 1.0
+    for _ in range(20):                    # now 0.5%: back to the fastest rate
+        wall.t += 0.5
+        cpu.t += 0.0025
+        gov.tick()
+    assert gov.interval == 0.1
