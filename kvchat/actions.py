@@ -79,7 +79,9 @@ class ChatActions:
 
     def action_regenerate(self) -> None:
         conv = self.session.conv
-        if self.busy != "reply" and (not conv.messages or conv.messages[-1]["role"] != "assistant"):
+        if self.busy == "reply":
+            self.cancel.set()        # regenerate the reply in progress once it has stopped
+        elif not conv.messages or conv.messages[-1]["role"] != "assistant":
             self.notice("nothing to regenerate: the conversation has no reply yet", error=True)
             return
         self.start_turn(None)

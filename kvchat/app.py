@@ -175,6 +175,8 @@ class KvChatApp(ChatActions, App[int], inherit_bindings=False):
         if self.busy is not None or not self.jobs:
             return
         self.busy, start = self.jobs.popleft()
+        if self.busy != "reply":
+            self.status(f"{self.busy}…")
         self.call_later(start)
 
     def _job_done(self) -> None:
@@ -190,7 +192,7 @@ class KvChatApp(ChatActions, App[int], inherit_bindings=False):
         """Let the reply in progress end (so it is saved), then exit."""
         self.quitting = True
         self.jobs.clear()
-        if self.busy is None:
+        if self.busy in (None, "load"):    # a load cannot be interrupted; the process ends after it
             self.exit()
             return
         self.cancel.set()

@@ -48,8 +48,7 @@ class CachePanel(Static):
         t.add_column(style="dim", overflow="fold")
         t.add_row("used", human_bytes(s.bytes_used), f"{S:,} tokens")
         t.add_row("allocated", human_bytes(s.bytes_allocated), f"{s.blocks_used:,} blocks of {s.block_size}")
-        t.add_row("pool", human_bytes(s.capacity_bytes),
-                  f"{s.num_blocks:,} blocks · {s.num_blocks * s.block_size:,} tokens")
+        t.add_row("pool", human_bytes(s.capacity_bytes), f"{s.num_blocks:,} blocks")
         g = self.geometry
         kv = s.kv_dtype if s.kv_dtype in DTYPE_BYTES else "bf16"
         per_token = (f"2 × {g.n_layers} × {g.n_kv_heads} × {g.head_dim} × {DTYPE_BYTES[kv]} B"

@@ -32,7 +32,7 @@ class ChatInput(TextArea):
         self.sent: list[str] = []
         self._index = 0          # len(history) means "the draft", not a history entry
         self._draft = ""
-        self.border_subtitle = "enter send · ctrl+j new line · ↑↓ history · /help"
+        self.border_subtitle = "enter send · ctrl+j new line · ↑↓ history"
 
     async def _on_key(self, event: events.Key) -> None:
         # TextArea inserts a newline on Enter before bindings run, so intercept here.
