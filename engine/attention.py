@@ -101,14 +101,19 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 # ---- gathering a sequence's K/V ---------------------------------------------------------
 def gather_kv(cache: torch.Tensor, scale: torch.Tensor | None, block_table: torch.Tensor,
-              length: int, dtype: torch.dtype) -> torch.Tensor:
+              length: int, dtype: torch.dtype, first_block: int | None = None) -> torch.Tensor:
     """The first `length` cached rows of one sequence: (length, n_kv_heads, head_dim).
-    A block table that is one ascending run of ids becomes a view, not a copy."""
+    A block table that is one ascending run of ids becomes a view, not a copy; a caller that
+    knows the run's first block passes `first_block` and spares the check."""
     nb, bs, hk, d = cache.shape
     n = -(-length // bs)
     table = block_table[:n]
-    first = int(table[0]) if n else 0
-    if n and int(table[-1]) - first == n - 1 and bool((table[1:] - table[:-1] == 1).all()):
+    if first_block is None and n:
+        first = int(table[0])
+        if int(table[-1]) - first == n - 1 and bool((table[1:] - table[:-1] == 1).all()):
+            first_block = first
+    if first_block is not None:
+        first = first_block
         rows = cache[first:first + n].reshape(n * bs, hk, d)[:length]
         srows = scale[first:first + n].reshape(n * bs, hk)[:length] if scale is not None else None
     else:
@@ -121,25 +126,27 @@ def gather_kv(cache: torch.Tensor, scale: torch.Tensor | None, block_table: torc
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                 max_context: int | None = None) -> torch.Tensor:
+                 max_context: int | None = None, first_block: int | None = None) -> torch.Tensor:
     """q: (B, n_heads, head_dim); block_tables: (B, max_blocks) int32; context_lens: (B,)
     int32 (rows to read, the new one included). Returns (B, n_heads, head_dim).
-    `max_context`, when the caller knows it, spares a device-to-host read."""
+    `max_context` and `first_block` (B = 1, a table that is one ascending run), when the
+    caller knows them, spare device-to-host reads on the CPU path."""
     if _use_triton(q):
         return _kernels().paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
                                        k_scale, v_scale)
     if q.shape[0] == 1:
         length = int(context_lens[0]) if max_context is None else max_context
-        return decode_one(q[0], k_cache, v_cache, block_tables[0], length, scale, k_scale, v_scale)[None]
+        return decode_one(q[0], k_cache, v_cache, block_tables[0], length, scale, k_scale, v_scale,
+                          first_block)[None]
     return paged_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
 
 
-def decode_one(q, k_cache, v_cache, block_table, length, scale, k_scale=None, v_scale=None):
+def decode_one(q, k_cache, v_cache, block_table, length, scale, k_scale=None, v_scale=None, first_block=None):
     """The CPU hot path for one sequence. q: (n_heads, head_dim) -> (n_heads, head_dim)."""
     h, d = q.shape
     hk = k_cache.shape[2]
-    k = gather_kv(k_cache, k_scale, block_table, length, q.dtype)  # (T, hk, d)
-    v = gather_kv(v_cache, v_scale, block_table, length, q.dtype)  # (T, hk, d)
+    k = gather_kv(k_cache, k_scale, block_table, length, q.dtype, first_block)  # (T, hk, d)
+    v = gather_kv(v_cache, v_scale, block_table, length, q.dtype, first_block)  # (T, hk, d)
     qg = q.view(hk, h // hk, d)                                   # (hk, g, d)
     scores = torch.matmul(qg, k.permute(1, 2, 0)) * scale         # (hk, g, T)
     probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
@@ -170,7 +177,8 @@ def paged_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale, k_s
 # ---- prefill --------------------------------------------------------------------------------
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_table: torch.Tensor, prefix_len: int, scale: float,
-                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> torch.Tensor:
+                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                  first_block: int | None = None) -> torch.Tensor:
     """q: (T, n_heads, head_dim) for positions prefix_len .. prefix_len+T-1, whose K/V are
     already written. Causal over prefix + new. Returns (T, n_heads, head_dim).
 
@@ -179,8 +187,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     t, h, d = q.shape
     hk = k_cache.shape[2]
     total = prefix_len + t
-    k = gather_kv(k_cache, k_scale, block_table, total, q.dtype).transpose(0, 1)  # (hk, S, d)
-    v = gather_kv(v_cache, v_scale, block_table, total, q.dtype).transpose(0, 1)  # (hk, S, d)
+    k = gather_kv(k_cache, k_scale, block_table, total, q.dtype, first_block).transpose(0, 1)  # (hk, S, d)
+    v = gather_kv(v_cache, v_scale, block_table, total, q.dtype, first_block).transpose(0, 1)  # (hk, S, d)
     return causal_attention(q.transpose(0, 1), k, v, prefix_len, scale).transpose(0, 1)
 
 

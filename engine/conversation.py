@@ -354,6 +354,13 @@ class Conversation:
         self.block_table.append(block_id)
         return preempted
 
+    def _run_start(self) -> int | None:
+        """The first block id if this conversation's blocks are one ascending run."""
+        bt = self.block_table
+        if bt and bt[-1] - bt[0] == len(bt) - 1 and bt == list(range(bt[0], bt[0] + len(bt))):
+            return bt[0]
+        return None
+
     def _slots(self, start: int, end: int) -> torch.Tensor:
         bs = self.engine.blocks.block_size
         pos = torch.arange(start, end)
@@ -366,7 +373,8 @@ class Conversation:
         for c0 in range(0, len(new_ids), PREFILL_CHUNK):
             chunk = new_ids[c0:c0 + PREFILL_CHUNK]
             p0 = start + c0
-            step = Step(self._table, self._slots(p0, p0 + len(chunk)), p0, decode=False)
+            step = Step(self._table, self._slots(p0, p0 + len(chunk)), p0, decode=False,
+                        first_block=self._run_start())
             logits = eng.model.forward(torch.tensor(chunk, device=eng.device),
                                        torch.arange(p0, p0 + len(chunk), device=eng.device), step, eng.pool)
             self._wrote(chunk)
@@ -380,7 +388,8 @@ class Conversation:
             logits = decoder_for(eng.model, eng.pool)(token, pos, slot, self._table, pos // bs + 1)
             self._wrote([token])
             return logits
-        step = Step(self._table, torch.tensor([slot], device=eng.device), pos, decode=True)
+        step = Step(self._table, torch.tensor([slot], device=eng.device), pos, decode=True,
+                    first_block=self._run_start())
         logits = eng.model.forward(torch.tensor([token], device=eng.device),
                                    torch.tensor([pos], device=eng.device), step, eng.pool)
         self._wrote([token])

@@ -32,6 +32,9 @@ class Step:
     # reads its length from the device (a CUDA graph replays it with new values); left
     # None, forward makes it from prefix_len, and the CPU path reads that int directly.
     context_lens: torch.Tensor | None = None
+    # The table's first block when the sequence's blocks are one ascending run of ids (as
+    # a fresh pool hands them out): the CPU path then reads the cache as a view, unchecked.
+    first_block: int | None = None
 
 
 def rope_inv_freq(geom: Geometry) -> torch.Tensor:
@@ -56,8 +59,13 @@ def rope_inv_freq(geom: Geometry) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    if x.dtype == torch.float32 and _FUSED_RMS_NORM:
+        return F.rms_norm(x, w.shape, w, eps)  # one op instead of eight: decode is op-bound on CPU
     xf = x.float()
     return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype) * w
+
+
+_FUSED_RMS_NORM = hasattr(F, "rms_norm")
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -121,17 +129,17 @@ class Llama:
             k_cache, v_cache, k_scale, v_scale = pool.layer(i)
             h = rms_norm(x, layer.attn_norm, g.norm_eps)
             qkv = h @ layer.wqkv.T                                        # (T, (hq+2hk)*d)
-            q, k, v = qkv.split((hq * d, hk * d, hk * d), dim=-1)
-            q = apply_rope(q.view(t, hq, d), cos, sin)                    # (T, hq, d)
-            k = apply_rope(k.view(t, hk, d), cos, sin)                    # (T, hk, d)
-            v = v.view(t, hk, d)
+            qk = apply_rope(qkv[:, :(hq + hk) * d].view(t, hq + hk, d), cos, sin)  # (T, hq+hk, d)
+            q, k = qk[:, :hq], qk[:, hq:]                                 # (T, hq, d), (T, hk, d)
+            v = qkv[:, (hq + hk) * d:].view(t, hk, d)                     # (T, hk, d)
             write_kv(k_cache, v_cache, k, v, step.slots, k_scale, v_scale)
             if step.decode:
                 o = paged_decode(q, k_cache, v_cache, step.block_table[None], context_lens, self.scale,
-                                 k_scale, v_scale, max_context=max_context)  # (1, hq, d)
+                                 k_scale, v_scale, max_context=max_context,
+                                 first_block=step.first_block)           # (1, hq, d)
             else:
                 o = paged_prefill(q, k_cache, v_cache, step.block_table, step.prefix_len, self.scale,
-                                  k_scale, v_scale)                      # (T, hq, d)
+                                  k_scale, v_scale, first_block=step.first_block)  # (T, hq, d)
             x = x + o.reshape(t, hq * d) @ layer.wo.T
             x = x + self._mlp(x, layer)
         return self._logits(x[-1:] if last_only else x)
