@@ -105,9 +105,11 @@ class Conversation:
             self.block_table, self.block_keys, self.tokens, self.logical = [], [], [], []
             self.reused_blocks = 0
             self._private = False
-            if self.engine.pool.data.shape[2] != self._table.shape[0]:
-                self._table = torch.zeros(self._max_blocks(), dtype=torch.int32, device=self.engine.device)
             return n
+
+    def resize_table(self) -> None:
+        """After the pool was rebuilt with another block count (the cache is empty)."""
+        self._table = torch.zeros(self._max_blocks(), dtype=torch.int32, device=self.engine.device)
 
     def reset_cache(self) -> int:
         """Forget the cache: the next turn prefills the whole history again."""

@@ -137,6 +137,8 @@ class Engine:
             for conv in self.conversations:
                 conv.drop_cache()
             self._build_pool(kv_dtype)
+            for conv in self.conversations:
+                conv.resize_table()
 
     # ---- conversations ---------------------------------------------------------------------
     def new_conversation(self, system_prompt: str | None = None, cap: int | None = None,

@@ -161,3 +161,25 @@ def test_preemption_takes_the_most_recent_idle_conversation_and_it_recomputes_co
     assert toks == ref
     for c in (first, second, fresh):
         eng.close_conversation(c)
+
+
+def test_switching_to_fp8_at_runtime_rebuilds_the_pool_and_the_next_turn_recomputes(small_engine):
+    eng = small_engine
+    conv = eng.new_conversation()
+    try:
+        _, before = reply_tokens(conv, "Name three rivers in Europe.", 8)
+        blocks_before = eng.spec.num_blocks
+        eng.set_kv_dtype("fp8")
+        assert eng.kv_dtype == "fp8" and eng.pool.data.dtype == torch.float8_e4m3fn
+        assert eng.bytes_per_token * 4 == before.cache.bytes_per_token  # fp32 -> fp8
+        assert eng.spec.num_blocks > 3 * blocks_before                # same budget, ~3.8x the blocks
+        assert conv.tokens_held == 0
+        # a prompt longer than the old pool could hold: block ids beyond the old table
+        long_text = long_text_ids_text(eng, (blocks_before + 4) * eng.spec.block_size)
+        _, after = reply_tokens(conv, long_text, 4)
+        assert after.reused_tokens == 0 and after.kv_dtype == "fp8"
+        assert after.cache.bytes_used == conv.tokens_held * eng.bytes_per_token
+        assert after.cache.blocks_used > blocks_before
+    finally:
+        eng.close_conversation(conv)
+        eng.set_kv_dtype("fp32")
