@@ -11,7 +11,6 @@ from __future__ import annotations
 import sys
 import threading
 import time
-import traceback
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,10 +29,11 @@ from engine.telemetry import CacheSnapshot
 from . import keys, theming
 from .actions import ChatActions
 from .commands import CommandError, message_text, parse
-from .messages import EngineFailed, EngineReady, OpEnded, TurnEnded, TurnProgress
+from .jobs import Jobs, one_line
+from .messages import EngineFailed, EngineReady, TurnEnded, TurnProgress
 from .session import ChatSession, SessionOptions
 from .settings import Settings
-from .store import Restored, data_dir
+from .store import Restored
 from .turn import Governor, relay
 from .widgets import BlockMap, CachePanel, CapGauge, ChatInput, LatencyPanel, Reply, StatusBar, Transcript
 
@@ -50,15 +50,7 @@ class AppOptions:
     data_root: Path | None = None               # None: the platform's user data dir
 
 
-@dataclass(slots=True)
-class Op:
-    label: str
-    run: Callable[[], str | None]               # in a worker; returns a note to show
-    then: Callable[[], Any] | None = None       # on the UI thread, after run
-    conv: Callable[[], Any] | None = None       # whose snapshot to show (default: current)
-
-
-class KvChatApp(ChatActions, App[int], inherit_bindings=False):
+class KvChatApp(ChatActions, Jobs, App[int], inherit_bindings=False):
     """App's own ctrl+q / ctrl+c bindings are replaced by keys.KEYS (not inherited)."""
 
     TITLE = "kvchat"
@@ -166,39 +158,6 @@ class KvChatApp(ChatActions, App[int], inherit_bindings=False):
     def _loading_tick(self) -> None:
         self.status(f"loading {self.options.model} … {time.perf_counter() - self._load_started:.1f} s")
 
-    # ---- the job queue ------------------------------------------------------------------------
-    def submit(self, label: str, start: Callable[[], Any]) -> None:
-        self.jobs.append((label, start))
-        self._next_job()
-
-    def _next_job(self) -> None:
-        if self.busy is not None or not self.jobs:
-            return
-        self.busy, start = self.jobs.popleft()
-        if self.busy != "reply":
-            self.status(f"{self.busy}…")
-        self.call_later(start)
-
-    def _job_done(self) -> None:
-        self.busy = None
-        if not self.jobs:
-            self.status("quitting" if self.quitting else "ready")
-        if self.quitting and not self.jobs:
-            self.exit()
-            return
-        self._next_job()
-
-    def quit_when_idle(self) -> None:
-        """Let the reply in progress end (so it is saved), then exit."""
-        self.quitting = True
-        self.jobs.clear()
-        if self.busy in (None, "load"):    # a load cannot be interrupted; the process ends after it
-            self.exit()
-            return
-        self.cancel.set()
-        self.status("quitting…")
-        self.set_timer(10, lambda: self.exit())   # a stuck job must not keep the app open
-
     # ---- loading --------------------------------------------------------------------------------
     @work(thread=True, group="load", exit_on_error=False)
     def _load(self) -> None:
@@ -208,7 +167,7 @@ class KvChatApp(ChatActions, App[int], inherit_bindings=False):
         except KvchatError as err:
             self.post_message(EngineFailed(str(err)))
         except Exception as err:  # torch and transformers raise many types; report, never hide
-            self.post_message(EngineFailed(f"cannot load the model: {_one_line(err)}"))
+            self.post_message(EngineFailed(f"cannot load the model: {one_line(err)}"))
         else:
             self.post_message(EngineReady(engine, time.perf_counter() - t0))
 
@@ -296,7 +255,7 @@ class KvChatApp(ChatActions, App[int], inherit_bindings=False):
             events = (conv.send(text, self.options.sampling, cancel) if text is not None
                       else conv.regenerate(self.options.sampling, cancel))
         except Exception as err:
-            self.post_message(TurnEnded(None, _one_line(err), accepted=False))
+            self.post_message(TurnEnded(None, one_line(err), accepted=False))
             return
         session.log.sync(conv.messages)
         stats, error = None, None
@@ -304,7 +263,7 @@ class KvChatApp(ChatActions, App[int], inherit_bindings=False):
             stats = relay(events, lambda: self.engine.snapshot(conv), lambda p: self.post_message(TurnProgress(p)),
                           interval=lambda: self.governor.interval)
         except Exception as err:
-            error = _one_line(err)
+            error = one_line(err)
         session.log.sync(conv.messages)
         if stats is not None:
             session.record_turn(stats.summary())
@@ -351,49 +310,6 @@ class KvChatApp(ChatActions, App[int], inherit_bindings=False):
         self.reply = None
         self._job_done()
 
-    # ---- cache operations ---------------------------------------------------------------------------
-    def run_op(self, label: str, run: Callable[[], str | None], then: Callable[[], Any] | None = None,
-               conv: Callable[[], Any] | None = None) -> None:
-        """Run an engine operation in a worker, after the current job; stops a reply first."""
-        if self.busy == "reply":
-            self.cancel.set()
-            self.notice(f"stopping the reply to {label}")
-        op = Op(label, run, then, conv)
-        self.submit(label, lambda: self._op_worker(op))
-
-    @work(thread=True, group="op", exit_on_error=False)
-    def _op_worker(self, op: Op) -> None:
-        try:
-            note = op.run()
-        except Exception as err:
-            self.post_message(OpEnded(None, self._safe_snapshot(), error=_one_line(err)))
-            return
-        conv = op.conv() if op.conv is not None else self.session.conv
-        self.post_message(OpEnded(note, self.engine.snapshot(conv), then=op.then))
-
-    def _safe_snapshot(self) -> CacheSnapshot | None:
-        try:
-            return self.engine.snapshot(self.session.conv)
-        except Exception as err:  # the op's own error is what gets shown; this one is logged
-            _one_line(err)
-            return None
-
-    async def on_op_ended(self, msg: OpEnded) -> None:
-        if self.exiting:
-            return
-        if msg.then is not None:
-            result = msg.then()
-            if hasattr(result, "__await__"):
-                await result
-        if msg.snapshot is not None:
-            self.show_snapshot(msg.snapshot)
-        self.update_status()
-        if msg.error:
-            self.notice(msg.error, error=True)
-        elif msg.note:
-            self.notice(msg.note)
-        self._job_done()
-
     async def switch_session(self, session: ChatSession) -> None:
         self.session = session
         await self.part(Transcript).remove_children()
@@ -413,24 +329,6 @@ class KvChatApp(ChatActions, App[int], inherit_bindings=False):
         tokens = held if conv.mode == "cache" else self.context_tokens
         self.part(CapGauge).show(tokens, conv.cap, conv.policy.name, conv.policy.description,
                                       self.engine.geometry.max_position)
-
-
-def _one_line(err: Exception) -> str:
-    """KvchatError's message is already one line for the user. Anything else is a bug: its
-    traceback goes to errors.log (stderr would tear the screen) and the line says where."""
-    if isinstance(err, KvchatError):
-        return str(err)
-    where = "errors.log"
-    try:
-        path = data_dir() / "errors.log"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a", encoding="utf-8") as fh:
-            fh.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-            traceback.print_exception(err, file=fh)
-        where = str(path)
-    except OSError as log_err:
-        where = f"nowhere: cannot write the log ({log_err.strerror})"
-    return f"internal error ({type(err).__name__}: {err}); traceback in {where}"
 
 
 # ---- the entry point ---------------------------------------------------------------------------------
