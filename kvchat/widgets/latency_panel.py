@@ -19,7 +19,7 @@ TURNS_SHOWN = 4
 
 
 MIN_FIT_POINTS = 8
-MIN_FIT_SPAN = 32       # positions; a slope fitted over fewer is noise scaled up to 1k tokens
+MIN_FIT_SPAN = 256      # positions; a slope fitted over fewer is mostly timing noise scaled up to 1k tokens
 
 
 def fit_slope(points: list[tuple[int, float]]) -> float | None:
