@@ -1,7 +1,7 @@
 """Conversations on disk: one JSON Lines file per conversation, each record flushed and
 fsynced as it happens, so a crash or a quit loses nothing.
 
-<data dir>/conversations/<YYYYmmdd-HHMMSS>-<pid>.jsonl holds, in order:
+<data dir>/conversations/<YYYYmmdd-HHMMSS>-<random>.jsonl holds, in order:
     {"type": "start", "time", "model", "system", "cap", "policy", "mode"}
     {"type": "message", "role", "content"}        a message appended to the conversation
     {"type": "messages", "messages": [...]}        the whole list, when it changed otherwise
@@ -15,6 +15,7 @@ import json
 import os
 import threading
 import time
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -51,24 +52,35 @@ class Restored:
 
 
 class ConversationLog:
-    """Appends one conversation's records; safe to call from the UI and worker threads."""
+    """Appends one conversation's records; safe to call from the UI and worker threads.
+
+    The file is created with the first message: until then the start and settings records
+    wait in memory, so opening kvchat and quitting leaves no empty conversation to resume."""
 
     def __init__(self, path: Path, messages: Messages | None = None) -> None:
         self.path = path
         self.messages: Messages = [dict(m) for m in messages or []]  # what the log says so far
-        self._writer = JsonlWriter(path)
+        self._writer: JsonlWriter | None = JsonlWriter(path) if path.exists() else None
+        self._held: list[dict[str, Any]] = []
         self._lock = threading.Lock()
+
+    def _put(self, record: dict[str, Any]) -> None:
+        """Write (the caller holds the lock); start and event records wait for a message."""
+        if self._writer is None:
+            if record["type"] in ("start", "event"):
+                self._held.append(record)
+                return
+            self._writer = JsonlWriter(self.path)
+            for held in self._held:
+                self._writer.write(held)
+            self._held = []
+        self._writer.write(record)
 
     @classmethod
     def create(cls, root: Path | None = None, **start: Any) -> ConversationLog:
         folder = conversations_dir(root)
         folder.mkdir(parents=True, exist_ok=True)
-        stamp = time.strftime("%Y%m%d-%H%M%S")
-        path = folder / f"{stamp}-{os.getpid()}.jsonl"
-        n = 1
-        while path.exists():
-            n += 1
-            path = folder / f"{stamp}-{os.getpid()}-{n}.jsonl"
+        path = folder / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}.jsonl"
         log = cls(path)
         log.write({"type": "start", "time": time.time(), **start})
         system = start.get("system")
@@ -78,7 +90,7 @@ class ConversationLog:
 
     def write(self, record: dict[str, Any]) -> None:
         with self._lock:
-            self._writer.write(record)
+            self._put(record)
 
     def sync(self, messages: Messages) -> None:
         """Record how `messages` differs from what the log holds: appended messages one by
@@ -87,9 +99,9 @@ class ConversationLog:
             n = len(self.messages)
             if messages[:n] == self.messages:
                 for m in messages[n:]:
-                    self._writer.write({"type": "message", "role": m["role"], "content": m["content"]})
+                    self._put({"type": "message", "role": m["role"], "content": m["content"]})
             else:
-                self._writer.write({"type": "messages", "messages": messages})
+                self._put({"type": "messages", "messages": messages})
             self.messages = [dict(m) for m in messages]
 
     def turn(self, summary: dict[str, Any]) -> None:
@@ -100,7 +112,8 @@ class ConversationLog:
 
     def close(self) -> None:
         with self._lock:
-            self._writer.close()
+            if self._writer is not None:
+                self._writer.close()
 
 
 def last_conversation(root: Path | None = None) -> Path | None:

@@ -91,3 +91,12 @@ def test_settings_round_trip_and_a_missing_file_gives_defaults(tmp_path):
     assert settings_mod.load(path) == Settings()
     settings_mod.save(Settings(theme="light", keys={"quit": "ctrl+x"}), path)
     assert settings_mod.load(path) == Settings(theme="light", keys={"quit": "ctrl+x"})
+
+
+async def test_a_session_without_messages_leaves_nothing_to_resume(fake):
+    app = make_app(fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        await pilot.press("f3")                    # a setting alone is not a conversation
+        await pilot.press("ctrl+q")
+    assert last_conversation() is None
