@@ -119,7 +119,8 @@ class ChatActions:
         held = self.snapshot.tokens_held if self.snapshot else 0
         note = f"cap {cap:,} tokens" if cap else "no cap"
         if cap and held > cap:
-            then = "is refused" if session.conv.policy.name == "stop" else "drops the oldest turns"
+            name = session.conv.policy.name
+            then = "is refused" if name == "stop" else f"makes room by {name}"
             note += f"; {held - cap:,} tokens over, so the next turn {then}"
         self.notice(note)
 
