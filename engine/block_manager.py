@@ -80,6 +80,10 @@ class BlockManager:
         """Cached block ids, least recently used first."""
         return list(self._cached)
 
+    def cached_ids(self):
+        """A view of the cached block ids (no copy)."""
+        return self._cached.keys()
+
     # ---- prefix reuse -----------------------------------------------------------------
     def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
         """Take a reference on the longest chain of indexed full blocks that begins

@@ -160,47 +160,33 @@ class Conversation:
         messages = self.messages + [{"role": "user", "content": text}]
         kept = self._fit(messages)
         dropped = len(messages) - len(kept)
-        self.messages = kept
-        return self._turn(sampling or SamplingParams(), cancel, dropped)
+        before, self.messages = self.messages, kept
+        return self._turn(sampling or SamplingParams(), cancel, dropped, before)
 
     def regenerate(self, sampling: SamplingParams | None = None,
                    cancel: threading.Event | None = None) -> Iterator:
         """Drop the last reply and generate it again from the same history."""
         if not self.messages or self.messages[-1]["role"] != "assistant":
             raise KvchatError("nothing to regenerate: the conversation has no reply yet")
+        before = list(self.messages)
         self.messages.pop()
-        return self._turn(sampling or SamplingParams(), cancel, 0)
+        return self._turn(sampling or SamplingParams(), cancel, 0, before)
 
     def _fit(self, messages):
         if self.cap is None:
             return messages
         return self.policy.fit(messages, lambda m: len(self.render(m)), self.cap)
 
-    def _turn(self, sp: SamplingParams, cancel, dropped: int) -> Iterator:
+    def _turn(self, sp: SamplingParams, cancel, dropped: int, before: list[dict[str, str]]) -> Iterator:
+        """`before`: the messages to restore if the turn fails before its first token."""
         eng = self.engine
         with eng.lock:
-            t0 = time.perf_counter()
-            ids = self.render(self.messages)
-            evictions0 = eng.blocks.evictions
-            recomputed = self.preempted_pending
-            self.preempted_pending = 0
-            preempted = 0
-            evicted0 = self.evicted_tokens
-            if self.mode == "cache" and self.streaming:
-                reused, preempted = self._claim_streaming(ids)
-                logits = self._prefill_streaming(ids[reused:])
-            elif self.mode == "cache":
-                preempted = self._claim(ids)
-                reused = len(self.tokens)
-                logits = self._prefill(ids[reused:], reused)
-            else:
-                reused = 0
-                logits = eng.model.forward_dense(torch.tensor(ids, device=eng.device))[0]
-            self._sync()
-            prefill_ms = (time.perf_counter() - t0) * 1000
-            self.last_logits = logits
-            yield PrefillEvent(len(ids), reused, len(ids) - reused, prefill_ms)
-
+            try:
+                prefill = self._prefill_turn()
+            except BaseException:
+                self.messages = before  # nothing was generated: as if the message was never sent
+                raise
+            ids, reused, preempted, recomputed, evictions0, evicted0, logits, prefill_ms, t0 = prefill
             sampler = Sampler(sp, eng.device, vocab_limit=len(eng.tokenizer))
             stops = self.stop_ids()
             detok = Detokenizer(eng.tokenizer)
@@ -212,6 +198,7 @@ class Conversation:
             try:
                 token = int(sampler(logits))
                 ttft_ms = (time.perf_counter() - t0) * 1000
+                yield PrefillEvent(len(ids), reused, len(ids) - reused, prefill_ms)
                 for i in range(sp.max_tokens):
                     if token in stops:
                         stop_reason = "eos"
@@ -268,6 +255,31 @@ class Conversation:
             if tail:
                 yield TokenEvent(tail, -1, len(seq) - 1, 0.0)
             yield stats
+
+    def _prefill_turn(self):
+        """Render, claim blocks and prefill; the first half of a turn."""
+        eng = self.engine
+        t0 = time.perf_counter()
+        ids = self.render(self.messages)
+        evictions0 = eng.blocks.evictions
+        recomputed = self.preempted_pending
+        preempted = 0
+        evicted0 = self.evicted_tokens
+        if self.mode == "cache" and self.streaming:
+            reused, preempted = self._claim_streaming(ids)
+            logits = self._prefill_streaming(ids[reused:])
+        elif self.mode == "cache":
+            preempted = self._claim(ids)
+            reused = len(self.tokens)
+            logits = self._prefill(ids[reused:], reused)
+        else:
+            reused = 0
+            logits = eng.model.forward_dense(torch.tensor(ids, device=eng.device))[0]
+        self._sync()
+        self.preempted_pending = 0
+        self.last_logits = logits
+        prefill_ms = (time.perf_counter() - t0) * 1000
+        return ids, reused, preempted, recomputed, evictions0, evicted0, logits, prefill_ms, t0
 
     # ---- cache mechanics ----------------------------------------------------------------------
     def _claim(self, ids: list[int]) -> int:

@@ -17,7 +17,7 @@ from .block_manager import BlockManager
 from .errors import KvchatError
 from .geometry import DTYPE_BYTES, Geometry
 from .kv_cache import TORCH_DTYPES, KVPool, PoolSpec, blocks_for, plan_pool
-from .telemetry import CACHED, FREE, HELD, OTHER, PARTIAL, REUSED, SHARED, CacheSnapshot
+from .telemetry import CACHED, HELD, OTHER, PARTIAL, REUSED, SHARED, CacheSnapshot
 from .units import parse_bytes
 from .weights import ModelSource, load_model, resolve
 
@@ -159,6 +159,13 @@ class Engine:
         then whole idle conversations are preempted, the most recently started first, as
         vLLM does. Returns how many conversations were preempted."""
         preempted = 0
+        others = [c for c in self.conversations if c is not requester]
+        if not self.blocks.can_allocate(n_blocks) and n_blocks > (
+                self.blocks.num_free + self.blocks.num_cached + sum(len(c.block_table) for c in others)):
+            raise KvchatError(
+                f"KV pool full: this turn needs {n_blocks} more blocks of {self.spec.block_size} tokens, more than "
+                f"the pool can free even by preempting every other conversation; raise --kv-budget, set a cap, "
+                f"or /reset")
         while not self.blocks.can_allocate(n_blocks):
             victims = [c for c in reversed(self.conversations) if c is not requester and c.block_table]
             if not victims:
@@ -175,16 +182,18 @@ class Engine:
     def snapshot(self, focus=None) -> CacheSnapshot:
         with self.lock:
             spec, bm = self.spec, self.blocks
-            codes = bytearray(spec.num_blocks)
-            shared = 0
-            for b in bm.blocks:
-                if b.ref_count > 1:
-                    codes[b.block_id] = SHARED
-                    shared += 1
-                elif b.ref_count == 1:
-                    codes[b.block_id] = OTHER
-                else:
-                    codes[b.block_id] = CACHED if bm.state(b.block_id) == "cached" else FREE
+            # O(cached + held) rather than O(pool): a GPU pool can have 100k blocks
+            codes = bytearray(spec.num_blocks)  # all FREE
+            for block_id in bm.cached_ids():
+                codes[block_id] = CACHED
+            shared = set()
+            for conv in self.conversations:
+                for block_id in conv.block_table:
+                    if bm.blocks[block_id].ref_count > 1:
+                        codes[block_id] = SHARED
+                        shared.add(block_id)
+                    else:
+                        codes[block_id] = OTHER
             held = blocks = wasted = 0
             if focus is not None:
                 held = focus.tokens_held
@@ -205,7 +214,7 @@ class Engine:
                 capacity_bytes=self.pool.nbytes, tokens_held=held, bytes_used=held * spec.bytes_per_token,
                 bytes_allocated=blocks * spec.block_size * spec.bytes_per_token, blocks_used=blocks,
                 wasted_slots=wasted, pool_free=bm.num_free, pool_active=bm.num_active,
-                pool_cached=bm.num_cached, pool_shared=shared, block_map=bytes(codes),
+                pool_cached=bm.num_cached, pool_shared=len(shared), block_map=bytes(codes),
                 cap=focus.cap if focus is not None else None,
                 policy=focus.policy.name if focus is not None else "",
                 mode=focus.mode if focus is not None else "cache",

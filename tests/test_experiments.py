@@ -183,3 +183,29 @@ def test_switching_to_fp8_at_runtime_rebuilds_the_pool_and_the_next_turn_recompu
     finally:
         eng.close_conversation(conv)
         eng.set_kv_dtype("fp32")
+
+
+def test_the_block_map_agrees_with_the_block_manager_across_conversations(small_engine):
+    from engine.telemetry import CACHED, FREE, HELD, OTHER, PARTIAL, REUSED, SHARED
+    eng = small_engine
+    eng.blocks.evict_all_cached()
+    gone = eng.new_conversation()
+    reply_tokens(gone, "Tell me a joke.", 4)
+    eng.close_conversation(gone)  # leaves cached blocks
+    a, b = eng.new_conversation(), eng.new_conversation()
+    try:
+        reply_tokens(a, "Name three rivers in Europe.", 6)
+        reply_tokens(b, "List four fruits.", 6)
+        snap = eng.snapshot(b)
+        m = snap.block_map
+        count = {code: m.count(code) for code in (FREE, HELD, PARTIAL, REUSED, CACHED, SHARED, OTHER)}
+        assert count[FREE] == eng.blocks.num_free == snap.pool_free
+        assert count[CACHED] == eng.blocks.num_cached == snap.pool_cached
+        assert count[SHARED] == snap.pool_shared >= 1          # the default system prompt's block
+        assert count[OTHER] == len(a.block_table) - snap.pool_shared
+        assert count[HELD] + count[PARTIAL] + count[REUSED] + count[SHARED] == len(b.block_table)
+        assert count[PARTIAL] == (1 if b.tokens_held % eng.spec.block_size else 0)
+        assert snap.wasted_slots == len(b.block_table) * eng.spec.block_size - b.tokens_held
+    finally:
+        eng.close_conversation(a)
+        eng.close_conversation(b)

@@ -2,6 +2,7 @@
 what the previous turn left in the cache, and computes the same logits as a cold start."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from engine import SamplingParams, TurnStats
@@ -102,5 +103,21 @@ def test_cancelling_mid_reply_keeps_the_cache_consistent(engine):
             conv._make_room_for(pos)
             warm = conv._decode(probe, pos)
         assert float((warm - cold).abs().max() / cold.abs().max()) < 1e-3
+    finally:
+        engine.close_conversation(conv)
+
+
+def test_a_turn_that_fails_before_its_first_token_leaves_no_orphan_message(engine):
+    from engine import KvchatError
+    conv = engine.new_conversation()
+    try:
+        run_turn(conv, MESSAGES[0], max_tokens=4)
+        before = [dict(m) for m in conv.messages]
+        huge = "word " * 40000  # far more than the 64 MiB pool holds
+        with pytest.raises(KvchatError, match="KV pool full"):
+            list(conv.send(huge, SamplingParams(max_tokens=4)))
+        assert conv.messages == before
+        follow = run_turn(conv, MESSAGES[1], max_tokens=4)
+        assert follow.turn == 2
     finally:
         engine.close_conversation(conv)
