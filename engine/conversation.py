@@ -20,7 +20,7 @@ from .kv_cache import blocks_for
 from .model import Step
 from .policy import make_policy
 from .sampler import Sampler, SamplingParams
-from .streaming import DEFAULT_SINK_TOKENS, evict_middle, sink_blocks
+from .streaming import DEFAULT_SINK_TOKENS, claim_window, evict_middle, prefill_window, sink_blocks
 from .telemetry import PrefillEvent, TokenEvent, TurnStats
 
 PREFILL_CHUNK = 2048
@@ -266,8 +266,8 @@ class Conversation:
         preempted = 0
         evicted0 = self.evicted_tokens
         if self.mode == "cache" and self.streaming:
-            reused, preempted = self._claim_streaming(ids)
-            logits = self._prefill_streaming(ids[reused:])
+            reused, preempted = claim_window(self, ids), 0
+            logits = prefill_window(self, ids[reused:])
         elif self.mode == "cache":
             preempted = self._claim(ids)
             reused = len(self.tokens)
@@ -305,57 +305,6 @@ class Conversation:
     @property
     def streaming(self) -> bool:
         return self.policy.streaming and self.cap is not None
-
-    def _claim_streaming(self, ids: list[int]) -> tuple[int, int]:
-        """Sink-window: keep what the cache holds of the text that `ids` still begins with,
-        drop any tail the new rendering changed, and return (tokens kept, preempted)."""
-        bm = self.engine.blocks
-        bs = bm.block_size
-        if not self._private:  # start from private, unindexed blocks: their keys will be rewritten
-            self.drop_cache(keep_index=True)
-            self._private = True
-        common = 0
-        for x, y in zip(self.logical, ids[:-1]):
-            if x != y:
-                break
-            common += 1
-        drop = len(self.logical) - common
-        if drop > len(self.tokens) - sink_blocks(self.sink_tokens, bs) * bs:
-            self.drop_cache()  # the change reaches evicted text: start over
-            self._private, common = True, 0
-        elif drop:
-            del self.tokens[len(self.tokens) - drop:]
-            del self.logical[common:]
-            keep = blocks_for(len(self.tokens), bs)
-            bm.forget(self.block_table[keep:])
-            del self.block_table[keep:]
-        return common, 0
-
-    def _prefill_streaming(self, new_ids: list[int], chunk_size: int = PREFILL_CHUNK,
-                           all_logits: bool = False) -> torch.Tensor:
-        """Prefill in chunks that fit the window, evicting middle blocks before each.
-        Returns the last token's logits (vocab,), or every token's (T, vocab)."""
-        eng = self.engine
-        bs = eng.spec.block_size
-        size = min(self.cap - (sink_blocks(self.sink_tokens, bs) + 1) * bs, chunk_size)
-        outs = []
-        for c0 in range(0, len(new_ids), size):
-            chunk = new_ids[c0:c0 + size]
-            over = self.tokens_held + len(chunk) - self.cap
-            if over > 0:
-                evict_middle(self, -(-over // bs))
-            p0 = self.tokens_held
-            need = blocks_for(p0 + len(chunk), bs) - len(self.block_table)
-            self.engine.make_room(need, self)
-            new = eng.blocks.allocate(need)
-            self._table[len(self.block_table):len(self.block_table) + need] = torch.tensor(new, dtype=torch.int32)
-            self.block_table += new
-            step = Step(self._table, self._slots(p0, p0 + len(chunk)), p0, decode=False)
-            outs.append(eng.model.forward(torch.tensor(chunk, device=eng.device),
-                                          torch.arange(p0, p0 + len(chunk), device=eng.device), step, eng.pool,
-                                          last_only=not all_logits))
-            self._wrote(chunk)
-        return torch.cat(outs) if all_logits else outs[-1][0]
 
     def _make_room_for(self, pos: int) -> int:
         """Before writing position pos: add a block when pos starts a new one."""

@@ -14,10 +14,12 @@ from __future__ import annotations
 
 import torch
 
-from .attention import FP8_MAX, quantize_fp8
-from .model import apply_rope
+from .attention import quantize_fp8
+from .kv_cache import blocks_for
+from .model import Step, apply_rope
 
 DEFAULT_SINK_TOKENS = 4
+CHUNK = 2048
 
 
 def sink_blocks(sink_tokens: int, block_size: int) -> int:
@@ -75,4 +77,55 @@ def evict_middle(conv, n_blocks: int) -> int:
     return n_blocks * bs
 
 
-__all__ = ["DEFAULT_SINK_TOKENS", "FP8_MAX", "evict_middle", "rerotate_keys", "sink_blocks"]
+
+def claim_window(conv, ids: list[int]) -> int:
+    """Start a sink-window turn: keep what the cache holds of the text `ids` still begins
+    with, drop any tail the new rendering changed, and return how many tokens are kept."""
+    bm = conv.engine.blocks
+    bs = bm.block_size
+    if not conv._private:  # start from private, unindexed blocks: their keys will be rewritten
+        conv.drop_cache(keep_index=True)
+        conv._private = True
+    common = 0
+    for x, y in zip(conv.logical, ids[:-1]):
+        if x != y:
+            break
+        common += 1
+    drop = len(conv.logical) - common
+    if drop > len(conv.tokens) - sink_blocks(conv.sink_tokens, bs) * bs:
+        conv.drop_cache()  # the change reaches evicted text: start over
+        conv._private, common = True, 0
+    elif drop:
+        del conv.tokens[len(conv.tokens) - drop:]
+        del conv.logical[common:]
+        keep = blocks_for(len(conv.tokens), bs)
+        bm.forget(conv.block_table[keep:])
+        del conv.block_table[keep:]
+    return common
+
+
+def prefill_window(conv, new_ids: list[int], chunk_size: int = CHUNK, all_logits: bool = False) -> torch.Tensor:
+    """Prefill in chunks that fit the window, evicting middle blocks before each. Returns
+    the last token's logits (vocab,), or every token's (T, vocab)."""
+    eng = conv.engine
+    bs = eng.spec.block_size
+    size = min(conv.cap - (sink_blocks(conv.sink_tokens, bs) + 1) * bs, chunk_size)
+    outs = []
+    for c0 in range(0, len(new_ids), size):
+        chunk = new_ids[c0:c0 + size]
+        over = conv.tokens_held + len(chunk) - conv.cap
+        if over > 0:
+            evict_middle(conv, -(-over // bs))
+        p0 = conv.tokens_held
+        need = blocks_for(p0 + len(chunk), bs) - len(conv.block_table)
+        eng.make_room(need, conv)
+        new = eng.blocks.allocate(need)
+        n = len(conv.block_table)
+        conv._table[n:n + need] = torch.tensor(new, dtype=torch.int32)
+        conv.block_table += new
+        step = Step(conv._table, conv._slots(p0, p0 + len(chunk)), p0, decode=False)
+        outs.append(eng.model.forward(torch.tensor(chunk, device=eng.device),
+                                      torch.arange(p0, p0 + len(chunk), device=eng.device), step, eng.pool,
+                                      last_only=not all_logits))
+        conv._wrote(chunk)
+    return torch.cat(outs) if all_logits else outs[-1][0]

@@ -8,6 +8,7 @@ import torch
 
 from engine import KvchatError, SamplingParams, TurnStats
 from engine.model import apply_rope, rms_norm
+from engine.streaming import prefill_window
 
 
 def turn(conv, text, n):
@@ -62,7 +63,7 @@ def stream_perplexity(engine, ids, cap, sink_tokens):
     try:
         with engine.lock:
             conv._private = True
-            logits = conv._prefill_streaming(ids, chunk_size=32, all_logits=True)
+            logits = prefill_window(conv, ids, chunk_size=32, all_logits=True)
             assert conv.tokens_held <= cap
     finally:
         engine.close_conversation(conv)
