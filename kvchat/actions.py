@@ -1,7 +1,8 @@
 """What the keys and slash commands do: the user's experiments on the cache.
 
-A mixin of KvChatApp; every method runs on the UI thread. Anything that takes
-engine.lock (reset, cache mode, KV dtype, new conversation) goes through `run_op`, which
+A mixin of KvChatApp; every method runs on the UI thread and acts on the focused
+conversation (opening, switching and closing conversations are in conversations.py).
+Anything that takes engine.lock (reset, cache mode, KV dtype) goes through `run_op`, which
 runs it in a worker after the current turn; settings the engine reads without the lock
 (cap, policy) change at once, even mid-reply.
 """
@@ -16,7 +17,6 @@ from engine.policy import POLICIES
 
 from . import settings as settings_mod
 from .commands import Command, CommandError, read_message_file
-from .session import ChatSession
 from .store import export
 from .widgets import HelpScreen, PolicyPicker
 
@@ -40,8 +40,9 @@ class ChatActions:
         self.push_screen(HelpScreen(self.keymap(), str(self.settings_path)))
 
     def action_reset_cache(self) -> None:
+        session = self.session
+
         def run() -> str:
-            session = self.session
             n = session.conv.reset_cache()
             session.log.event("reset_cache", blocks=n)
             return f"cache reset: freed {n} blocks; the next turn prefills the whole history"
@@ -63,23 +64,15 @@ class ChatActions:
         if self.busy == "reply":
             self.cancel.set()
             self.status("stopping…")
-
-    def action_new_conversation(self) -> None:
-        old = self.session
-        new: list[ChatSession] = []
-
-        def run() -> str:
-            self.engine.close_conversation(old.conv)
-            old.log.event("closed")
-            old.log.close()
-            new.append(ChatSession.start(self.engine, old.options(), self.options.data_root))
-            return "new conversation; the last one is saved, and its full blocks stay cached for reuse"
-        self.run_op("start a new conversation", run, then=lambda: self.switch_session(new[0]),
-                    conv=lambda: new[0].conv)
+            if self.turn_session is not self.session:
+                self.notice(f"stopping conversation {self.turn_session.number}'s reply")
 
     def action_regenerate(self) -> None:
         conv = self.session.conv
-        if self.busy == "reply":
+        if self.session in self.waiting:
+            self.notice("this conversation's turn is still queued", error=True)
+            return
+        if self.busy == "reply" and self.turn_session is self.session:
             self.cancel.set()        # regenerate the reply in progress once it has stopped
         elif not conv.messages or conv.messages[-1]["role"] != "assistant":
             self.notice("nothing to regenerate: the conversation has no reply yet", error=True)
@@ -112,7 +105,11 @@ class ChatActions:
     # ---- settings --------------------------------------------------------------------------
     def set_cap(self, cap: int | None) -> None:
         session = self.session
-        session.conv.set_cap(cap)
+        try:
+            session.conv.set_cap(cap)
+        except KvchatError as err:     # e.g. below sink-window's least window
+            self.notice(str(err), error=True)
+            return
         session.log.event("cap", value=cap)
         self.update_gauge()
         self.update_status()
@@ -125,16 +122,32 @@ class ChatActions:
         self.notice(note)
 
     def set_policy(self, name: str) -> None:
-        self.session.conv.set_policy(name)
-        self.session.log.event("policy", value=name)
+        """At once when idle; during a job after it, since leaving sink-window drops the
+        cache under engine.lock."""
+        session = self.session
+
+        def apply() -> str:
+            session.conv.set_policy(name)
+            session.log.event("policy", value=name)
+            return f"policy {name}: {POLICIES[name].description}"
+        if self.busy is not None:
+            self.run_op(f"switch to policy {name}", apply, interrupt=False)
+            return
+        try:
+            note = apply()
+        except KvchatError as err:     # e.g. a cap below sink-window's least window
+            self.notice(str(err), error=True)
+            return
         self.update_gauge()
         self.update_status()
-        self.notice(f"policy {name}: {POLICIES[name].description}")
+        self.notice(note)
 
     def set_mode(self, mode: str) -> None:
+        session = self.session
+
         def run() -> str:
-            self.session.conv.set_mode(mode)
-            self.session.log.event("mode", value=mode)
+            session.conv.set_mode(mode)
+            session.log.event("mode", value=mode)
             return ("cache off: every token recomputes the whole sequence" if mode == "off"
                     else "cache on: the next turn prefills the history once, then reads the cache")
         self.run_op(f"switch the cache {'off' if mode == 'off' else 'on'}", run)
@@ -142,9 +155,11 @@ class ChatActions:
     def set_kv_dtype(self, kv: str) -> None:
         def run() -> str:
             self.engine.set_kv_dtype(kv)
-            self.session.log.event("kv_dtype", value=self.engine.kv_dtype)
+            for session in self.sessions:      # the pool is every conversation's
+                session.log.event("kv_dtype", value=self.engine.kv_dtype)
+            chats = "every conversation's cache" if len(self.sessions) > 1 else "the cache"
             return (f"KV pool rebuilt in {self.engine.kv_dtype}: {self.engine.bytes_per_token:,} B per token; "
-                    "caches dropped, the next turn recomputes its history")
+                    f"{chats} dropped, the next turn recomputes its history")
         self.run_op(f"rebuild the pool in {kv}", run)
 
     def set_theme(self, name: str) -> None:
@@ -207,6 +222,12 @@ class ChatActions:
             self.toggle_panel(arg)
         elif name == "new":
             self.action_new_conversation()
+        elif name == "switch":
+            self.action_switch_conversation(arg)
+        elif name == "close":
+            self.close_conversation(arg)
+        elif name == "list":
+            self.list_conversations()
         elif name == "regen":
             self.action_regenerate()
         elif name == "quit":

@@ -4,7 +4,8 @@ Threads: the UI thread owns every widget. Loading the engine, each turn, and eac
 operation run in `@work(thread=True)` workers, one job at a time (a small queue), and
 report back only through post_message. A turn holds engine.lock from its prefill to its
 last token, so the UI thread never calls an engine method that takes the lock; cache
-snapshots are taken by the worker, at most a few times a second (see turn.py).
+snapshots are taken by the worker, at most a few times a second (see turn.py), of the
+conversation in focus at that moment (several share the pool: see conversations.py).
 """
 from __future__ import annotations
 
@@ -20,7 +21,7 @@ from typing import Any
 from textual import work
 from textual.app import App, ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.widgets import Footer, ProgressBar
+from textual.widgets import ContentSwitcher, Footer, ProgressBar
 
 from engine.errors import KvchatError
 from engine.sampler import SamplingParams
@@ -29,13 +30,15 @@ from engine.telemetry import CacheSnapshot
 from . import keys, theming
 from .actions import ChatActions
 from .commands import CommandError, message_text, parse
+from .conversations import Conversations
 from .jobs import Jobs, one_line
 from .messages import EngineFailed, EngineReady, TurnEnded, TurnProgress
 from .session import ChatSession, SessionOptions
 from .settings import Settings
 from .store import Restored
 from .turn import Governor, relay
-from .widgets import BlockMap, CachePanel, CapGauge, ChatInput, LatencyPanel, Reply, StatusBar, Transcript
+from .widgets import (BlockMap, CachePanel, CapGauge, ChatInput, ConversationBar, LatencyPanel, Reply, StatusBar,
+                      Transcript, UserMessage)
 
 NARROW = 90   # below this many columns the panels hide themselves (ctrl+b shows them)
 
@@ -50,7 +53,7 @@ class AppOptions:
     data_root: Path | None = None               # None: the platform's user data dir
 
 
-class KvChatApp(ChatActions, Jobs, App[int], inherit_bindings=False):
+class KvChatApp(ChatActions, Conversations, Jobs, App[int], inherit_bindings=False):
     """App's own ctrl+q / ctrl+c bindings are replaced by keys.KEYS (not inherited)."""
 
     TITLE = "kvchat"
@@ -69,16 +72,17 @@ class KvChatApp(ChatActions, Jobs, App[int], inherit_bindings=False):
         self.settings_path = settings_path
         self.theme_name = options.theme if options.theme in self.themes else next(iter(self.themes))
         self.engine: Any = None
-        self.session: ChatSession | None = None
-        self.snapshot: CacheSnapshot | None = None
+        self.sessions: list[ChatSession] = []
+        self.session: ChatSession | None = None     # the conversation in focus
+        self.turn_session: ChatSession | None = None   # the one whose turn runs (or ran last)
+        self.waiting: set[ChatSession] = set()          # those with a turn in the job queue
+        self.next_number = 1
         self.busy: str | None = "load"          # the running job: load, reply, or an op label
         self.jobs: deque[tuple[str, Callable[[], Any]]] = deque()
         self.cancel = threading.Event()
         self.reply: Reply | None = None
         self.turn_text: str | None = None
         self.user_widget: Any = None
-        self.prompt_tokens = 0
-        self.context_tokens = 0
         self.quitting = False
         self.exiting = False
         self.governor = Governor()
@@ -91,7 +95,9 @@ class KvChatApp(ChatActions, Jobs, App[int], inherit_bindings=False):
         yield StatusBar()
         with Horizontal(id="main"):
             with Vertical(id="chat"):
-                yield Transcript(id="transcript")
+                yield ConversationBar(id="conversations", classes="single")
+                with ContentSwitcher(id="transcripts", initial="transcript"):
+                    yield Transcript(id="transcript")
                 yield ChatInput(id="input")
             with VerticalScroll(id="panels"):
                 yield CachePanel(id="cache-panel")
@@ -105,7 +111,7 @@ class KvChatApp(ChatActions, Jobs, App[int], inherit_bindings=False):
         self.set_keymap(self.settings.keys)
         self.part(StatusBar).info = f"kvchat · {self.options.model}"
         bar = ProgressBar(total=None, show_eta=False, show_percentage=False, id="loading")
-        self.part(Transcript).mount(bar)
+        self.transcript.mount(bar)
         self._load_timer = self.set_interval(0.1, self._loading_tick)
         self.part(ChatInput).focus()
         self._load()
@@ -129,6 +135,11 @@ class KvChatApp(ChatActions, Jobs, App[int], inherit_bindings=False):
         self.exiting = True     # worker messages still in the queue are dropped from now on
         super().exit(*args, **kwargs)
 
+    @property
+    def snapshot(self) -> CacheSnapshot | None:
+        """The focused conversation's latest cache snapshot."""
+        return self.session.snapshot if self.session is not None else None
+
     def keymap(self) -> dict[str, str]:
         return {k.id: self.settings.keys.get(k.id, k.keys) for k in keys.KEYS}
 
@@ -148,12 +159,14 @@ class KvChatApp(ChatActions, Jobs, App[int], inherit_bindings=False):
     def update_status(self) -> None:
         e, conv = self.engine, self.session.conv
         cap = f"cap {conv.cap:,}" if conv.cap else "no cap"
+        chat = f"chat {self.session.number} of {len(self.sessions)} · " if len(self.sessions) > 1 else ""
         self.part(StatusBar).info = (
-            f"{e.source.name} · {e.device} · {e.dtype_name} · KV {e.kv_dtype} · "
+            f"{chat}{e.source.name} · {e.device} · {e.dtype_name} · KV {e.kv_dtype} · "
             f"cache {'on' if conv.mode == 'cache' else 'off'} · {cap} · {conv.policy.name}")
 
     def notice(self, text: str, error: bool = False) -> None:
-        self.part(Transcript).add_notice(text, error)
+        """A line in the focused conversation's transcript."""
+        self.transcript.add_notice(text, error)
 
     def _loading_tick(self) -> None:
         self.status(f"loading {self.options.model} … {time.perf_counter() - self._load_started:.1f} s")
@@ -178,25 +191,31 @@ class KvChatApp(ChatActions, Jobs, App[int], inherit_bindings=False):
         self.engine = msg.engine
         restored = self.options.restored
         try:
-            self.session = ChatSession.start(self.engine, self.options.session, self.options.data_root, restored)
+            session = ChatSession.start(self.engine, self.options.session, self.options.data_root, restored)
         except (KvchatError, OSError) as err:
             self.failure = f"cannot start the conversation: {err}"
             self.exit(return_code=2)
             return
+        session.number = self.next_number
+        self.next_number += 1
+        transcript = self.part("#transcript")
+        await self.add_session(session, transcript)
+        self.session = session
         await self.part("#loading").remove()
-        transcript = self.part(Transcript)
         if restored is not None:
-            await transcript.show_history(self.session.conv.messages, self.session.turns)
-            for summary in self.session.turns:
-                self.part(LatencyPanel).add_turn(summary)
+            await transcript.show_history(session.conv.messages, session.turns)
+            for summary in session.turns:
+                session.latency.add_turn(summary)
             transcript.add_notice(f"resumed {restored.path.name}: {len(restored.turns)} turns; the cache "
                                         "is empty, so the next turn prefills the whole history")
             if restored.unanswered:
                 self.part(ChatInput).restore(restored.unanswered)
                 transcript.add_notice("your last message got no reply; it is back in the input")
         transcript.add_notice(f"{self.engine.source.name} loaded in {msg.seconds:.0f} s; F1 shows the keys")
+        self.part(LatencyPanel).attach(session.latency)
         self.part(CachePanel).geometry = self.engine.geometry
         self.update_status()
+        self.refresh_bar()
         self.run_op("read the cache", lambda: None)   # first snapshot, taken off the UI thread
         self._job_done()
 
@@ -221,31 +240,52 @@ class KvChatApp(ChatActions, Jobs, App[int], inherit_bindings=False):
     def send(self, text: str, shown: str | None = None, typed: str | None = None) -> None:
         """Send a message, shown in the transcript as `shown` (a /load preview); `typed` is
         what goes back into the input if the turn cannot run."""
-        if self.busy == "reply" or any(label == "reply" for label, _ in self.jobs):
+        session = self.session
+        if (self.busy == "reply" and self.turn_session is session) or session in self.waiting or (
+                session is None and any(label == "reply" for label, _ in self.jobs)):
             self.notice("still replying: press escape to stop it, then send", error=True)
             self.part(ChatInput).restore(typed or text)
             return
         if self.busy == "load":
             self.notice("the model is still loading; your message will be sent when it is ready")
+        elif self.busy == "reply":
+            self.notice(f"queued: conversation {self.turn_session.number} is replying, and the engine runs one "
+                        "turn at a time; this one starts when it ends")
         self.start_turn(text, shown, typed)
 
     def start_turn(self, text: str | None, shown: str | None = None, typed: str | None = None) -> None:
-        """Queue a turn: text to send, or None to regenerate the last reply."""
+        """Queue a turn of the focused conversation: text to send, or None to regenerate the
+        last reply."""
+        asked = self.session                       # None while the model loads: the first one
+        shown_now = None
+        if asked is not None:
+            self.waiting.add(asked)
+            if text is not None and self.busy is not None:   # shown while it waits its turn
+                shown_now = UserMessage(shown or text)
+                asked.transcript.mount(shown_now)
+
         async def start() -> None:
-            transcript = self.part(Transcript)
+            session = asked or self.session
+            self.waiting.discard(session)
+            if session not in self.sessions:       # closed while the turn waited in the queue
+                self._job_done()
+                return
+            transcript = session.transcript
             if text is None:
                 last = transcript.last_reply()
                 if last is not None:
                     await last.remove()
             else:
-                self.user_widget = await transcript.add_user(shown or text)
+                self.user_widget = shown_now or await transcript.add_user(shown or text)
             self.reply = await transcript.start_reply()
             self.turn_text = typed or text
+            self.turn_session = session
             self.cancel = threading.Event()
-            self.part(LatencyPanel).begin_turn(self.session.conv.mode)
+            session.latency.begin_turn(session.conv.mode)
             self.status("prefilling…")
+            self.refresh_bar()
             self.governor.begin()
-            self._turn_worker(self.session, text, self.cancel)
+            self._turn_worker(session, text, self.cancel)
         self.submit("reply", start)
 
     @work(thread=True, group="turn", exit_on_error=False)
@@ -259,77 +299,78 @@ class KvChatApp(ChatActions, Jobs, App[int], inherit_bindings=False):
             return
         session.log.sync(conv.messages)
         stats, error = None, None
+        focus, prefilled = [self.session], [False]
+
+        def snapshot():
+            """Of the conversation in focus now: the user may have switched mid-reply."""
+            focus[0] = self.session
+            return self.engine.snapshot(focus[0].conv)
+
+        def emit(p) -> None:
+            prefilled[0] = prefilled[0] or p.prefill is not None
+            self.post_message(TurnProgress(p, focus[0]))
         try:
-            stats = relay(events, lambda: self.engine.snapshot(conv), lambda p: self.post_message(TurnProgress(p)),
-                          interval=lambda: self.governor.interval)
+            stats = relay(events, snapshot, emit, interval=lambda: self.governor.interval)
         except Exception as err:
             error = one_line(err)
         session.log.sync(conv.messages)
         if stats is not None:
             session.record_turn(stats.summary())
-        snap = stats.cache if stats is not None else self.engine.snapshot(conv)
-        self.post_message(TurnEnded(stats, error, snapshot=snap))
+        viewer = self.session
+        snap = stats.cache if stats is not None and viewer is session else self.engine.snapshot(viewer.conv)
+        # failing before its first token, the engine restores the messages: as if never sent
+        self.post_message(TurnEnded(stats, error, accepted=stats is not None or prefilled[0], snapshot=snap,
+                                    focus=viewer))
 
     async def on_turn_progress(self, msg: TurnProgress) -> None:
         if self.exiting:
             return
-        p = msg.progress
+        p, session = msg.progress, self.turn_session
         if self.reply is not None:
             await self.reply.append(p.text)
-        self.part(LatencyPanel).add_points(p.points)
+        if session is self.session:
+            self.part(LatencyPanel).add_points(p.points)
+        else:
+            session.latency.add_points(p.points)
         if p.prefill is not None:
-            self.prompt_tokens = p.prefill.prompt_tokens
-        self.context_tokens = self.prompt_tokens + p.generated
+            session.prompt_tokens = p.prefill.prompt_tokens
+        session.context_tokens = session.prompt_tokens + p.generated
         if p.snapshot is not None:
-            self.show_snapshot(p.snapshot)
-        self.status(f"replying · {p.generated} tokens")
+            self.take_snapshot(msg.focus, p.snapshot)
+        if p.prefill is not None:
+            self.note_preemptions(session)       # making room for the prompt may have preempted others
+        where = f"conversation {session.number} " if session is not self.session else ""
+        self.status(f"{where}replying · {p.generated} tokens")
         self.governor.tick()
 
     async def on_turn_ended(self, msg: TurnEnded) -> None:
         if self.exiting:
             return
-        transcript = self.part(Transcript)
+        session = self.turn_session
+        latency = self.part(LatencyPanel) if session is self.session else session.latency
         if not msg.accepted:
             if self.reply is not None:
                 await self.reply.remove()
             if self.turn_text is not None:
                 self.user_widget.refuse(msg.error or "")
-                if not self.part(ChatInput).text:
+                if not self.part(ChatInput).text and session is self.session:
                     self.part(ChatInput).restore(self.turn_text)
-            transcript.add_notice(msg.error or "the turn was refused", error=True)
-            self.part(LatencyPanel).end_turn(None)
+            session.transcript.add_notice(msg.error or "the turn was refused", error=True)
+            latency.end_turn(None)
         else:
             summary = msg.stats.summary() if msg.stats is not None else None
             if self.reply is not None:
                 await self.reply.finish(summary, error=msg.error)
-            self.part(LatencyPanel).end_turn(summary)
+            latency.end_turn(summary)
             if summary is not None:
-                self.context_tokens = summary["prompt_tokens"] + summary["generated_tokens"]
+                session.context_tokens = summary["prompt_tokens"] + summary["generated_tokens"]
+        if msg.stats is not None:
+            session.snapshot = msg.stats.cache
         if msg.snapshot is not None:
-            self.show_snapshot(msg.snapshot)
+            self.take_snapshot(msg.focus, msg.snapshot)
         self.reply = None
         self._job_done()
-
-    async def switch_session(self, session: ChatSession) -> None:
-        self.session = session
-        await self.part(Transcript).remove_children()
-        self.part(LatencyPanel).clear()
-        self.context_tokens = 0
-
-    # ---- panels -----------------------------------------------------------------------------------
-    def show_snapshot(self, snap: CacheSnapshot) -> None:
-        self.snapshot = snap
-        self.part(CachePanel).show(snap, self.engine.geometry)
-        self.part(BlockMap).show(snap)
-        self.update_gauge()
-
-    def update_gauge(self) -> None:
-        conv = self.session.conv
-        held = self.snapshot.tokens_held if self.snapshot is not None else 0
-        tokens = held if conv.mode == "cache" else self.context_tokens
-        self.part(CapGauge).show(tokens, conv.cap, conv.policy.name, conv.policy.description,
-                                      self.engine.geometry.max_position)
-
+        self.note_preemptions(session)
 
 # ---- the entry point ---------------------------------------------------------------------------------
 def run_chat(args) -> int:

@@ -73,6 +73,22 @@ def _choice(name: str, accepted: Sequence[str], aliases: dict[str, str] | None =
     return parse
 
 
+def _number(name: str, optional: bool):
+    def parse(args, _themes) -> int | None:
+        usage = f"/{name} [N]" if optional else f"/{name} N"
+        if optional and not args:
+            return None
+        text = _one(name, f"{usage} (a conversation's number, as /list shows)", args)
+        try:
+            value = int(text)
+        except ValueError:
+            raise CommandError(f"/{name} needs a conversation's number (see /list), got {text!r}") from None
+        if value <= 0:
+            raise CommandError(f"/{name} needs a conversation's number from 1 up (see /list), got {value}")
+        return value
+    return parse
+
+
 def _theme(args, themes: Sequence[str]) -> str:
     text = _one("theme", f"/theme {'|'.join(themes)}", args)
     if text not in themes:
@@ -103,7 +119,10 @@ COMMANDS: dict[str, Spec] = {s.name: s for s in (
          _choice("cache", ("on", "off"))),
     Spec("kv", f"/kv {'|'.join(KV_DTYPES)}", "rebuild the KV pool in another dtype", _choice("kv", KV_DTYPES)),
     Spec("panel", f"/panel {'|'.join(PANELS)}", "hide or show a telemetry panel", _choice("panel", PANELS)),
-    Spec("new", "/new", "start a new conversation", _no_arg("new")),
+    Spec("new", "/new", "open another conversation in the same pool (the others stay open)", _no_arg("new")),
+    Spec("switch", "/switch N", "show conversation N (its transcript and panels)", _number("switch", False)),
+    Spec("close", "/close [N]", "close conversation N (default: this one); it stays saved", _number("close", True)),
+    Spec("list", "/list", "list the open conversations: turns, tokens cached, cap, policy", _no_arg("list")),
     Spec("regen", "/regen", "generate the last reply again", _no_arg("regen")),
     Spec("quit", "/quit", "quit", _no_arg("quit")),
 )}

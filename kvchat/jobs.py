@@ -1,9 +1,10 @@
 """The job queue: engine work runs in thread workers one job at a time, in order.
 
-Jobs are the model load, turns, and cache operations (reset, cache mode, KV dtype, new
-conversation). A mixin of KvChatApp. An operation asked for during a reply stops the reply
-first, then runs: a turn holds engine.lock from prefill to its last token, and running
-jobs in order means the UI thread never waits on that lock.
+Jobs are the model load, turns, and cache operations (reset, cache mode, KV dtype, new and
+closed conversations, a fresh snapshot). A mixin of KvChatApp. An operation asked for
+during a reply stops the reply first (unless it can wait for it), then runs: a turn holds
+engine.lock from prefill to its last token, and running jobs in order means the UI thread
+never waits on that lock.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ class Op:
     label: str
     run: Callable[[], str | None]               # in a worker; returns a note to show
     then: Callable[[], Any] | None = None       # on the UI thread, after run
-    conv: Callable[[], Any] | None = None       # whose snapshot to show (default: current)
+    focus: Callable[[], Any] | None = None      # the session whose snapshot to take (default: focused)
 
 
 class Jobs:
@@ -66,12 +67,13 @@ class Jobs:
 
     # ---- cache operations ---------------------------------------------------------------------------
     def run_op(self, label: str, run: Callable[[], str | None], then: Callable[[], Any] | None = None,
-               conv: Callable[[], Any] | None = None) -> None:
-        """Run an engine operation in a worker, after the current job; stops a reply first."""
-        if self.busy == "reply":
+               focus: Callable[[], Any] | None = None, interrupt: bool = True) -> None:
+        """Run an engine operation in a worker, after the current job; stops a reply first
+        unless interrupt is False (then it waits for the reply to end)."""
+        if self.busy == "reply" and interrupt:
             self.cancel.set()
             self.notice(f"stopping the reply to {label}")
-        op = Op(label, run, then, conv)
+        op = Op(label, run, then, focus)
         self.submit(label, lambda: self._op_worker(op))
 
     @work(thread=True, group="op", exit_on_error=False)
@@ -79,14 +81,15 @@ class Jobs:
         try:
             note = op.run()
         except Exception as err:
-            self.post_message(OpEnded(None, self._safe_snapshot(), error=one_line(err)))
+            focus = self.session
+            self.post_message(OpEnded(None, self._safe_snapshot(focus), error=one_line(err), focus=focus))
             return
-        conv = op.conv() if op.conv is not None else self.session.conv
-        self.post_message(OpEnded(note, self.engine.snapshot(conv), then=op.then))
+        focus = op.focus() if op.focus is not None else self.session
+        self.post_message(OpEnded(note, self.engine.snapshot(focus.conv), then=op.then, focus=focus))
 
-    def _safe_snapshot(self) -> CacheSnapshot | None:
+    def _safe_snapshot(self, session) -> CacheSnapshot | None:
         try:
-            return self.engine.snapshot(self.session.conv)
+            return self.engine.snapshot(session.conv)
         except Exception as err:  # the op's own error is what gets shown; this one is logged
             one_line(err)
             return None
@@ -99,7 +102,7 @@ class Jobs:
             if hasattr(result, "__await__"):
                 await result
         if msg.snapshot is not None:
-            self.show_snapshot(msg.snapshot)
+            self.take_snapshot(msg.focus, msg.snapshot)
         self.update_status()
         if msg.error:
             self.notice(msg.error, error=True)

@@ -1,8 +1,9 @@
-"""One conversation as the app holds it: the engine's Conversation, its log on disk, and
-the per-turn telemetry summaries that the panels draw.
+"""One conversation as the app holds it: the engine's Conversation, its log on disk, the
+per-turn telemetry summaries, and what its view shows (its transcript widget, its latency
+history, its last cache snapshot).
 
-The app holds a list of sessions and one current session; today "new conversation"
-replaces the current one, and several live sessions sharing the pool only need a switcher.
+The app holds several sessions, all in the engine's one pool, and draws the panels for the
+focused one (kvchat/conversations.py switches between them).
 """
 from __future__ import annotations
 
@@ -10,6 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from engine.telemetry import CacheSnapshot
+
+from .latency import LatencyData
 from .store import ConversationLog, Restored
 
 
@@ -21,11 +25,18 @@ class SessionOptions:
     mode: str = "cache"
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)       # compared and hashed by identity
 class ChatSession:
     conv: Any                                  # engine.Conversation, or a test's stand-in
     log: ConversationLog
     turns: list[dict[str, Any]] = field(default_factory=list)   # TurnStats.summary() per reply
+    number: int = 1                            # shown in the conversation bar; /switch N
+    transcript: Any = None                     # its Transcript widget, once mounted
+    latency: LatencyData = field(default_factory=LatencyData)
+    snapshot: CacheSnapshot | None = None      # the latest taken while it was in focus
+    prompt_tokens: int = 0                     # this turn's prompt, while it streams
+    context_tokens: int = 0                    # prompt + generated, the last turn
+    preempted_noted: bool = False              # its view already says it was preempted
 
     @classmethod
     def start(cls, engine, options: SessionOptions, data_root: Path | None = None,
@@ -47,6 +58,18 @@ class ChatSession:
         log = ConversationLog.create(data_root, model=engine.source.name, system=options.system,
                                      cap=cap, policy=policy, mode=mode)
         return cls(conv, log)
+
+    @property
+    def title(self) -> str:
+        """The first thing the user said, or "new"."""
+        first = next((m["content"] for m in self.conv.messages if m["role"] == "user"), "")
+        words = " ".join(first.split())
+        return (words[:13] + "…" if len(words) > 14 else words) or "new"
+
+    @property
+    def preempted_tokens(self) -> int:
+        """Tokens freed by preemption that its next turn recomputes (0 if none)."""
+        return self.conv.preempted_pending
 
     def record_turn(self, summary: dict[str, Any]) -> None:
         self.turns.append(summary)

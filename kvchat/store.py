@@ -168,6 +168,14 @@ def stats_line(s: dict[str, Any]) -> str:
         line += " · cache off"
     if s.get("dropped_messages"):
         line += f" · dropped {s['dropped_messages']} old messages"
+    if s.get("evicted_blocks"):
+        n = s["evicted_blocks"]
+        line += f" · evicted {n:,} block{'s' if n > 1 else ''}"
+    if s.get("preempted"):
+        n = s["preempted"]
+        line += f" · preempted {n} other conversation{'s' if n > 1 else ''}"
+    if s.get("recomputed_tokens"):
+        line += f" · recomputed {s['recomputed_tokens']:,} tokens lost to preemption"
     reason = STOP_WORDS.get(s.get("stop_reason"), s.get("stop_reason"))
     if reason:
         line += f" · {reason}"

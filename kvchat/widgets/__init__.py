@@ -3,11 +3,12 @@ from .block_map import BlockMap
 from .cache_panel import CachePanel
 from .cap_gauge import CapGauge
 from .chat_input import ChatInput
+from .conversation_bar import ConversationBar
 from .help_screen import HelpScreen
 from .latency_panel import LatencyPanel
 from .policy_picker import PolicyPicker
 from .status_bar import StatusBar
 from .transcript import Notice, Reply, Transcript, UserMessage
 
-__all__ = ["BlockMap", "CachePanel", "CapGauge", "ChatInput", "HelpScreen", "LatencyPanel", "PolicyPicker",
-           "StatusBar", "Notice", "Reply", "Transcript", "UserMessage"]
+__all__ = ["BlockMap", "CachePanel", "CapGauge", "ChatInput", "ConversationBar", "HelpScreen", "LatencyPanel",
+           "PolicyPicker", "StatusBar", "Notice", "Reply", "Transcript", "UserMessage"]

@@ -1,5 +1,6 @@
 """The cache panel: bytes used / allocated / pool capacity, the bytes-per-token formula with
-this model's numbers, and what the same tokens would cost on well-known Llamas."""
+this model's numbers, what the same tokens would cost on well-known Llamas, and the pool's
+eviction and preemption counters (every conversation shares the pool)."""
 from __future__ import annotations
 
 from rich.table import Table
@@ -54,6 +55,8 @@ class CachePanel(Static):
         per_token = (f"2 × {g.n_layers} × {g.n_kv_heads} × {g.head_dim} × {DTYPE_BYTES[kv]} B"
                      if g is not None else f"{s.bytes_per_token:,} B")
         t.add_row("per token", human_bytes(s.bytes_per_token), per_token)
+        t.add_row("evicted", f"{s.evictions:,}", "cached blocks, pool-wide since start")
+        t.add_row("preempted", f"{s.preemptions:,}", "conversations, pool-wide since start")
         if g is None:
             return t
         out = Table.grid()
@@ -73,6 +76,4 @@ class CachePanel(Static):
                         f"{human_bytes(other.kv_bytes_per_token(kv))} per token")
         out.add_row(Text(f"the same {S:,} tokens in {kv} on", style="dim"))
         out.add_row(cmp)
-        if s.evictions or s.preemptions:
-            out.add_row(Text(f"evictions {s.evictions:,} · preemptions {s.preemptions:,}", style="dim"))
         return out

@@ -8,7 +8,8 @@ GAUGE_NEAR = 0.8
 
 
 class CapGauge(Widget):
-    """`show(tokens, cap, policy, description, max_position)`; colours from component classes."""
+    """`show(tokens, cap, policy, description, max_position, evicted)`; colours from component
+    classes. `evicted` counts the tokens a streaming policy (sink-window) has evicted."""
 
     COMPONENT_CLASSES = {"capgauge--ok", "capgauge--near", "capgauge--over", "capgauge--empty"}
     DEFAULT_CSS = """
@@ -27,13 +28,16 @@ class CapGauge(Widget):
         self.policy = "stop"
         self.description = ""
         self.max_position = 0
+        self.evicted = 0
 
-    def show(self, tokens: int, cap: int | None, policy: str, description: str = "", max_position: int = 0) -> None:
-        state = (tokens, cap, policy, description, max_position)
-        old = (self.tokens, self.cap, self.policy, self.description, self.max_position)
+    def show(self, tokens: int, cap: int | None, policy: str, description: str = "", max_position: int = 0,
+             evicted: int = 0) -> None:
+        state = (tokens, cap, policy, description, max_position, evicted)
+        old = (self.tokens, self.cap, self.policy, self.description, self.max_position, self.evicted)
         if state != old:
-            self.tokens, self.cap, self.policy, self.description, self.max_position = state
-            self.refresh(layout=state[2:4] != old[2:4])   # only the policy line can change the height
+            self.tokens, self.cap, self.policy, self.description, self.max_position, self.evicted = state
+            # only the policy line can change the height
+            self.refresh(layout=state[2:4] != old[2:4] or bool(state[5]) != bool(old[5]))
 
     @property
     def fraction(self) -> float:
@@ -61,4 +65,8 @@ class CapGauge(Widget):
         out.append(self.policy, style="bold")
         if self.description:
             out.append(f": {self.description}", style="dim")
+        if self.evicted:
+            out.append(f"\nevicted {self.evicted:,} tokens from the middle so far", style="bold")
+        elif self.policy == "sink-window" and self.cap is None:
+            out.append("\nsink-window needs a cap (F3 or /cap N) to evict", style="dim")
         return out

@@ -1,6 +1,6 @@
 """The latency panel: per-token decode latency against context position (a plotext chart)
 with the fitted growth in ms per 1k tokens, and per turn the TTFT and how much of the
-prompt was reused from the cache versus computed."""
+prompt was reused from the cache versus computed, and the KV dtype it ran with ("off": no cache)."""
 from __future__ import annotations
 
 import time
@@ -13,32 +13,18 @@ from textual.containers import Vertical
 from textual.widgets import Static
 from textual_plotext import PlotextPlot
 
+from ..latency import LatencyData, fit_slope
+
+__all__ = ["LatencyPanel", "fit_slope"]
+
 MAX_PLOTTED = 600      # points drawn; the fit uses all of them
 REDRAW_S = 1.0         # during a turn the plot is redrawn at most this often
 TURNS_SHOWN = 4
 
 
-MIN_FIT_POINTS = 8
-MIN_FIT_SPAN = 256      # positions; a slope fitted over fewer is mostly timing noise scaled up to 1k tokens
-
-
-def fit_slope(points: list[tuple[int, float]]) -> float | None:
-    """Least-squares slope in ms per 1,000 positions, or None without enough points or spread."""
-    n = len(points)
-    if n < MIN_FIT_POINTS or max(p for p, _ in points) - min(p for p, _ in points) < MIN_FIT_SPAN:
-        return None
-    mx = sum(p for p, _ in points) / n
-    my = sum(m for _, m in points) / n
-    sxx = sum((p - mx) ** 2 for p, _ in points)
-    if sxx == 0:
-        return None
-    sxy = sum((p - mx) * (m - my) for p, m in points)
-    return 1000.0 * sxy / sxx
-
-
 class LatencyPanel(Vertical):
-    """Holds the conversation's points by cache mode; `add_points` during a turn,
-    `end_turn` replaces that turn's live points with the exact ones from TurnStats."""
+    """Draws one conversation's LatencyData (`attach` switches to another conversation's);
+    `add_points` during a turn, `end_turn` swaps the live points for the exact ones."""
 
     DEFAULT_CSS = """
     LatencyPanel { height: auto; border: round $primary 50%; padding: 0 1; }
@@ -49,10 +35,7 @@ class LatencyPanel(Vertical):
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.border_title = "latency"
-        self.points: dict[str, list[tuple[int, float]]] = {"cache": [], "off": []}
-        self.turns: list[dict[str, Any]] = []
-        self._live: list[tuple[int, float]] = []
-        self._live_mode = "cache"
+        self.data = LatencyData()
         self._drawn_at = 0.0
 
     def compose(self) -> ComposeResult:
@@ -63,45 +46,42 @@ class LatencyPanel(Vertical):
         self._redraw()
 
     @property
+    def points(self) -> dict[str, list[tuple[int, float]]]:
+        return self.data.points
+
+    @property
+    def turns(self) -> list[dict[str, Any]]:
+        return self.data.turns
+
+    @property
     def point_count(self) -> int:
-        return sum(len(v) for v in self.points.values())
+        return self.data.point_count
 
     def slope(self, mode: str = "cache") -> float | None:
-        return fit_slope(self.points[mode])
+        return fit_slope(self.data.points[mode])
 
-    def clear(self) -> None:
-        self.points = {"cache": [], "off": []}
-        self.turns = []
-        self._live = []
-        self._redraw()
+    def attach(self, data: LatencyData) -> None:
+        """Show another conversation's history."""
+        if data is not self.data:
+            self.data = data
+            self._redraw()
 
     def begin_turn(self, mode: str) -> None:
-        self._live = []
-        self._live_mode = mode if mode in self.points else "cache"
+        self.data.begin_turn(mode)
 
     def add_points(self, points: tuple[tuple[int, float], ...]) -> None:
         if points:
-            self._live.extend(points)
-            self.points[self._live_mode].extend(points)
-            now = time.monotonic()
-            if now - self._drawn_at >= REDRAW_S:
+            self.data.add_points(points)
+            if time.monotonic() - self._drawn_at >= REDRAW_S:
                 self._redraw(table=False)
 
     def end_turn(self, summary: dict[str, Any] | None) -> None:
-        """Swap the live points for the turn's exact (position, ms) pairs."""
-        series = self.points[self._live_mode]
-        del series[len(series) - len(self._live):]
-        self._live = []
-        if summary is not None:
-            self.add_turn(summary, redraw=False)
+        self.data.end_turn(summary)
         self._redraw()
 
-    def add_turn(self, summary: dict[str, Any], redraw: bool = True) -> None:
-        mode = summary.get("mode", "cache")
-        self.points.setdefault(mode, []).extend(zip(summary.get("positions", ()), summary.get("decode_ms", ())))
-        self.turns.append(summary)
-        if redraw:
-            self._redraw()
+    def add_turn(self, summary: dict[str, Any]) -> None:
+        self.data.add_turn(summary)
+        self._redraw()
 
     def _redraw(self, table: bool = True) -> None:
         if not self.is_mounted:
@@ -113,7 +93,7 @@ class LatencyPanel(Vertical):
         plt.clear_figure()
         titles = []
         for mode, label, color in (("cache", "cache on", "cyan"), ("off", "cache off", "orange")):
-            pts = self.points[mode]
+            pts = self.data.points[mode]
             if not pts:
                 continue
             step = max(1, len(pts) // MAX_PLOTTED)
@@ -135,19 +115,21 @@ class LatencyPanel(Vertical):
             self.query_one("#latency-turns", Static).update(self._turn_table())
 
     def _turn_table(self) -> Table | Text:
-        if not self.turns:
+        if not self.data.turns:
             return Text("no turns yet", style="dim")
         t = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold")
         t.add_column("turn", justify="right")
         t.add_column("TTFT", justify="right")
         t.add_column("reused", justify="right", style="green")
         t.add_column("computed", justify="right", style="yellow")
+        t.add_column("KV", no_wrap=True)
         t.add_column("", no_wrap=True)
-        for s in self.turns[-TURNS_SHOWN:]:
+        for s in self.data.turns[-TURNS_SHOWN:]:
             total = max(s["prompt_tokens"], 1)
             bar_w = 12
             r = round(bar_w * s["reused_tokens"] / total)
             bar = Text("█" * r, style="green") + Text("█" * (bar_w - r), style="yellow")
+            kv = "off" if s.get("mode") == "off" else s.get("kv_dtype", "")
             t.add_row(str(s["turn"]), f"{s['ttft_ms']:.0f} ms", f"{s['reused_tokens']:,}",
-                      f"{s['computed_tokens']:,}", bar)
+                      f"{s['computed_tokens']:,}", kv, bar)
         return t

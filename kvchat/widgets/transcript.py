@@ -81,7 +81,11 @@ class Reply(Vertical):
 class Notice(Static):
     """A one-line message from kvchat: a command's result, or an error (class "error")."""
 
-    DEFAULT_CSS = "Notice { padding: 0 1; color: $text-muted; } Notice.error { color: $error; }"
+    DEFAULT_CSS = """
+    Notice { padding: 0 1; color: $text-muted; }
+    Notice.error { color: $error; }
+    Notice.warning { color: $warning; }
+    """
 
     def __init__(self, text: str, error: bool = False) -> None:
         super().__init__(Text(text), classes="error" if error else "")

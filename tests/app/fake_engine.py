@@ -7,9 +7,18 @@ set_kv_dtype, close_conversation, lock, geometry, ...) and replays canned replie
 word ("one word = one token") with fixed latencies. Its bookkeeping follows the real
 engine's rules: bytes used = tokens held x bytes per token, blocks = ceil(tokens / block
 size), reused prompt tokens are the held whole blocks, and the real cap policies from
-engine.policy decide what a turn keeps. It is not a model of the block manager: prefix
-hashing, LRU eviction and preemption are tested on the real engine (tests/test_engine*).
-tests/app/test_real_engine.py drives the app on the real bundled model.
+engine.policy decide what a turn keeps. Several conversations share its pool as in the
+real engine: another conversation's blocks are OTHER in the block map, and when the pool
+is full whole idle conversations are preempted, the most recently started first, and
+recompute their tokens on their next turn (TurnStats.preempted / recomputed_tokens).
+Under sink-window with a cap it evicts whole blocks after the first (the sink) to stay
+within the cap, counting them in evicted_tokens and TurnStats.evicted_blocks.
+
+It is not a model of the block manager: it has no prefix index, so blocks are never
+shared (no SHARED), a closed conversation's blocks are freed rather than kept cached, and
+LRU eviction of cached blocks never happens (snapshot.evictions stays 0). Those, and the
+real preemption, are tested on the real engine (tests/test_experiments.py,
+tests/app/test_real_engine.py drives the app on the real bundled model).
 """
 from __future__ import annotations
 
@@ -21,6 +30,7 @@ from engine.errors import KvchatError
 from engine.geometry import DTYPE_BYTES, KNOWN
 from engine.policy import make_policy
 from engine.sampler import SamplingParams
+from engine.streaming import DEFAULT_SINK_TOKENS, sink_blocks
 from engine.telemetry import FREE, HELD, OTHER, PARTIAL, REUSED, CacheSnapshot, PrefillEvent, TokenEvent, TurnStats
 
 REPLIES = ("Hello there! The **KV cache** keeps keys and values.",
@@ -55,14 +65,35 @@ class FakeConversation:
         self.reused_blocks = 0
         self.turns = 0
         self.history: list[TurnStats] = []
+        self.fed = 0                    # tokens fed since the cache was last empty (> tokens_held after evictions)
+        self.evicted_tokens = 0         # by sink-window, since start
+        self.preempted_pending = 0      # tokens lost to preemption, recomputed next turn
+        self.turn_preempted = 0         # conversations this turn preempted
 
     def set_cap(self, cap: int | None) -> None:
         if cap is not None and cap <= 0:
             raise KvchatError(f"cap must be a positive number of tokens, got {cap!r}")
+        if cap is not None and self.policy.streaming:
+            self._check_window(cap)
         self.cap = cap
 
     def set_policy(self, name: str) -> None:
-        self.policy = make_policy(name)
+        policy = make_policy(name)
+        if policy.streaming and self.cap is not None:
+            self._check_window(self.cap)
+        self.policy = policy
+
+    def _check_window(self, cap: int) -> None:
+        """The real Conversation's rule: the sink block(s) plus two blocks at least."""
+        bs = self.engine.cfg.block_size
+        least = (sink_blocks(DEFAULT_SINK_TOKENS, bs) + 2) * bs
+        if cap < least:
+            raise KvchatError(f"sink-window needs a cap of at least {least} tokens (sink blocks plus two "
+                              f"blocks of {bs}), got {cap}")
+
+    @property
+    def streaming(self) -> bool:
+        return self.policy.streaming and self.cap is not None
 
     def set_mode(self, mode: str) -> None:
         if mode not in ("cache", "off"):
@@ -76,8 +107,12 @@ class FakeConversation:
         with self.engine.lock:
             n = len(self.block_table)
             self.engine.free(self.block_table)
-            self.block_table, self.tokens_held, self.reused_blocks = [], 0, 0
+            self.block_table, self.tokens_held, self.reused_blocks, self.fed = [], 0, 0, 0
             return n
+
+    def preempt(self) -> None:
+        self.preempted_pending += self.tokens_held
+        self.reset_cache()
 
     def send(self, text: str, sampling: SamplingParams | None = None, cancel: threading.Event | None = None):
         if not text.strip():
@@ -85,34 +120,53 @@ class FakeConversation:
         messages = self.messages + [{"role": "user", "content": text}]
         kept = self.policy.fit(messages, count_tokens, self.cap) if self.cap else messages
         dropped = len(messages) - len(kept)
-        self.messages = kept
-        return self._turn(sampling or SamplingParams(), cancel, dropped)
+        before, self.messages = self.messages, kept
+        return self._turn(sampling or SamplingParams(), cancel, dropped, before)
 
     def regenerate(self, sampling: SamplingParams | None = None, cancel: threading.Event | None = None):
         if not self.messages or self.messages[-1]["role"] != "assistant":
             raise KvchatError("nothing to regenerate: the conversation has no reply yet")
+        before = list(self.messages)
         self.messages.pop()
-        return self._turn(sampling or SamplingParams(), cancel, 0)
+        return self._turn(sampling or SamplingParams(), cancel, 0, before)
 
-    def _hold(self, tokens: int) -> None:
-        need = -(-tokens // self.engine.cfg.block_size)
-        self.block_table += self.engine.allocate(need - len(self.block_table))
-        self.tokens_held = tokens
+    def _hold(self, fed: int) -> None:
+        """The cache now holds `fed` tokens of text, less what sink-window evicted."""
+        bs = self.engine.cfg.block_size
+        tokens = self.tokens_held + fed - self.fed
+        if self.streaming and tokens > self.cap:
+            n = -(-(tokens - self.cap) // bs)          # whole blocks after the sink block
+            first = sink_blocks(DEFAULT_SINK_TOKENS, bs)
+            self.engine.free(self.block_table[first:first + n])
+            del self.block_table[first:first + n]
+            self.reused_blocks = min(self.reused_blocks, first)
+            tokens -= n * bs
+            self.evicted_tokens += n * bs
+        need = -(-tokens // bs)
+        self.block_table += self.engine.allocate(need - len(self.block_table), self)
+        self.tokens_held, self.fed = tokens, fed
 
-    def _turn(self, sp: SamplingParams, cancel, dropped: int):
+    def _turn(self, sp: SamplingParams, cancel, dropped: int, before: list[dict[str, str]]):
         eng = self.engine
         with eng.lock:
-            if eng.fail_next is not None:
+            if eng.fail_next is not None:      # before the first token: as if never sent, as the engine does
                 err, eng.fail_next = eng.fail_next, None
+                self.messages = before
                 raise err
             prompt = count_tokens(self.messages)
             bs = eng.cfg.block_size
             reused = 0
+            recomputed, self.preempted_pending, self.turn_preempted = self.preempted_pending, 0, 0
+            evicted0 = self.evicted_tokens
             if self.mode == "cache":
-                reused = min(self.tokens_held // bs * bs, (prompt - 1) // bs * bs) if not dropped else 0
-                self.reused_blocks = reused // bs
-                if dropped:
-                    self.reset_cache()
+                if self.streaming:
+                    reused = min(self.fed, prompt - 1)
+                    self.reused_blocks = 0
+                else:
+                    reused = min(self.tokens_held // bs * bs, (prompt - 1) // bs * bs) if not dropped else 0
+                    self.reused_blocks = reused // bs
+                    if dropped:
+                        self.reset_cache()
                 self._hold(prompt)
             yield PrefillEvent(prompt, reused, prompt - reused, 1.0)
             words = eng.cfg.replies[eng.replies_sent % len(eng.cfg.replies)].split()
@@ -121,7 +175,7 @@ class FakeConversation:
             try:
                 for i, word in enumerate(words[:sp.max_tokens]):
                     pos = prompt + i
-                    if self.cap is not None and pos >= self.cap:
+                    if self.cap is not None and not self.streaming and pos >= self.cap:
                         stop = "cap"
                         break
                     if eng.cfg.token_delay_s and cancel is not None:
@@ -133,6 +187,9 @@ class FakeConversation:
                     decode_ms.append(ms)
                     positions.append(pos)
                     yield TokenEvent(word + " ", 1000 + i, pos, ms)
+                    if eng.fail_mid_turn is not None:
+                        err, eng.fail_mid_turn = eng.fail_mid_turn, None
+                        raise err
                     if cancel is not None and cancel.is_set():
                         stop = "cancelled"
                         break
@@ -148,7 +205,8 @@ class FakeConversation:
                 generated_tokens=len(out), ttft_ms=5.0 + 0.1 * (prompt - reused), prefill_ms=1.0,
                 decode_ms=tuple(decode_ms), positions=tuple(positions), stop_reason=stop, reply=reply,
                 mode=self.mode, kv_dtype=eng.kv_dtype, policy=self.policy.name, dropped_messages=dropped,
-                evicted_blocks=0, preempted=0, recomputed_tokens=0, cache=eng.snapshot(self))
+                evicted_blocks=(self.evicted_tokens - evicted0) // bs, preempted=self.turn_preempted,
+                recomputed_tokens=recomputed if self.mode == "cache" else 0, cache=eng.snapshot(self))
             self.history.append(stats)
             yield stats
 
@@ -165,18 +223,27 @@ class FakeEngine:
         self.conversations: list[FakeConversation] = []
         self.owner: list[FakeConversation | None] = [None] * self.cfg.num_blocks
         self.replies_sent = 0
-        self.fail_next: Exception | None = None   # raised by the next turn, once
+        self.preemptions = 0
+        self.fail_next: Exception | None = None       # raised by the next turn before its first token, once
+        self.fail_mid_turn: Exception | None = None   # raised by the next turn after its first token, once
 
     @property
     def bytes_per_token(self) -> int:
         return self.geometry.kv_bytes_per_token(self.kv_dtype)
 
-    def allocate(self, n: int) -> list[int]:
+    def allocate(self, n: int, requester: FakeConversation) -> list[int]:
+        """n free blocks; when too few are free, preempt whole idle conversations, the most
+        recently started first (the real engine's make_room, without its cached blocks)."""
+        while self.owner.count(None) < n:
+            victims = [c for c in reversed(self.conversations) if c is not requester and c.block_table]
+            if not victims:
+                raise KvchatError(f"KV pool full: this turn needs {n} more blocks; raise --kv-budget or /reset")
+            victims[0].preempt()
+            requester.turn_preempted += 1
+            self.preemptions += 1
         free = [i for i, o in enumerate(self.owner) if o is None][:max(n, 0)]
-        if len(free) < n:
-            raise KvchatError(f"KV pool full: this turn needs {n} more blocks; raise --kv-budget or /reset")
         for i in free:
-            self.owner[i] = True
+            self.owner[i] = requester
         return free
 
     def free(self, blocks: list[int]) -> None:
@@ -217,4 +284,4 @@ class FakeEngine:
                 bytes_allocated=blocks * bs * bpt, blocks_used=blocks, wasted_slots=blocks * bs - held,
                 pool_free=n - used, pool_active=used, pool_cached=0, pool_shared=0, block_map=bytes(codes),
                 cap=focus.cap if focus else None, policy=focus.policy.name if focus else "",
-                mode=focus.mode if focus else "cache", evictions=0, preemptions=0)
+                mode=focus.mode if focus else "cache", evictions=0, preemptions=self.preemptions)

@@ -19,11 +19,26 @@ async def test_a_model_that_fails_to_load_exits_with_status_2_and_one_line():
     assert app.return_code == 2 and app.failure == "/models/x: no *.safetensors weights"
 
 
-async def test_an_engine_error_mid_turn_is_shown_under_the_reply_and_the_app_goes_on(fake):
+async def test_an_engine_error_before_the_first_token_refuses_the_turn_and_gives_the_text_back(fake):
     app = make_app(fake)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         fake.fail_next = KvchatError("KV pool full: this turn needs 9 more blocks")
+        app.query_one("#input").load_text("hello")
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: app.busy is None and app.query(Notice), what="the refused turn")
+        assert app.query(Notice).last().has_class("error") and "KV pool full" in app.query(Notice).last().text
+        assert app.query_one(UserMessage).has_class("refused") and not app.query(Reply)
+        assert app.query_one("#input").text == "hello" and app.session.conv.messages == []
+        await send(pilot, "and again")
+        assert app.session.turns[-1]["generated_tokens"] > 0
+
+
+async def test_an_engine_error_mid_turn_is_shown_under_the_reply_and_the_app_goes_on(fake):
+    app = make_app(fake)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        fake.fail_mid_turn = KvchatError("KV pool full: this turn needs 9 more blocks")
         app.query_one("#input").load_text("hello")
         await pilot.press("enter")
         await wait_until(pilot, lambda: app.busy is None and app.query(Reply), what="the failed turn")
@@ -37,7 +52,7 @@ async def test_a_bug_in_a_turn_is_reported_with_where_the_traceback_went(fake, p
     app = make_app(fake)
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
-        fake.fail_next = RuntimeError("boom")
+        fake.fail_mid_turn = RuntimeError("boom")
         app.query_one("#input").load_text("hello")
         await pilot.press("enter")
         await wait_until(pilot, lambda: app.busy is None and app.query(Reply), what="the failed turn")

@@ -71,7 +71,7 @@ async def test_f2_chooses_the_cap_policy_from_a_list(fake):
         assert app.query_one(CapGauge).policy == "drop-oldest"
 
 
-async def test_ctrl_n_starts_a_new_conversation_with_the_same_settings(fake):
+async def test_ctrl_n_opens_another_conversation_with_the_same_settings_and_keeps_the_old_one(fake):
     app = make_app(fake, cap=2048, system="be brief")
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
@@ -79,10 +79,13 @@ async def test_ctrl_n_starts_a_new_conversation_with_the_same_settings(fake):
         old = app.session
         await pilot.press("ctrl+n")
         await wait_until(pilot, lambda: app.session is not old and app.busy is None, what="the new conversation")
-        assert not app.query(UserMessage) and not app.query(Reply)
+        assert app.sessions == [old, app.session] and fake.conversations == [old.conv, app.session.conv]
+        assert not app.transcript.query(UserMessage) and not app.transcript.query(Reply)
+        assert old.transcript.query(UserMessage) and not old.transcript.display
         assert app.session.conv.cap == 2048 and app.session.conv.messages == [{"role": "system", "content": "be brief"}]
         assert old.log.path.exists() and old.log.path != app.session.log.path
         assert app.query_one(CachePanel).snapshot.bytes_used == 0
+        assert old.conv.tokens_held > 0              # its cache is still there
 
 
 async def test_f5_regenerates_the_last_reply(fake):
@@ -113,7 +116,8 @@ async def test_f1_shows_every_key_and_command_and_escape_closes_it(fake):
         await wait_until(pilot, lambda: isinstance(app.screen, HelpScreen), what="help")
         await pilot.pause()
         text = screen_text(app)
-        for word in ("ctrl+r", "reset_cache", "/cap N", "/policy", "/load FILE", "ctrl+j"):
+        for word in ("ctrl+r", "reset_cache", "/cap N", "/policy", "/load FILE", "ctrl+j", "ctrl+pagedown",
+                     "close_conversation"):
             assert word in text
         await pilot.press("escape")
         await wait_until(pilot, lambda: not isinstance(app.screen, HelpScreen), what="help to close")

@@ -1,0 +1,58 @@
+"""The conversation bar: one clickable label per open conversation, the focused one
+highlighted, with what each is doing (replying, preempted). Hidden while only one is open."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from textual.content import Content
+from textual.markup import escape
+from textual.widgets import Static
+
+
+@dataclass(frozen=True, slots=True)
+class Entry:
+    number: int
+    title: str
+    turns: int
+    state: str = ""        # "replying", "preempted", or ""
+
+
+class ConversationBar(Static):
+    """`show(entries, focused)`; a click on a label runs app.switch_conversation(N)."""
+
+    DEFAULT_CSS = """
+    ConversationBar { height: 1; background: $panel; padding: 0 1; }
+    ConversationBar.single { display: none; }
+    """
+
+    def __init__(self, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.entries: tuple[Entry, ...] = ()
+        self.focused = 0
+        self._hint = ""
+
+    def show(self, entries: list[Entry], focused: int, hint: str = "") -> None:
+        entries_t = tuple(entries)
+        if (entries_t, focused, hint) == (self.entries, self.focused, self._hint):
+            return
+        self.entries, self.focused, self._hint = entries_t, focused, hint
+        self.set_class(len(entries_t) < 2, "single")
+        self._draw()
+
+    def on_resize(self) -> None:
+        self._draw()
+
+    def _draw(self) -> None:
+        parts = []
+        for e in self.entries:
+            label = f" {e.number} {escape(e.title)} "
+            if e.state:
+                label += f"[i]{e.state}[/i] "
+            style = "reverse b" if e.number == self.focused else ("$warning" if e.state == "preempted" else "")
+            style = f"{style} @click=app.switch_conversation({e.number})".strip()
+            parts.append(f"[{style}]{label}[/]")
+        content = Content.from_markup("│".join(parts))
+        hint = f"   {self._hint}"
+        if self._hint and content.cell_length + len(hint) <= (self.content_region.width or 10**6):
+            content = content + Content.styled(hint, "dim")   # only when it fits
+        self.update(content)
