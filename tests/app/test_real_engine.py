@@ -1,13 +1,14 @@
 """The app on the real engine and the bundled model: one full turn, checked against the
-engine's own arithmetic."""
+engine's own arithmetic; and the cache experiments switched at runtime from the keyboard."""
 from __future__ import annotations
 
 import pytest
 
+from engine.telemetry import OTHER, SHARED
 from engine.units import human_bytes
 from kvchat.widgets import BlockMap, CachePanel, LatencyPanel
 
-from .conftest import SIZE, make_app, ready, screen_text, send
+from .conftest import SIZE, make_app, ready, screen_text, send, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -40,3 +41,43 @@ async def test_a_real_turn_grows_the_cache_panel_by_bytes_per_token_per_new_toke
             assert points == len(stats.decode_ms) == len(stats.positions) > 0
         finally:
             engine.close_conversation(app.session.conv)
+
+
+async def test_runtime_experiments_change_the_panels_two_conversations_fp8_and_cache_off(engine):
+    """Two conversations in the session engine's one pool: the second shares the first's
+    system-prompt block (the bundled model's template adds a default one) and sees the
+    first's other blocks; /kv fp8 rebuilds the pool at a quarter of fp32's bytes per token;
+    /cache off makes the next turn hold nothing. The engine is left as it was found."""
+    app = make_app(factory=lambda: engine, max_tokens=6)
+    async with app.run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        panel, blocks = app.query_one(CachePanel), app.query_one(BlockMap)
+        try:
+            await send(pilot, "Name a colour.")
+            assert panel.snapshot.bytes_per_token == 46_080 and panel.snapshot.kv_dtype == "fp32"
+            await pilot.press("ctrl+n")
+            await wait_until(pilot, lambda: len(app.sessions) == 2 and app.busy is None, what="conversation 2")
+            await send(pilot, "Name a fruit.")
+            snap = blocks.snapshot
+            assert snap.block_map.count(SHARED) >= 1 and snap.block_map.count(OTHER) >= 1
+            legend = blocks.render().plain
+            assert "shared" in legend and "other chats" in legend
+
+            app.query_one("#input").load_text("/kv fp8")
+            await pilot.press("enter")
+            await wait_until(pilot, lambda: panel.snapshot.kv_dtype == "fp8" and app.busy is None, what="fp8 pool")
+            assert panel.snapshot.bytes_per_token == 11_520 == 46_080 // 4
+            assert "fp8" in panel.border_title
+            await send(pilot, "And a tree?")
+            assert app.session.turns[-1]["kv_dtype"] == "fp8" and panel.snapshot.tokens_held > 0
+
+            app.query_one("#input").load_text("/cache off")
+            await pilot.press("enter")
+            await wait_until(pilot, lambda: panel.snapshot.mode == "off" and app.busy is None, what="cache off")
+            await send(pilot, "And a bird?")
+            assert app.session.turns[-1]["mode"] == "off" and panel.snapshot.tokens_held == 0
+            assert "cache off" in panel.border_title
+        finally:
+            engine.set_kv_dtype("fp32")
+            for session in app.sessions:
+                engine.close_conversation(session.conv)
