@@ -90,11 +90,11 @@ def write_kv_ref(k_cache, v_cache, k, v, slots, k_scale=None, v_scale=None) -> N
         v, vs = quantize_fp8(v)
         k_scale.view(nb * bs, hk).index_copy_(0, slots, ks)
         v_scale.view(nb * bs, hk).index_copy_(0, slots, vs)
-    _bits(k_cache).view(nb * bs, hk, d).index_copy_(0, slots, _bits(k.to(k_cache.dtype)))
-    _bits(v_cache).view(nb * bs, hk, d).index_copy_(0, slots, _bits(v.to(v_cache.dtype)))
+    bits(k_cache).view(nb * bs, hk, d).index_copy_(0, slots, bits(k.to(k_cache.dtype)))
+    bits(v_cache).view(nb * bs, hk, d).index_copy_(0, slots, bits(v.to(v_cache.dtype)))
 
 
-def _bits(t: torch.Tensor) -> torch.Tensor:
+def bits(t: torch.Tensor) -> torch.Tensor:
     """fp8 tensors as uint8: CPU torch has no index_copy_/index_select for float8 types."""
     return t.view(torch.uint8) if t.dtype == FP8 else t
 
@@ -117,7 +117,7 @@ def gather_kv(cache: torch.Tensor, scale: torch.Tensor | None, block_table: torc
         rows = cache[first:first + n].reshape(n * bs, hk, d)[:length]
         srows = scale[first:first + n].reshape(n * bs, hk)[:length] if scale is not None else None
     else:
-        rows = _bits(cache).index_select(0, table).view(cache.dtype).reshape(n * bs, hk, d)[:length]
+        rows = bits(cache).index_select(0, table).view(cache.dtype).reshape(n * bs, hk, d)[:length]
         srows = scale.index_select(0, table).reshape(n * bs, hk)[:length] if scale is not None else None
     return dequantize(rows, srows, dtype)
 
@@ -160,8 +160,8 @@ def paged_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale, k_s
     nb, bs, hk, _ = k_cache.shape
     mb = block_tables.shape[1]
     tables = block_tables.long()
-    k_rows = _bits(k_cache)[tables].view(k_cache.dtype).reshape(b, mb * bs, hk, d)  # (B, T, hk, d)
-    v_rows = _bits(v_cache)[tables].view(v_cache.dtype).reshape(b, mb * bs, hk, d)
+    k_rows = bits(k_cache)[tables].view(k_cache.dtype).reshape(b, mb * bs, hk, d)  # (B, T, hk, d)
+    v_rows = bits(v_cache)[tables].view(v_cache.dtype).reshape(b, mb * bs, hk, d)
     k = dequantize(k_rows, k_scale[tables].reshape(b, mb * bs, hk) if k_scale is not None else None, torch.float32)
     v = dequantize(v_rows, v_scale[tables].reshape(b, mb * bs, hk) if v_scale is not None else None, torch.float32)
     qg = q.float().view(b, hk, h // hk, d)                          # (B, hk, g, d)

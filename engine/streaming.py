@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from .attention import quantize_fp8
+from .attention import bits, quantize_fp8
 from .kv_cache import blocks_for
 from .model import Step, apply_rope
 
@@ -40,14 +40,14 @@ def rerotate_keys(model, pool, block_ids: list[int], delta: int) -> None:
     cos, sin = emb.cos()[:, None, None, :], emb.sin()[:, None, None, :]   # (1, 1, 1, d)
     for i in range(model.geom.n_layers):
         k_cache, _, k_scale, _ = pool.layer(i)
-        keys = k_cache.index_select(0, ids).float()                       # (n, bs, hk, d)
+        keys = bits(k_cache).index_select(0, ids).view(k_cache.dtype).float()  # (n, bs, hk, d)
         if k_scale is not None:
             keys = keys * k_scale.index_select(0, ids).unsqueeze(-1)
         n, bs, hk, _ = keys.shape
         rotated = apply_rope(keys.view(n * bs, hk, d), cos[0], sin[0]).view(n, bs, hk, d)
         if k_scale is not None:
             q, s = quantize_fp8(rotated.view(n * bs, hk, d))
-            k_cache.index_copy_(0, ids, q.view(n, bs, hk, d))
+            bits(k_cache).index_copy_(0, ids, bits(q).view(n, bs, hk, d))
             k_scale.index_copy_(0, ids, s.view(n, bs, hk))
         else:
             k_cache.index_copy_(0, ids, rotated.to(k_cache.dtype))
@@ -65,9 +65,9 @@ def evict_middle(conv, n_blocks: int) -> int:
         return 0
     gone = conv.block_table[first:first + n_blocks]
     kept_after = conv.block_table[first + n_blocks:]
-    eng.blocks.forget(gone)
-    rerotate_keys(eng.model, eng.pool, kept_after, -n_blocks * bs)
+    rerotate_keys(eng.model, eng.pool, kept_after, -n_blocks * bs)  # first: if it fails, nothing is freed
     conv.block_table = conv.block_table[:first] + kept_after
+    eng.blocks.forget(gone)
     del conv.tokens[first * bs:(first + n_blocks) * bs]
     conv.block_keys = []   # a shifted window is not a prefix of any text: never indexed
     conv.evicted_tokens += n_blocks * bs

@@ -94,3 +94,26 @@ def test_a_cap_too_small_for_sinks_and_a_window_is_refused(engine):
             conv.set_policy("sink-window")
     finally:
         engine.close_conversation(conv)
+
+
+def test_sink_window_over_an_fp8_cache_re_rotates_quantized_keys():
+    from engine import Engine, EngineConfig
+    eng = Engine(EngineConfig(kv_dtype="fp8", kv_budget="8MiB"))
+    conv = eng.new_conversation(cap=64, policy="sink-window")
+    stats = turn(conv, "Write a long story about a lighthouse keeper and a storm.", 60)
+    assert stats.kv_dtype == "fp8" and conv.evicted_tokens > 0 and conv.tokens_held <= 64
+    # layer 0's kept keys sit at their cache positions, within fp8's precision
+    m, g = eng.model, eng.geometry
+    n = conv.tokens_held
+    layer = m.layers[0]
+    h = rms_norm(m.embed[torch.tensor(conv.tokens)], layer.attn_norm, g.norm_eps)
+    k = (h @ layer.wqkv.T)[:, g.n_heads * g.head_dim:(g.n_heads + g.n_kv_heads) * g.head_dim]
+    cos, sin = m.rope(torch.arange(n), n)
+    want = apply_rope(k.view(n, g.n_kv_heads, g.head_dim), cos, sin)
+    k_cache, _, k_scale, _ = eng.pool.layer(0)
+    table = torch.tensor(conv.block_table)
+    got = (k_cache.view(torch.uint8)[table].view(k_cache.dtype).float() * k_scale[table].unsqueeze(-1))
+    got = got.reshape(-1, g.n_kv_heads, g.head_dim)[:n]
+    assert float((got - want).abs().max() / want.abs().max()) < 0.08  # two fp8 roundings
+    eng.close_conversation(conv)
+    assert eng.blocks.num_active == 0
