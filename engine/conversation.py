@@ -23,7 +23,7 @@ from .sampler import Sampler, SamplingParams
 from .streaming import DEFAULT_SINK_TOKENS, claim_window, evict_middle, prefill_window, sink_blocks
 from .telemetry import PrefillEvent, TokenEvent, TurnStats
 
-PREFILL_CHUNK = 2048
+PREFILL_CHUNK = 8192  # a cold prefill in one causal call takes the flash kernel; a masked chunk does not
 MODES = ("cache", "off")
 
 
