@@ -3,7 +3,7 @@ PYTHON ?= python3
 
 .PHONY: chat test setup
 setup:
-	bash scripts/setup.sh
+	PYTHON=$(PYTHON) bash scripts/setup.sh
 
 chat: setup
 	$(PYTHON) -m kvchat
