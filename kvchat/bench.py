@@ -357,7 +357,8 @@ def run(args) -> int:
         "command": cfg.command(args), "model": engine.describe(), "threads": threads,
         "runs": cfg.runs, "new_tokens": cfg.new_tokens, "nocache_tokens": min(cfg.new_tokens, cfg.nocache_tokens),
         "skip_nocache_above": cfg.nocache_max, "method": METHOD, "notes": notes,
-        "versions": {"python": platform.python_version(), "torch": torch.__version__, "transformers": _version()},
+        "versions": {"python": platform.python_version(), "torch": torch.__version__, "transformers": _version(),
+                     "kvchat_commit": _commit()},
         "machine": {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
                     "load_average_before": load0, "load_average_after": _load()},
     }
@@ -394,6 +395,20 @@ def busy_note(notes: list[str]) -> float | None:
         notes.append(why)
         print(f"kvchat bench: {why}", file=sys.stderr, flush=True)
     return load
+
+
+def _commit() -> str | None:
+    """The checkout's commit (with "+changes" when the tree differs from it), or None."""
+    import subprocess
+    root = Path(__file__).resolve().parent.parent
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=5, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
+                               capture_output=True, text=True, timeout=5, check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return head + ("+changes" if dirty else "")
 
 
 def _version() -> str:
