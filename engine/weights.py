@@ -8,8 +8,10 @@ cache dir and loaded from there afterwards. Pickled checkpoints are never opened
 """
 from __future__ import annotations
 
+import contextlib
 import glob
 import importlib.util
+import io
 import json
 import os
 import shutil
@@ -169,8 +171,10 @@ def convert_gguf(gguf: Path) -> Path:
         from transformers.utils import logging as hf_logging
         hf_logging.set_verbosity_error()
         hf_logging.disable_progress_bar()
-        model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-        tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+        # its de-quantizing progress bar ignores the switch above; keep stderr to one line an error
+        with contextlib.redirect_stderr(io.StringIO()):
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+            tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
     except Exception as err:  # transformers raises many types for a bad GGUF
         raise ModelLoadError(f"{gguf}: cannot read this GGUF as a Llama model ({type(err).__name__}: {err})") from None
     if model.config.model_type != "llama":

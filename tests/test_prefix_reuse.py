@@ -24,7 +24,9 @@ def common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def test_each_turn_reuses_every_full_block_the_previous_turn_left(engine):
+    engine.blocks.evict_all_cached()  # nothing left behind by other tests' conversations
     conv = engine.new_conversation()
+    assert engine.conversations == [conv]
     bs = engine.spec.block_size
     try:
         held_before: list[int] = []
