@@ -23,16 +23,23 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
-def positive_int(name: str):
+def int_at_least(name: str, minimum: int):
+    """An argparse type: a whole number >= minimum, with a message naming the flag."""
+    want = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+
     def parse(text: str) -> int:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}") from None
-        if value <= 0:
-            raise argparse.ArgumentTypeError(f"{name} must be a positive integer, got {text!r}")
+            raise argparse.ArgumentTypeError(f"{name} must be {want}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{name} must be {want}, got {text!r}")
         return value
     return parse
+
+
+def positive_int(name: str):
+    return int_at_least(name, 1)
 
 
 def nonneg_float(name: str):
