@@ -13,14 +13,14 @@ prompt, then numbered notes the model is asked to repeat, so that it keeps talki
   llama.cpp          the same, on the bundled GGUF, when llama-cpp-python is installed.
 
 The engine is driven only through its public API (Engine, Conversation.send, TurnStats).
-Statistics, tables, JSON and plots are in bench_report.py; the peers in bench_peers.py.
+The history is built in bench_history.py, the peers run in bench_peers.py, and statistics,
+tables, JSON and plots are in bench_report.py.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import platform
-import random
 import sys
 import time
 from dataclasses import dataclass
@@ -29,13 +29,12 @@ from pathlib import Path
 from engine.errors import KvchatError
 
 from . import bench_peers, bench_report
+from .bench_history import FOLLOW_UP, SYSTEM, history
 from .bench_report import Series, Timing
+from .cli import UsageError, int_at_least, positive_int
 
 DEFAULT_CONTEXTS = (256, 1024, 4096)
-SYSTEM = "Repeat the user's notes word for word."
-FOLLOW_UP = "Thank you. Now repeat only the second note."
 NEXT_TURN_MARGIN = 64   # positions the follow-up turn adds beyond the reply
-MIN_HISTORY = 8         # tokens of notes the shortest history holds
 
 METHOD = {
     "decode": "per-token latency of each decode step after the first token: kvchat's TokenEvent.latency_ms; "
@@ -51,7 +50,6 @@ METHOD = {
 
 # ---- arguments -----------------------------------------------------------------------------
 def add_parser(subparsers, add_model_args) -> argparse.ArgumentParser:
-    from .cli import positive_int
     p = subparsers.add_parser("bench", help="decode latency, TTFT and KV bytes against context length, "
                                             "next to transformers and llama.cpp")
     add_model_args(p)
@@ -63,7 +61,7 @@ def add_parser(subparsers, add_model_args) -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, metavar="FILE", help="write the full record as JSON")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write a PNG plot")
     p.add_argument("--no-peers", action="store_true", help="measure kvchat only (no transformers, no llama.cpp)")
-    p.add_argument("--skip-nocache-above", type=nonneg_int("--skip-nocache-above"), default=1024, metavar="N",
+    p.add_argument("--skip-nocache-above", type=int_at_least("--skip-nocache-above", 0), default=1024, metavar="N",
                    help="run the cache-off baseline only for contexts up to N tokens (default 1024; 0: never)")
     p.add_argument("--nocache-tokens", type=positive_int("--nocache-tokens"), default=8,
                    help="timed steps for the cache-off baseline (default 8)")
@@ -71,20 +69,7 @@ def add_parser(subparsers, add_model_args) -> argparse.ArgumentParser:
     return p
 
 
-def nonneg_int(name: str):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer >= 0, got {text!r}") from None
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"{name} must be an integer >= 0, got {text!r}")
-        return value
-    return parse
-
-
 def parse_contexts(text: str) -> tuple[int, ...]:
-    from .cli import UsageError
     parts = [p.strip() for p in text.split(",")]
     if not text.strip() or any(not p for p in parts):
         raise UsageError(f"--contexts {text!r}: expected comma-separated token counts, e.g. 256,1024,4096")
@@ -102,7 +87,6 @@ def parse_contexts(text: str) -> tuple[int, ...]:
 
 def output_path(flag: str, text: str | None, suffix: str | None = None) -> Path | None:
     """Check an output file can be written before minutes of measuring, not after."""
-    from .cli import UsageError
     if text is None:
         return None
     path = Path(text).expanduser()
@@ -148,46 +132,6 @@ class BenchConfig:
         if not self.peers:
             parts.append("--no-peers")
         return " ".join(parts)
-
-
-# ---- the history -----------------------------------------------------------------------------
-WHO = ("The ferryman", "A lantern maker", "The old clock", "Our neighbour", "The red kite", "A night train",
-       "The baker", "The north wind", "A small boat", "The librarian", "The choir", "A grey cat")
-DID = ("carried", "painted", "counted", "followed", "remembered", "mended", "watched", "sorted", "found", "lost")
-WHAT = ("seven blue stones", "the morning letters", "a map of the harbour", "three copper keys", "the spring seeds",
-        "an unfinished song", "the lighthouse log", "twelve paper boats", "a box of buttons", "the winter apples")
-WHEN = ("before dawn", "near the bridge", "after the rain", "during the fair", "on the hill", "by the canal",
-        "at noon", "under the station clock")
-
-
-def notes(seed: int, lines: int) -> str:
-    rng = random.Random(seed)
-    return "\n".join(f"Note {i}: {rng.choice(WHO)} {rng.choice(DID)} {rng.choice(WHAT)} {rng.choice(WHEN)}."
-                     for i in range(1, lines + 1))
-
-
-def history(render, tokenizer, context: int, seed: int) -> tuple[str, list[int]]:
-    """A user message whose rendered first turn is `context` tokens (or a token or two
-    short, where BPE merges across the cut), and those ids."""
-    from .cli import UsageError
-
-    def ids_for(body: str) -> list[int]:
-        return render([{"role": "system", "content": SYSTEM}, {"role": "user", "content": body}])
-
-    floor = len(ids_for(""))
-    if context < floor + MIN_HISTORY:
-        raise UsageError(f"--contexts {context} is shorter than the chat template around the history "
-                         f"({floor} tokens); use at least {floor + MIN_HISTORY}")
-    body = tokenizer.encode(notes(seed, context // 8 + 8), add_special_tokens=False)
-    lo, hi = 0, min(len(body), context)
-    while lo < hi:  # the longest cut of the notes whose rendering fits
-        mid = (lo + hi + 1) // 2
-        if len(ids_for(tokenizer.decode(body[:mid]))) <= context:
-            lo = mid
-        else:
-            hi = mid - 1
-    text = tokenizer.decode(body[:lo])
-    return text, ids_for(text)
 
 
 # ---- driving the engine ---------------------------------------------------------------------

@@ -169,3 +169,13 @@ def test_llama_cpp_peer_resets_then_times_each_token(monkeypatch):
     t = peer.generate(list(range(40)), steps=3)
     assert FakeLlama.calls == ["reset", "generate 40 temp=0.0"]
     assert t.prompt_tokens == 40 and len(t.decode_ms) == 3 and t.ttft_ms >= 0
+
+
+@pytest.mark.parametrize("context", [31, 64, 257, 1024])
+def test_history_renders_to_exactly_the_requested_tokens(engine, context):
+    from kvchat.bench_history import history
+    renderer = engine.new_conversation()
+    engine.close_conversation(renderer)
+    text, ids = history(renderer.render, engine.tokenizer, context, seed=3)
+    assert len(ids) == context
+    assert text.startswith("Note 1:")
