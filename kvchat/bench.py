@@ -307,12 +307,7 @@ def run(args) -> int:
                     "load_average_before": load0, "load_average_after": _load()},
     }
     summary = bench_report.summarise(results)
-    print(bench_report.markdown(results, meta, summary))
-    checks = bench_report.targets(summary)
-    if checks:
-        print("\nTargets:\n" + bench_report.target_lines(checks))
-    print("\n" + bench_report.terminal_plot(results, meta))
-    try:
+    try:  # the files first: minutes of measuring must survive a closed stdout (| head)
         if cfg.json_path is not None:
             bench_report.write_json(cfg.json_path, bench_report.record(results, meta, summary))
             print(f"kvchat bench: wrote {cfg.json_path}", file=sys.stderr)
@@ -321,6 +316,11 @@ def run(args) -> int:
             print(f"kvchat bench: wrote {cfg.plot_path}", file=sys.stderr)
     except OSError as err:
         raise KvchatError(f"cannot write the bench output: {err}") from None
+    print(bench_report.markdown(results, meta, summary))
+    checks = bench_report.targets(summary)
+    if checks:
+        print("\nTargets:\n" + bench_report.target_lines(checks))
+    print("\n" + bench_report.terminal_plot(results, meta))
     return 0
 
 
