@@ -58,7 +58,8 @@ def pick_device(name: str) -> torch.device:
 
 
 def pick_dtypes(cfg: EngineConfig, device: torch.device) -> tuple[str, str]:
-    # CPU default fp32: this machine's CPU has no fast bf16 matmul, measured in the engine issue note.
+    # CPU default fp32: the reference tests hold it to transformers within 1e-3; bf16 on CPU is
+    # opt-in (--dtype bf16) until its logits are validated (see the engine issue note).
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
     kv = cfg.kv_dtype if cfg.kv_dtype != "auto" else dtype
     if kv == "fp8" and "fp8" not in TORCH_DTYPES:
