@@ -15,6 +15,7 @@ import torch
 from kvchat.bench_peers import LLAMA_CPP_MISSING
 from kvchat.bench_report import Series, percentile, summarise
 from kvchat.cli import main
+from cli_helpers import fails_with
 
 # One thread: on a shared 2-core machine, two OpenMP threads per process made this run five
 # times slower (measured: 23 s against 119 s while other test suites ran).
@@ -80,18 +81,6 @@ def test_missing_llama_cpp_is_skipped_with_a_message(bench_run):
     rec = json.loads(bench_run["json"].read_text())
     assert LLAMA_CPP_MISSING in rec["notes"]
     assert "llama_cpp" not in rec["contexts"]["32"]
-
-
-def fails_with(capsys, argv, *fragments):
-    code = main(argv)
-    captured = capsys.readouterr()
-    err = captured.err.strip()
-    assert code == 2
-    assert len(err.splitlines()) == 1, err
-    assert "Traceback" not in err
-    for f in fragments:
-        assert f in err, err
-    return err
 
 
 @pytest.mark.parametrize("argv, fragment", [

@@ -10,17 +10,7 @@ import pytest
 
 from engine.weights import bundled_dir
 from kvchat.cli import main
-
-
-def fails_with(capsys, argv, *fragments):
-    code = main(argv)
-    err = capsys.readouterr().err.strip()
-    assert code == 2
-    assert len(err.splitlines()) == 1, err
-    assert "Traceback" not in err
-    for f in fragments:
-        assert f in err, err
-    return err
+from cli_helpers import fails_with
 
 
 @pytest.fixture

@@ -11,6 +11,17 @@ from engine.model import apply_rope, rms_norm
 from engine.streaming import prefill_window
 
 
+def fresh_layer0_keys(engine, tokens):
+    """Layer 0's keys for `tokens` at positions 0..n-1, computed from scratch: (n, H_kv, d)."""
+    m, g = engine.model, engine.geometry
+    n = len(tokens)
+    layer = m.layers[0]
+    h = rms_norm(m.embed[torch.tensor(tokens)], layer.attn_norm, g.norm_eps)
+    k = (h @ layer.wqkv.T)[:, g.n_heads * g.head_dim:(g.n_heads + g.n_kv_heads) * g.head_dim]
+    cos, sin = m.rope(torch.arange(n), n)
+    return apply_rope(k.view(n, g.n_kv_heads, g.head_dim), cos, sin)
+
+
 def turn(conv, text, n):
     return [e for e in conv.send(text, SamplingParams(max_tokens=n)) if isinstance(e, TurnStats)][0]
 
@@ -43,13 +54,9 @@ def test_kept_keys_are_re_rotated_to_their_positions_in_the_cache(engine):
     try:
         turn(conv, "Write a long story about a lighthouse keeper and a storm.", 60)
         assert conv.evicted_tokens > 0
-        m, g = engine.model, engine.geometry
+        g = engine.geometry
         n = conv.tokens_held
-        layer = m.layers[0]
-        h = rms_norm(m.embed[torch.tensor(conv.tokens)], layer.attn_norm, g.norm_eps)
-        k = (h @ layer.wqkv.T)[:, g.n_heads * g.head_dim:(g.n_heads + g.n_kv_heads) * g.head_dim]
-        cos, sin = m.rope(torch.arange(n), n)
-        want = apply_rope(k.view(n, g.n_kv_heads, g.head_dim), cos, sin)        # (n, hk, d)
+        want = fresh_layer0_keys(engine, conv.tokens)                           # (n, hk, d)
         k_cache = engine.pool.layer(0)[0]
         got = k_cache[torch.tensor(conv.block_table)].reshape(-1, g.n_kv_heads, g.head_dim)[:n]
         assert float((got - want).abs().max() / want.abs().max()) < 1e-4
@@ -103,13 +110,9 @@ def test_sink_window_over_an_fp8_cache_re_rotates_quantized_keys():
     stats = turn(conv, "Write a long story about a lighthouse keeper and a storm.", 60)
     assert stats.kv_dtype == "fp8" and conv.evicted_tokens > 0 and conv.tokens_held <= 64
     # layer 0's kept keys sit at their cache positions, within fp8's precision
-    m, g = eng.model, eng.geometry
+    g = eng.geometry
     n = conv.tokens_held
-    layer = m.layers[0]
-    h = rms_norm(m.embed[torch.tensor(conv.tokens)], layer.attn_norm, g.norm_eps)
-    k = (h @ layer.wqkv.T)[:, g.n_heads * g.head_dim:(g.n_heads + g.n_kv_heads) * g.head_dim]
-    cos, sin = m.rope(torch.arange(n), n)
-    want = apply_rope(k.view(n, g.n_kv_heads, g.head_dim), cos, sin)
+    want = fresh_layer0_keys(eng, conv.tokens)
     k_cache, _, k_scale, _ = eng.pool.layer(0)
     table = torch.tensor(conv.block_table)
     got = (k_cache.view(torch.uint8)[table].view(k_cache.dtype).float() * k_scale[table].unsqueeze(-1))
