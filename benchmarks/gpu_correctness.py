@@ -1,0 +1,194 @@
+"""Section 1 of the GPU check: every kernel against its torch reference on the device."""
+from __future__ import annotations
+
+
+
+from gpu_common import Report, Setup, kernels_on_cpu, random_kv, shuffled_table, torch_reference_path
+
+
+# ---- 1. correctness ----------------------------------------------------------------------------
+DTYPE_TOL = {"float32": (1e-5, 1e-5), "float16": (2e-3, 2e-3), "bfloat16": (1e-2, 1.6e-2),
+             "float8_e4m3fn": (1e-2, 1.6e-2)}  # (atol, rtol), as in tests/test_kernels.py
+
+
+def check_correctness(r: Report, s: Setup) -> None:
+    import torch
+    from engine import attention as A
+    from engine import kernels
+    dtypes = [torch.bfloat16, torch.float16, torch.float32] + ([A.FP8] if A.FP8 is not None else [])
+    dev = s.device
+    gen = torch.Generator().manual_seed(0)
+
+    for dtype in dtypes:
+        name = str(dtype).replace("torch.", "")
+        with r.guard("correct", f"write_kv {name} (hk 8, d 128, 300 rows)"):
+            nb, bs, hk, d, t = 40, 16, 8, 128, 300
+            act = torch.bfloat16 if dtype == A.FP8 else dtype
+            fused = (torch.randn(t, 3 * hk * d, generator=gen) * 3).to(act).to(dev)
+            k, v = fused[:, :hk * d].view(t, hk, d), fused[:, 2 * hk * d:].view(t, hk, d)
+            slots = torch.randperm(nb * bs, generator=gen)[:t].to(dev)
+            bufs = []
+            for _ in range(2):
+                c = [torch.zeros(nb, bs, hk, d, device=dev).to(dtype) for _ in range(2)]
+                sc = [torch.zeros(nb, bs, hk, device=dev) for _ in range(2)] if dtype == A.FP8 else [None, None]
+                bufs.append(c + sc)
+            with kernels_on_cpu(s):
+                kernels.write_kv(bufs[0][0], bufs[0][1], k, v, slots, bufs[0][2], bufs[0][3])
+            A.write_kv_ref(bufs[1][0], bufs[1][1], k, v, slots, bufs[1][2], bufs[1][3])
+            diffs = sum(int((a.view(torch.uint8) != b.view(torch.uint8)).sum())
+                        for a, b in zip(bufs[0], bufs[1]) if a is not None)
+            r.row("correct", f"write_kv {name} (hk 8, d 128, 300 rows)", f"{diffs} bytes differ", "write_kv_ref",
+                  "PASS" if diffs == 0 else "FAIL")
+
+    cases = [(4, 128, 16, 8, dt) for dt in dtypes] + [(1, 64, 8, 4, torch.bfloat16), (3, 64, 32, 3, torch.float16),
+                                                      (8, 128, 128, 2, torch.bfloat16)]
+    lens = [1, 16, 17, 1000, 5000] if not s.dry else [1, 16, 17, 100]
+    for group, d, bs, hk, dtype in cases:
+        name = str(dtype).replace("torch.", "")
+        case = f"paged_decode {name} g{group} d{d} bs{bs} hk{hk}"
+        with r.guard("correct", case):
+            need = [-(-n // bs) for n in lens]
+            nb = sum(need)
+            ids = torch.randperm(nb, generator=gen)
+            tables = torch.zeros(len(lens), max(need), dtype=torch.int32)
+            at = 0
+            for i, n in enumerate(need):
+                tables[i, :n] = ids[at:at + n]
+                at += n
+            kc, vc, ks, vs = random_kv(nb, bs, hk, d, dtype, dev)
+            q = torch.randn(len(lens), hk * group, d, generator=gen).to(
+                torch.bfloat16 if dtype == A.FP8 else dtype).to(dev)
+            lens_t = torch.tensor(lens, dtype=torch.int32, device=dev)
+            tables = tables.to(dev)
+            with kernels_on_cpu(s):
+                out = kernels.paged_decode(q, kc, vc, tables, lens_t, d ** -0.5, ks, vs)
+            ref = A.paged_decode_ref(q, kc, vc, tables, lens_t, d ** -0.5, ks, vs)
+            err = (out.float() - ref.float()).abs().max().item()
+            atol, rtol = DTYPE_TOL[name]
+            ok = torch.allclose(out.float(), ref.float(), atol=atol, rtol=rtol)
+            r.row("correct", case, f"max abs err {err:.2e}", f"paged_decode_ref, tol {atol:g}+{rtol:g}x",
+                  "PASS" if ok else "FAIL")
+
+    with r.guard("correct", "paged_prefill bf16 (SDPA) vs fp32"):
+        nb, bs, hk, hq, d, prefix, t = 96, 16, 8, 32, 128, 700, 300
+        table = shuffled_table(nb, dev, gen)
+        kc, vc, _, _ = random_kv(nb, bs, hk, d, torch.bfloat16, dev)
+        q = torch.randn(t, hq, d, generator=gen).to(torch.bfloat16).to(dev)
+        out = A.paged_prefill(q, kc, vc, table, prefix, d ** -0.5)
+        ref = A.paged_prefill(q.float(), kc.float(), vc.float(), table, prefix, d ** -0.5)
+        err = (out.float() - ref).abs().max().item()
+        ok = torch.allclose(out.float(), ref, atol=1e-2, rtol=1.6e-2)
+        r.row("correct", "paged_prefill bf16 (SDPA) vs fp32", f"max abs err {err:.2e}", "same path in fp32",
+              "PASS" if ok else "FAIL")
+
+    check_fused(r, s, gen)
+    for fused in (True, False):
+        case = f"graph decode step ({'fused' if fused else 'Llama.forward'}) vs torch reference"
+        with r.guard("correct", case):
+            check_graph_decoder(r, s, case, fused)
+
+
+def check_fused(r: Report, s: Setup, gen) -> None:
+    """The decode step's fused kernels against their torch forms (engine.cuda_graph.TorchOps)."""
+    import torch
+    from engine import attention as A
+    from engine import kernels
+    from engine.cuda_graph import TorchOps
+    dev, g = s.device, s.geom
+    hq, hk, d = g.n_heads, g.n_kv_heads, g.head_dim
+    act = torch.float32 if s.dry else torch.bfloat16
+    with r.guard("correct", "add_rms_norm"):
+        x = (torch.randn(1, g.hidden, generator=gen) * 3).to(act).to(dev)
+        res = torch.randn(1, g.hidden, generator=gen).to(act).to(dev)
+        w = (1 + 0.1 * torch.randn(g.hidden, generator=gen)).to(act).to(dev)
+        x_ref = x.clone()
+        want = TorchOps.add_rms_norm(x_ref, res, w, g.norm_eps)
+        with kernels_on_cpu(s):
+            got = kernels.add_rms_norm(x, res, w, g.norm_eps)
+        err = (got.float() - want.float()).abs().max().item()
+        ok = torch.equal(x, x_ref) and torch.allclose(got.float(), want.float(), atol=1e-2, rtol=1.6e-2)
+        r.row("correct", f"add_rms_norm {str(act)[6:]} hidden {g.hidden}", f"max abs err {err:.2e}",
+              "TorchOps (rms_norm)", "PASS" if ok else "FAIL")
+    with r.guard("correct", "silu_mul"):
+        gu = (torch.randn(1, 2 * g.intermediate, generator=gen) * 4).to(act).to(dev)
+        with kernels_on_cpu(s):
+            got = kernels.silu_mul(gu)
+        want = TorchOps.silu_mul(gu)
+        err = (got.float() - want.float()).abs().max().item()
+        ok = torch.allclose(got.float(), want.float(), atol=1e-2, rtol=1.6e-2)
+        r.row("correct", f"silu_mul {str(act)[6:]} inter {g.intermediate}", f"max abs err {err:.2e}",
+              "TorchOps (F.silu)", "PASS" if ok else "FAIL")
+    for cache in [act] + ([A.FP8] if A.FP8 is not None else []):
+        name = str(cache).replace("torch.", "")
+        with r.guard("correct", f"rope_write {name}"):
+            t, nb, bs, max_pos = 4, 8, 16, 9000
+            qkv = torch.randn(t, (hq + 2 * hk) * d, generator=gen).to(act).to(dev)
+            ang = torch.rand(max_pos, 1, d // 2, generator=gen) * 6.3
+            cos = torch.cat((ang.cos(), ang.cos()), -1).to(act).to(dev)
+            sin = torch.cat((ang.sin(), ang.sin()), -1).to(act).to(dev)
+            positions = torch.randint(0, max_pos, (t,), generator=gen).to(dev)
+            slots = torch.randperm(nb * bs, generator=gen)[:t].to(dev)
+            bufs = []
+            for _ in range(2):
+                c = [torch.zeros(nb, bs, hk, d, device=dev).to(cache) for _ in range(2)]
+                sc = [torch.zeros(nb, bs, hk, device=dev) for _ in range(2)] if cache == A.FP8 else [None, None]
+                bufs.append(c + sc)
+            with kernels_on_cpu(s):
+                q_got = kernels.rope_write(qkv, cos, sin, positions, *bufs[0][:2], slots, *bufs[0][2:], hq)
+            q_want = TorchOps.rope_write(qkv, cos, sin, positions, *bufs[1][:2], slots, *bufs[1][2:], hq)
+            diffs = int((q_got.contiguous().view(torch.uint8) != q_want.contiguous().view(torch.uint8)).sum())
+            diffs += sum(int((a.view(torch.uint8) != b.view(torch.uint8)).sum())
+                         for a, b in zip(bufs[0], bufs[1]) if a is not None)
+            r.row("correct", f"rope_write {str(act)[6:]} q, cache {name}", f"{diffs} bytes differ",
+                  "TorchOps (apply_rope, write_kv_ref)", "PASS" if diffs == 0 else "FAIL")
+
+
+def check_graph_decoder(r: Report, s: Setup, case: str, fused: bool) -> None:
+    """A 2-layer model of the check's geometry: logits of decode steps replayed from the CUDA
+    graph (Triton kernels) against the eager torch reference path, over the same prefill."""
+    import torch
+    from dataclasses import replace
+    from engine.cuda_graph import GraphDecoder
+    from engine.kv_cache import KVPool, plan_pool
+    from engine.model import Step
+    from engine.weights import random_model
+    geom = replace(s.geom, n_layers=2)
+    dtype = torch.float32 if s.dry else torch.bfloat16
+    kv = "fp32" if s.dry else "bf16"
+    model = random_model(geom, s.device, dtype, seed=1)
+    bs, prompt, steps = 16, 100, 6
+    spec = plan_pool(geom, kv, 64 * bs * geom.kv_bytes_per_token(kv), bs)
+    order = torch.randperm(spec.num_blocks, generator=torch.Generator().manual_seed(2))[:16].tolist()
+    table = torch.tensor(order + [0] * (spec.num_blocks - 16), dtype=torch.int32, device=s.device)
+
+    def slot(p: int) -> int:
+        return order[p // bs] * bs + p % bs
+
+    gen = torch.Generator().manual_seed(3)
+    ids = torch.randint(0, geom.vocab_size, (prompt,), generator=gen).to(s.device)
+    tokens = torch.randint(0, geom.vocab_size, (steps,), generator=gen).tolist()  # the same in both runs
+    results = []
+    for graphed in (False, True):
+        pool = KVPool(geom, spec, s.device)
+        step = Step(table, torch.tensor([slot(p) for p in range(prompt)], device=s.device), 0, decode=False)
+        model.forward(ids, torch.arange(prompt, device=s.device), step, pool)
+        seq = []
+        decoder = GraphDecoder(model, pool, use_graph=not s.dry, fused=fused) if graphed else None
+        for i, token in enumerate(tokens):
+            pos = prompt + i
+            if graphed:
+                with kernels_on_cpu(s):
+                    out = decoder(token, pos, slot(pos), table, pos // bs + 1)
+            else:
+                with torch_reference_path():
+                    st = Step(table, torch.tensor([slot(pos)], device=s.device), pos, decode=True)
+                    out = model.forward(torch.tensor([token], device=s.device), torch.tensor([pos], device=s.device),
+                                        st, pool)[0]
+            seq.append(out.float())
+        results.append(seq)
+    err = max((a - b).abs().max().item() for a, b in zip(*results))
+    scale = max(a.abs().max().item() for a in results[0])
+    ok = err <= 5e-2 * max(1.0, scale)
+    fallback = f"; fell back: {decoder.fallback}" if decoder.fallback else ""
+    r.row("correct", case, f"max abs err {err:.2e}", f"{steps} steps, logits up to {scale:.2f}",
+          ("PASS" if ok else "FAIL") + fallback)
