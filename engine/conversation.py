@@ -20,7 +20,7 @@ from .kv_cache import blocks_for
 from .model import Step
 from .policy import make_policy
 from .sampler import Sampler, SamplingParams
-from .streaming import DEFAULT_SINK_TOKENS, claim_window, evict_middle, prefill_window, sink_blocks
+from .streaming import DEFAULT_SINK_TOKENS, check_window_cap, claim_window, evict_middle, prefill_window
 from .telemetry import PrefillEvent, TokenEvent, TurnStats
 
 PREFILL_CHUNK = 8192  # a cold prefill in one causal call takes the flash kernel; a masked chunk does not
@@ -74,11 +74,7 @@ class Conversation:
             self.policy = policy
 
     def _check_window(self, cap: int) -> None:
-        bs = self.engine.spec.block_size
-        least = (sink_blocks(self.sink_tokens, bs) + 2) * bs
-        if cap < least:
-            raise KvchatError(f"sink-window needs a cap of at least {least} tokens (sink blocks plus two "
-                              f"blocks of {bs}), got {cap}")
+        check_window_cap(cap, self.sink_tokens, self.engine.spec.block_size)
 
     def set_mode(self, mode: str) -> None:
         if mode not in MODES:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .attention import bits, quantize_fp8
+from .errors import KvchatError
 from .kv_cache import blocks_for
 from .model import Step, apply_rope
 
@@ -25,6 +26,15 @@ CHUNK = 2048
 def sink_blocks(sink_tokens: int, block_size: int) -> int:
     """Sinks are kept in whole blocks: 4 sink tokens keep the first block."""
     return -(-sink_tokens // block_size) if sink_tokens > 0 else 0
+
+
+def check_window_cap(cap: int, sink_tokens: int, block_size: int) -> None:
+    """A sink-window cap must hold the sink block(s) and two more blocks: one filling while
+    the oldest kept one waits to be evicted."""
+    least = (sink_blocks(sink_tokens, block_size) + 2) * block_size
+    if cap < least:
+        raise KvchatError(f"sink-window needs a cap of at least {least} tokens (sink blocks plus two "
+                          f"blocks of {block_size}), got {cap}")
 
 
 @torch.inference_mode()

@@ -30,7 +30,7 @@ from engine.errors import KvchatError
 from engine.geometry import DTYPE_BYTES, KNOWN
 from engine.policy import make_policy
 from engine.sampler import SamplingParams
-from engine.streaming import DEFAULT_SINK_TOKENS, sink_blocks
+from engine.streaming import DEFAULT_SINK_TOKENS, check_window_cap, sink_blocks
 from engine.telemetry import FREE, HELD, OTHER, PARTIAL, REUSED, CacheSnapshot, PrefillEvent, TokenEvent, TurnStats
 
 REPLIES = ("Hello there! The **KV cache** keeps keys and values.",
@@ -84,12 +84,8 @@ class FakeConversation:
         self.policy = policy
 
     def _check_window(self, cap: int) -> None:
-        """The real Conversation's rule: the sink block(s) plus two blocks at least."""
-        bs = self.engine.cfg.block_size
-        least = (sink_blocks(DEFAULT_SINK_TOKENS, bs) + 2) * bs
-        if cap < least:
-            raise KvchatError(f"sink-window needs a cap of at least {least} tokens (sink blocks plus two "
-                              f"blocks of {bs}), got {cap}")
+        """The real Conversation's rule, from the engine."""
+        check_window_cap(cap, DEFAULT_SINK_TOKENS, self.engine.cfg.block_size)
 
     @property
     def streaming(self) -> bool:
