@@ -184,8 +184,7 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 
     Both devices gather the sequence's blocks and call torch's scaled_dot_product_attention
     (flash / memory-efficient kernels on CUDA); see the kernels issue note for the measurement."""
-    t, h, d = q.shape
-    hk = k_cache.shape[2]
+    t = q.shape[0]
     total = prefix_len + t
     k = gather_kv(k_cache, k_scale, block_table, total, q.dtype, first_block).transpose(0, 1)  # (hk, S, d)
     v = gather_kv(v_cache, v_scale, block_table, total, q.dtype, first_block).transpose(0, 1)  # (hk, S, d)

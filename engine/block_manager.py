@@ -76,10 +76,6 @@ class BlockManager:
             return "active"
         return "cached" if block_id in self._cached else "free"
 
-    def cached_lru(self) -> list[int]:
-        """Cached block ids, least recently used first."""
-        return list(self._cached)
-
     def cached_ids(self):
         """A view of the cached block ids (no copy)."""
         return self._cached.keys()

@@ -116,13 +116,6 @@ class Conversation:
         self.preempted_pending += len(self.tokens)
         self.drop_cache(keep_index=False)
 
-    def reset(self) -> None:
-        """A new conversation: messages and cache gone, settings kept."""
-        self.drop_cache(keep_index=True)
-        self.messages = [m for m in self.messages[:1] if m["role"] == "system"]
-        self.turns = 0
-        self.history.clear()
-
     # ---- rendering ---------------------------------------------------------------------------
     def render(self, messages: list[dict[str, str]]) -> list[int]:
         tok = self.engine.tokenizer

@@ -15,8 +15,8 @@ import torch
 
 from .block_manager import BlockManager
 from .errors import KvchatError
-from .geometry import DTYPE_BYTES, Geometry
-from .kv_cache import TORCH_DTYPES, KVPool, PoolSpec, blocks_for, plan_pool
+from .geometry import Geometry
+from .kv_cache import TORCH_DTYPES, KVPool, PoolSpec, plan_pool
 from .telemetry import CACHED, HELD, OTHER, PARTIAL, REUSED, SHARED, CacheSnapshot
 from .units import parse_bytes
 from .weights import ModelSource, load_model, resolve
@@ -242,5 +242,3 @@ def load_tokenizer(src: ModelSource):
     except Exception as err:  # transformers raises OSError, ValueError, and more
         raise KvchatError(f"{src.tokenizer_path}: cannot load the tokenizer ({type(err).__name__}: {err})") from None
 
-
-__all__ = ["Engine", "EngineConfig", "DTYPE_BYTES", "blocks_for"]

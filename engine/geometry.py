@@ -10,7 +10,7 @@ Known geometries sit in one table. Sources:
 """
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 from .errors import ModelLoadError
