@@ -62,8 +62,8 @@ def check_copy_bandwidth(r: Report, s: Setup) -> None:
 # ---- 3. paged decode kernel ----------------------------------------------------------------------
 def check_decode_kernel(r: Report, s: Setup) -> None:
     import torch
-    from engine import attention as A
-    from engine.kernels import DecodeConfig, paged_decode
+    from kvchat.engine import attention as A
+    from kvchat.engine.kernels import DecodeConfig, paged_decode
     g = s.geom
     hk, hq, d, bs = g.n_kv_heads, g.n_heads, g.head_dim, 16
     copy = r.facts.get("copy_gbps")
@@ -137,7 +137,7 @@ def check_decode_kernel(r: Report, s: Setup) -> None:
 def check_prefill(r: Report, s: Setup) -> None:
     import torch
     import torch.nn.functional as F
-    from engine import attention as A
+    from kvchat.engine import attention as A
     g = s.geom
     hk, hq, d, bs, t = g.n_kv_heads, g.n_heads, g.head_dim, 16, s.prefill_chunk
     dt = torch.float32 if s.dry else torch.bfloat16
@@ -215,7 +215,7 @@ def environment(r: Report, s: Setup) -> None:
             r.row("env", "device", p.name, f"{p.multi_processor_count} SMs, {p.total_memory / 2**30:.0f} GiB",
                   f"cc {p.major}.{p.minor}")
     with r.guard("env", "engine.kernels import"):
-        import engine.kernels  # noqa: F401  (an ImportError here is the row's finding)
+        import kvchat.engine.kernels  # noqa: F401  (an ImportError here is the row's finding)
         r.row("env", "engine.kernels import", "ok", "", "")
 
 

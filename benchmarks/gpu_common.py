@@ -124,7 +124,7 @@ class Setup:
 
 def make_setup(args) -> Setup:
     import torch
-    from engine.geometry import KNOWN, Geometry
+    from kvchat.engine.geometry import KNOWN, Geometry
     device = torch.device("cpu" if args.cpu_dry_run else "cuda")
     if args.cpu_dry_run:
         geom = Geometry("tiny", n_layers=2, hidden=256, n_heads=8, n_kv_heads=2, head_dim=64, intermediate=512,
@@ -147,7 +147,7 @@ def shuffled_table(n_blocks: int, device, gen=None):
 def random_kv(n_blocks: int, bs: int, hk: int, d: int, dtype, device):
     """Random (k_cache, v_cache, k_scale, v_scale); fp8 through the reference quantizer."""
     import torch
-    from engine.attention import FP8, quantize_fp8
+    from kvchat.engine.attention import FP8, quantize_fp8
     act = torch.bfloat16 if dtype == FP8 else dtype
     k = torch.randn(n_blocks * bs, hk, d, device=device, dtype=act)
     v = torch.randn(n_blocks * bs, hk, d, device=device, dtype=act)
@@ -161,7 +161,7 @@ def random_kv(n_blocks: int, bs: int, hk: int, d: int, dtype, device):
 @contextlib.contextmanager
 def torch_reference_path():
     """Route CUDA tensors through the torch reference paths instead of the Triton kernels."""
-    from engine import attention
+    from kvchat.engine import attention
     real = attention._use_triton
     attention._use_triton = lambda t: False
     try:
@@ -176,6 +176,6 @@ def kernels_on_cpu(s: Setup):
     if not s.dry:
         yield
         return
-    from engine.attention import force_triton
+    from kvchat.engine.attention import force_triton
     with force_triton():
         yield

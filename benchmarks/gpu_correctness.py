@@ -13,8 +13,8 @@ DTYPE_TOL = {"float32": (1e-5, 1e-5), "float16": (2e-3, 2e-3), "bfloat16": (1e-2
 
 def check_correctness(r: Report, s: Setup) -> None:
     import torch
-    from engine import attention as A
-    from engine import kernels
+    from kvchat.engine import attention as A
+    from kvchat.engine import kernels
     dtypes = [torch.bfloat16, torch.float16, torch.float32] + ([A.FP8] if A.FP8 is not None else [])
     dev = s.device
     gen = torch.Generator().manual_seed(0)
@@ -91,9 +91,9 @@ def check_correctness(r: Report, s: Setup) -> None:
 def check_fused(r: Report, s: Setup, gen) -> None:
     """The decode step's fused kernels against their torch forms (engine.cuda_graph.TorchOps)."""
     import torch
-    from engine import attention as A
-    from engine import kernels
-    from engine.cuda_graph import TorchOps
+    from kvchat.engine import attention as A
+    from kvchat.engine import kernels
+    from kvchat.engine.cuda_graph import TorchOps
     dev, g = s.device, s.geom
     hq, hk, d = g.n_heads, g.n_kv_heads, g.head_dim
     act = torch.float32 if s.dry else torch.bfloat16
@@ -148,10 +148,10 @@ def check_graph_decoder(r: Report, s: Setup, case: str, fused: bool) -> None:
     graph (Triton kernels) against the eager torch reference path, over the same prefill."""
     import torch
     from dataclasses import replace
-    from engine.cuda_graph import GraphDecoder
-    from engine.kv_cache import KVPool, plan_pool
-    from engine.model import Step
-    from engine.weights import random_model
+    from kvchat.engine.cuda_graph import GraphDecoder
+    from kvchat.engine.kv_cache import KVPool, plan_pool
+    from kvchat.engine.model import Step
+    from kvchat.engine.weights import random_model
     geom = replace(s.geom, n_layers=2)
     dtype = torch.float32 if s.dry else torch.bfloat16
     kv = "fp32" if s.dry else "bf16"

@@ -13,9 +13,9 @@ from gpu_common import K, Report, Setup, TARGET_ROOFLINE_1K, free_memory, kernel
 def make_engine(s: Setup, budget_tokens: int):
     """The engine on random weights of the check's geometry. The tokenizer is skipped: random
     token ids need none, and the GPU machine may lack the bundled model it would load."""
-    from engine import engine as engine_mod
-    from engine.engine import Engine, EngineConfig
-    from engine.weights import ModelSource
+    from kvchat.engine import engine as engine_mod
+    from kvchat.engine.engine import Engine, EngineConfig
+    from kvchat.engine.weights import ModelSource
     src = ModelSource(s.geom.name, s.geom, None, Path("."), random_weights=True)
     budget = budget_tokens * s.geom.kv_bytes_per_token("fp32" if s.dry else "bf16")
     real = engine_mod.load_tokenizer
@@ -32,7 +32,7 @@ def engine_decode_ms(s: Setup, engine, ctx: int, fused: bool = True) -> float:
     the way Conversation's turn loop runs them: make room, decode, read the greedy token.
     fused=False installs a decoder that captures Llama.forward itself instead."""
     import torch
-    from engine import cuda_graph
+    from kvchat.engine import cuda_graph
     if s.device.type == "cuda":
         dec = cuda_graph.decoder_for(engine.model, engine.pool)
         if dec.fused != fused and dec.fallback is None:
@@ -76,7 +76,7 @@ class ContiguousSDPA:
     def step(self, ids, positions, pos: int):
         import torch
         import torch.nn.functional as F
-        from engine.model import apply_rope, rms_norm
+        from kvchat.engine.model import apply_rope, rms_norm
         m, g = self.model, self.model.geom
         hq, hk, d = g.n_heads, g.n_kv_heads, g.head_dim
         with torch.inference_mode():
@@ -187,7 +187,7 @@ def check_end_to_end(r: Report, s: Setup) -> None:
                     verdict += f" {'PASS' if hit else 'FAIL'} (>= {TARGET_ROOFLINE_1K:.0%})"
             dec = None
             with contextlib.suppress(Exception):
-                from engine import cuda_graph
+                from kvchat.engine import cuda_graph
                 dec = cuda_graph._DECODERS.get(engine.model)
             if dec is not None and dec.fallback:
                 verdict += f" (fused step fell back: {dec.fallback[:60]})"

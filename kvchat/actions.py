@@ -11,9 +11,9 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from engine.engine import KV_DTYPES
-from engine.errors import KvchatError
-from engine.policy import POLICIES
+from kvchat.engine.engine import KV_DTYPES
+from kvchat.engine.errors import KvchatError
+from kvchat.engine.policy import POLICIES
 
 from . import settings as settings_mod
 from .commands import Command, CommandError, read_message_file

@@ -23,9 +23,9 @@ from textual.app import App, ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.widgets import ContentSwitcher, Footer, ProgressBar
 
-from engine.errors import KvchatError
-from engine.sampler import SamplingParams
-from engine.telemetry import CacheSnapshot
+from kvchat.engine.errors import KvchatError
+from kvchat.engine.sampler import SamplingParams
+from kvchat.engine.telemetry import CacheSnapshot
 
 from . import keys, theming
 from .actions import ChatActions

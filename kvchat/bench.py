@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from engine.errors import KvchatError
+from kvchat.engine.errors import KvchatError
 
 from . import bench_peers, bench_report
 from .bench_history import FOLLOW_UP, SYSTEM, history
@@ -137,7 +137,7 @@ class BenchConfig:
 # ---- driving the engine ---------------------------------------------------------------------
 def finish(events):
     """Run a turn to its end; return its TurnStats."""
-    from engine import TurnStats
+    from kvchat.engine import TurnStats
     stats = None
     for ev in events:
         if isinstance(ev, TurnStats):
@@ -165,7 +165,7 @@ class Bench:
     def ours(self, text: str, steps: int, s: Series, next_turn: str, mode: str = "cache") -> list[int] | None:
         """Turn 1 (timed prefill and decode); with next_turn 'reuse' or 'both', turn 2 with
         reuse, and with 'both' turn 2 again after reset_cache(). Returns turn 2's ids."""
-        from engine import SamplingParams
+        from kvchat.engine import SamplingParams
         eng = self.engine
         conv = eng.new_conversation(system_prompt=SYSTEM)
         try:
@@ -270,7 +270,7 @@ def check_fits(engine, cfg: BenchConfig) -> None:
 
 def run(args) -> int:
     import torch
-    from engine import Engine
+    from kvchat.engine import Engine
 
     from .cli import engine_config
     cfg = BenchConfig.from_args(args)

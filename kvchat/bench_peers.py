@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from engine.errors import KvchatError
+from kvchat.engine.errors import KvchatError
 
 from .bench_report import Timing
 
@@ -138,7 +138,7 @@ def load_llama_cpp(source, model_arg: str | None, n_ctx: int, threads: int) -> t
 
 def gguf_for(source, model_arg: str | None) -> Path | None:
     """The GGUF the engine's weights were converted from, when there is one."""
-    from engine.weights import BUNDLED, bundled_gguf
+    from kvchat.engine.weights import BUNDLED, bundled_gguf
     if source.random_weights:
         return None
     if model_arg and model_arg.strip().endswith(".gguf"):

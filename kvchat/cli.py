@@ -124,24 +124,24 @@ def build_parser() -> Parser:
 
 # ---- commands ------------------------------------------------------------------------------
 def engine_config(args):
-    from engine import EngineConfig
+    from kvchat.engine import EngineConfig
     return EngineConfig(model=args.model, random_weights=args.random_weights, device=args.device,
                         dtype=args.dtype, kv_dtype=args.kv_dtype, kv_budget=args.kv_budget,
                         block_size=args.block_size, seed=args.seed or 0)
 
 
 def sampling(args):
-    from engine import SamplingParams
+    from kvchat.engine import SamplingParams
     return SamplingParams(temperature=args.temperature, top_k=args.top_k or 0, top_p=args.top_p,
                           seed=args.seed, max_tokens=args.max_tokens)
 
 
 def load_engine(args, quiet: bool = False):
     """Validate everything that can be checked cheaply before saying "loading"."""
-    from engine import Engine
-    from engine.weights import resolve
-    from engine.engine import pick_device, pick_dtypes
-    from engine.kv_cache import plan_pool
+    from kvchat.engine import Engine
+    from kvchat.engine.weights import resolve
+    from kvchat.engine.engine import pick_device, pick_dtypes
+    from kvchat.engine.kv_cache import plan_pool
     cfg = engine_config(args)
     src = resolve(cfg.model, cfg.random_weights)
     _, kv_dtype = pick_dtypes(cfg, pick_device(cfg.device))
@@ -153,7 +153,7 @@ def load_engine(args, quiet: bool = False):
 
 
 def run_turn(conv, text: str, sp, stream) -> dict:
-    from engine import TokenEvent, TurnStats
+    from kvchat.engine import TokenEvent, TurnStats
     stats = None
     for ev in conv.send(text, sp):
         if isinstance(ev, TokenEvent) and stream is not None:
@@ -230,10 +230,10 @@ def cmd_replay(args) -> int:
 
 
 def cmd_info(args) -> int:
-    from engine.geometry import DTYPE_BYTES
-    from engine.kv_cache import plan_pool
-    from engine.units import human_bytes, parse_bytes
-    from engine.weights import resolve
+    from kvchat.engine.geometry import DTYPE_BYTES
+    from kvchat.engine.kv_cache import plan_pool
+    from kvchat.engine.units import human_bytes, parse_bytes
+    from kvchat.engine.weights import resolve
     src = resolve(args.model or "smollm2-135m", random_weights=True)  # geometry only: no weights read
     g = src.geometry
     dtype = args.dtype if args.dtype != "auto" else "bf16"  # the native dtype of every Llama in the table
@@ -270,7 +270,7 @@ def cmd_chat(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.errors import KvchatError
+    from kvchat.engine.errors import KvchatError
     parser = build_parser()
     try:
         args = parser.parse_args(argv)

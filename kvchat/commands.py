@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from engine.engine import KV_DTYPES
-from engine.policy import POLICIES
+from kvchat.engine.engine import KV_DTYPES
+from kvchat.engine.policy import POLICIES
 
 MAX_LOAD_BYTES = 1 << 20
 PANELS = ("cache", "cap", "blocks", "latency", "all")

@@ -19,8 +19,8 @@ from __future__ import annotations
 
 from textual.binding import Binding
 
-from engine.errors import KvchatError
-from engine.telemetry import CacheSnapshot
+from kvchat.engine.errors import KvchatError
+from kvchat.engine.telemetry import CacheSnapshot
 
 from .session import ChatSession
 from .widgets import BlockMap, CachePanel, CapGauge, ConversationBar, LatencyPanel, Transcript

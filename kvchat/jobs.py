@@ -16,8 +16,8 @@ from typing import Any
 
 from textual import work
 
-from engine.errors import KvchatError
-from engine.telemetry import CacheSnapshot
+from kvchat.engine.errors import KvchatError
+from kvchat.engine.telemetry import CacheSnapshot
 
 from .messages import OpEnded
 from .store import data_dir

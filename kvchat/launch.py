@@ -3,7 +3,7 @@ location, the conversation to resume. Any problem is one line and exit status 2;
 the weights then happens inside the UI, with progress shown."""
 from __future__ import annotations
 
-from engine.errors import KvchatError
+from kvchat.engine.errors import KvchatError
 
 from . import settings as settings_mod
 from . import theming
@@ -25,10 +25,10 @@ def prepare(args):
 
 
 def _prepare(args):
-    from engine import Engine
-    from engine.engine import pick_device, pick_dtypes
-    from engine.policy import make_policy
-    from engine.weights import resolve
+    from kvchat.engine import Engine
+    from kvchat.engine.engine import pick_device, pick_dtypes
+    from kvchat.engine.policy import make_policy
+    from kvchat.engine.weights import resolve
 
     from .app import AppOptions, KvChatApp
     from .cli import engine_config, sampling

@@ -6,7 +6,7 @@ from typing import Any
 
 from textual.message import Message
 
-from engine.telemetry import CacheSnapshot, TurnStats
+from kvchat.engine.telemetry import CacheSnapshot, TurnStats
 
 from .turn import Progress
 

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.telemetry import CacheSnapshot
+from kvchat.engine.telemetry import CacheSnapshot
 
 from .latency import LatencyData
 from .store import ConversationLog, Restored

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from engine.telemetry import JsonlWriter
+from kvchat.engine.telemetry import JsonlWriter
 
 DATA_ENV = "KVCHAT_DATA_DIR"
 Messages = list[dict[str, str]]

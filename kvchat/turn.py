@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from engine.telemetry import CacheSnapshot, PrefillEvent, TokenEvent, TurnStats
+from kvchat.engine.telemetry import CacheSnapshot, PrefillEvent, TokenEvent, TurnStats
 
 INTERVAL_S = 0.125          # ~8 updates a second at most
 MAX_INTERVAL_S = 1.0        # and at least one a second

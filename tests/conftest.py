@@ -18,7 +18,7 @@ if not torch.cuda.is_available():
 def engine():
     """The bundled model on CPU in fp32 with a 64 MiB pool; shared by the session, so tests
     close the conversations they open."""
-    from engine import Engine, EngineConfig
+    from kvchat.engine import Engine, EngineConfig
     return Engine(EngineConfig(kv_budget="64MiB"))
 
 
@@ -27,7 +27,7 @@ def hf_model():
     """transformers' own LlamaForCausalLM on the same converted safetensors, fp32."""
     import torch
     from transformers import LlamaForCausalLM
-    from engine.weights import bundled_dir
+    from kvchat.engine.weights import bundled_dir
     model = LlamaForCausalLM.from_pretrained(str(bundled_dir()), dtype=torch.float32)
     model.eval()
     return model

@@ -147,7 +147,7 @@ class FakeLlama:
 
 
 def test_llama_cpp_peer_resets_then_times_each_token(monkeypatch):
-    from engine.weights import resolve
+    from kvchat.engine.weights import resolve
     from kvchat.bench_peers import load_llama_cpp
     fake = type(sys)("llama_cpp")
     fake.Llama = FakeLlama

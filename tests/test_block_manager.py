@@ -7,8 +7,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from engine.block_manager import ROOT_KEY, BlockManager
-from engine.errors import PoolExhausted
+from kvchat.engine.block_manager import ROOT_KEY, BlockManager
+from kvchat.engine.errors import PoolExhausted
 
 BS = 4
 

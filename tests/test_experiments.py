@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import Engine, EngineConfig, SamplingParams, TokenEvent, TurnStats
-from engine.kv_cache import KVPool, plan_pool
-from engine.model import Step
+from kvchat.engine import Engine, EngineConfig, SamplingParams, TokenEvent, TurnStats
+from kvchat.engine.kv_cache import KVPool, plan_pool
+from kvchat.engine.model import Step
 
 STORY = "Write a long story about a lighthouse keeper and a storm."
 
@@ -186,7 +186,7 @@ def test_switching_to_fp8_at_runtime_rebuilds_the_pool_and_the_next_turn_recompu
 
 
 def test_the_block_map_agrees_with_the_block_manager_across_conversations(small_engine):
-    from engine.telemetry import CACHED, FREE, HELD, OTHER, PARTIAL, REUSED, SHARED
+    from kvchat.engine.telemetry import CACHED, FREE, HELD, OTHER, PARTIAL, REUSED, SHARED
     eng = small_engine
     eng.blocks.evict_all_cached()
     gone = eng.new_conversation()

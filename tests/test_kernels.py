@@ -18,11 +18,11 @@ import math
 import pytest
 import torch
 
-from engine import attention as A
-from engine.cuda_graph import TorchOps
-from engine.kernels import DecodeConfig, add_rms_norm, paged_decode, rope_write, silu_mul, write_kv
-from engine.kernels import checks
-from engine.kernels import decode as pd
+from kvchat.engine import attention as A
+from kvchat.engine.cuda_graph import TorchOps
+from kvchat.engine.kernels import DecodeConfig, add_rms_norm, paged_decode, rope_write, silu_mul, write_kv
+from kvchat.engine.kernels import checks
+from kvchat.engine.kernels import decode as pd
 
 pytestmark = pytest.mark.slow  # interpreted kernels: a couple of minutes on two cores
 

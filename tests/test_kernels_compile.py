@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 def variants():
     """(name, kernel, argument types, constexprs, num_warps, num_stages) for each launch."""
-    from engine.kernels import cache_write, decode, fused
+    from kvchat.engine.kernels import cache_write, decode, fused
 
     def ptr(t: str) -> str:
         return "*" + t

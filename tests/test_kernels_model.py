@@ -12,13 +12,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import kernels
-from engine.attention import force_triton
-from engine.cuda_graph import GraphDecoder, TorchOps, decode_step, decoder_for
-from engine.geometry import Geometry
-from engine.kv_cache import KVPool, plan_pool
-from engine.model import Step
-from engine.weights import random_model
+from kvchat.engine import kernels
+from kvchat.engine.attention import force_triton
+from kvchat.engine.cuda_graph import GraphDecoder, TorchOps, decode_step, decoder_for
+from kvchat.engine.geometry import Geometry
+from kvchat.engine.kv_cache import KVPool, plan_pool
+from kvchat.engine.model import Step
+from kvchat.engine.weights import random_model
 
 pytestmark = pytest.mark.slow  # interpreted kernels
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from engine import SamplingParams
-from engine.kv_cache import KVPool, plan_pool
-from engine.model import Step
+from kvchat.engine import SamplingParams
+from kvchat.engine.kv_cache import KVPool, plan_pool
+from kvchat.engine.model import Step
 
 REL_TOL = 1e-3
 

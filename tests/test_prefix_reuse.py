@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine import SamplingParams, TurnStats
+from kvchat.engine import SamplingParams, TurnStats
 
 MESSAGES = ["My name is Ada and I like sailing.", "What is a good first boat?", "What is my name?"]
 
@@ -110,7 +110,7 @@ def test_cancelling_mid_reply_keeps_the_cache_consistent(engine):
 
 
 def test_a_turn_that_fails_before_its_first_token_leaves_no_orphan_message(engine):
-    from engine import KvchatError
+    from kvchat.engine import KvchatError
     conv = engine.new_conversation()
     try:
         run_turn(conv, MESSAGES[0], max_tokens=4)

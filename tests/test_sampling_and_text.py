@@ -3,9 +3,9 @@ from __future__ import annotations
 
 import torch
 
-from engine import SamplingParams, TokenEvent, TurnStats
-from engine.detokenizer import Detokenizer
-from engine.sampler import Sampler
+from kvchat.engine import SamplingParams, TokenEvent, TurnStats
+from kvchat.engine.detokenizer import Detokenizer
+from kvchat.engine.sampler import Sampler
 
 TRICKY = "Crème brûlée 🍮 costs ¥1200 — 東京で食べた。 Done 👍🏽!"
 

@@ -6,9 +6,9 @@ import math
 import pytest
 import torch
 
-from engine import KvchatError, SamplingParams, TurnStats
-from engine.model import apply_rope, rms_norm
-from engine.streaming import prefill_window
+from kvchat.engine import KvchatError, SamplingParams, TurnStats
+from kvchat.engine.model import apply_rope, rms_norm
+from kvchat.engine.streaming import prefill_window
 
 
 def fresh_layer0_keys(engine, tokens):
@@ -104,7 +104,7 @@ def test_a_cap_too_small_for_sinks_and_a_window_is_refused(engine):
 
 
 def test_sink_window_over_an_fp8_cache_re_rotates_quantized_keys():
-    from engine import Engine, EngineConfig
+    from kvchat.engine import Engine, EngineConfig
     eng = Engine(EngineConfig(kv_dtype="fp8", kv_budget="8MiB"))
     conv = eng.new_conversation(cap=64, policy="sink-window")
     stats = turn(conv, "Write a long story about a lighthouse keeper and a storm.", 60)

@@ -11,8 +11,8 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widget import Widget
 
-from engine.telemetry import BLOCK_STATE_NAMES, CACHED, FREE, HELD, OTHER, PARTIAL, REUSED, SHARED, CacheSnapshot
-from engine.units import human_bytes
+from kvchat.engine.telemetry import BLOCK_STATE_NAMES, CACHED, FREE, HELD, OTHER, PARTIAL, REUSED, SHARED, CacheSnapshot
+from kvchat.engine.units import human_bytes
 
 NOTABLE = (FREE, CACHED, OTHER, HELD, PARTIAL, SHARED, REUSED)   # least to most
 _RANK = bytes(NOTABLE.index(c) if c in NOTABLE else 0 for c in range(256))

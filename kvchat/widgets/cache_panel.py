@@ -7,9 +7,9 @@ from rich.table import Table
 from rich.text import Text
 from textual.widgets import Static
 
-from engine.geometry import DTYPE_BYTES, KNOWN, Geometry
-from engine.telemetry import CacheSnapshot
-from engine.units import human_bytes
+from kvchat.engine.geometry import DTYPE_BYTES, KNOWN, Geometry
+from kvchat.engine.telemetry import CacheSnapshot
+from kvchat.engine.units import human_bytes
 
 COMPARE = (("Llama 3.1 8B", "llama-3.1-8b"), ("Llama 3.1 70B", "llama-3.1-70b"), ("Llama 2 7B", "llama-2-7b"))
 

@@ -7,7 +7,7 @@ from textual.screen import ModalScreen
 from textual.widgets import OptionList
 from textual.widgets.option_list import Option
 
-from engine.policy import POLICIES
+from kvchat.engine.policy import POLICIES
 
 
 class PolicyPicker(ModalScreen[str | None]):

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from engine.sampler import SamplingParams
+from kvchat.engine.sampler import SamplingParams
 from kvchat.app import AppOptions, KvChatApp
 from kvchat.session import SessionOptions
 from kvchat.settings import Settings

@@ -26,12 +26,12 @@ import threading
 from dataclasses import dataclass
 from types import SimpleNamespace
 
-from engine.errors import KvchatError
-from engine.geometry import DTYPE_BYTES, KNOWN
-from engine.policy import make_policy
-from engine.sampler import SamplingParams
-from engine.streaming import DEFAULT_SINK_TOKENS, check_window_cap, sink_blocks
-from engine.telemetry import FREE, HELD, OTHER, PARTIAL, REUSED, CacheSnapshot, PrefillEvent, TokenEvent, TurnStats
+from kvchat.engine.errors import KvchatError
+from kvchat.engine.geometry import DTYPE_BYTES, KNOWN
+from kvchat.engine.policy import make_policy
+from kvchat.engine.sampler import SamplingParams
+from kvchat.engine.streaming import DEFAULT_SINK_TOKENS, check_window_cap, sink_blocks
+from kvchat.engine.telemetry import FREE, HELD, OTHER, PARTIAL, REUSED, CacheSnapshot, PrefillEvent, TokenEvent, TurnStats
 
 REPLIES = ("Hello there! The **KV cache** keeps keys and values.",
            "Each new token adds one row per layer.",

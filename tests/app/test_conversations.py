@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from engine.telemetry import OTHER
+from kvchat.engine.telemetry import OTHER
 from kvchat.commands import Command, CommandError, parse
 from kvchat.widgets import (BlockMap, CachePanel, CapGauge, ConversationBar, LatencyPanel, Notice, Reply, Transcript,
                             UserMessage)

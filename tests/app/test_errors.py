@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import threading
 
-from engine.errors import KvchatError, ModelLoadError
+from kvchat.engine.errors import KvchatError, ModelLoadError
 from kvchat.widgets import Notice, Reply, UserMessage
 
 from .conftest import SIZE, make_app, ready, send, wait_until

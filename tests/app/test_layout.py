@@ -1,7 +1,7 @@
 """Resizing and hiding panels; the block map's aggregation."""
 from __future__ import annotations
 
-from engine.telemetry import CACHED, FREE, HELD, PARTIAL, REUSED
+from kvchat.engine.telemetry import CACHED, FREE, HELD, PARTIAL, REUSED
 from kvchat.widgets import BlockMap
 from kvchat.widgets.block_map import aggregate
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from engine.telemetry import OTHER, SHARED
-from engine.units import human_bytes
+from kvchat.engine.telemetry import OTHER, SHARED
+from kvchat.engine.units import human_bytes
 from kvchat.widgets import BlockMap, CachePanel, LatencyPanel
 
 from .conftest import SIZE, make_app, ready, screen_text, send, wait_until

@@ -1,7 +1,7 @@
 """turn.relay batches a turn's events; turn.Governor bounds the UI's share of the turn."""
 from __future__ import annotations
 
-from engine.telemetry import PrefillEvent, TokenEvent
+from kvchat.engine.telemetry import PrefillEvent, TokenEvent
 from kvchat.turn import Governor, relay
 
 from .fake_engine import FakeEngine
