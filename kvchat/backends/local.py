@@ -1,0 +1,90 @@
+"""The local backend: kvchat's own engine (kvchat/engine) behind the Backend protocol."""
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+from kvchat.engine.engine import KV_DTYPES, Engine, EngineConfig
+from kvchat.engine.policy import POLICIES
+
+from .protocol import BackendInfo, Capabilities, ChatState, Event, Message
+
+
+class LocalChat:
+    """An engine Conversation, seen through the Chat protocol."""
+
+    def __init__(self, conv) -> None:
+        self.conv = conv
+
+    def state(self) -> ChatState:
+        c = self.conv
+        return ChatState(messages=tuple(dict(m) for m in c.messages), cap=c.cap, policy=c.policy.name,
+                         policy_description=c.policy.description, mode=c.mode, tokens_held=c.tokens_held,
+                         evicted_tokens=c.evicted_tokens, preempted_pending=c.preempted_pending, turns=c.turns)
+
+    def send(self, text: str, sampling=None, cancel: threading.Event | None = None) -> Iterator[Event]:
+        return self.conv.send(text, sampling, cancel)
+
+    def regenerate(self, sampling=None, cancel: threading.Event | None = None) -> Iterator[Event]:
+        return self.conv.regenerate(sampling, cancel)
+
+    def restore(self, messages: list[Message]) -> None:
+        self.conv.reset_cache()
+        self.conv.messages = [dict(m) for m in messages]
+
+    def reset_cache(self) -> int:
+        return self.conv.reset_cache()
+
+    def set_cap(self, cap: int | None) -> None:
+        self.conv.set_cap(cap)
+
+    def set_policy(self, name: str) -> None:
+        self.conv.set_policy(name)
+
+    def set_mode(self, mode: str) -> None:
+        self.conv.set_mode(mode)
+
+
+class LocalBackend:
+    """One Engine: one model, one KV pool shared by every conversation."""
+
+    capabilities = Capabilities(policies=tuple(POLICIES), kv_dtypes=tuple(k for k in KV_DTYPES if k != "auto"),
+                                block_map="pool")
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+
+    @classmethod
+    def load(cls, config: EngineConfig, source=None) -> LocalBackend:
+        return cls(Engine(config, source=source))
+
+    def info(self) -> BackendInfo:
+        e = self.engine
+        return BackendInfo(kind="local", model=e.source.name, device=str(e.device), dtype=e.dtype_name,
+                           kv_dtype=e.kv_dtype, bytes_per_token=e.bytes_per_token, geometry=e.geometry,
+                           max_position=e.geometry.max_position, random_weights=e.source.random_weights)
+
+    def open(self, system: str | None = None, cap: int | None = None, policy: str = "stop",
+             mode: str = "cache") -> LocalChat:
+        conv = self.engine.new_conversation(system_prompt=system, cap=cap, policy=policy)
+        chat = LocalChat(conv)
+        if mode != "cache":
+            try:
+                conv.set_mode(mode)
+            except BaseException:
+                self.engine.close_conversation(conv)
+                raise
+        return chat
+
+    def close(self, chat: LocalChat) -> None:
+        self.engine.close_conversation(chat.conv)
+
+    def snapshot(self, chat: LocalChat | None = None):
+        return self.engine.snapshot(chat.conv if chat is not None else None)
+
+    def set_kv_dtype(self, kv_dtype: str) -> str:
+        self.engine.set_kv_dtype(kv_dtype)
+        return self.engine.kv_dtype
+
+    def shutdown(self) -> None:
+        pass
