@@ -19,7 +19,8 @@ from .geometry import Geometry
 from .kv_cache import TORCH_DTYPES, KVPool, PoolSpec, plan_pool
 from .telemetry import CACHED, HELD, OTHER, PARTIAL, REUSED, SHARED, CacheSnapshot
 from .units import parse_bytes
-from .weights import ModelSource, load_model, resolve
+from .sources import ModelSource, resolve
+from .weights import load_model
 
 MODEL_DTYPES = ("auto", "fp32", "bf16", "fp16")
 KV_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp8")
