@@ -9,7 +9,6 @@ conversation in focus at that moment (several share the pool: see conversations.
 """
 from __future__ import annotations
 
-import sys
 import threading
 import time
 from collections import deque
@@ -371,19 +370,3 @@ class KvChatApp(ChatActions, Conversations, Jobs, App[int], inherit_bindings=Fal
         self.reply = None
         self._job_done()
         self.note_preemptions(session)
-
-# ---- the entry point ---------------------------------------------------------------------------------
-def run_chat(args) -> int:
-    """The chat app. Bad flags, settings, or a missing model end here, before the UI starts,
-    with one line on stderr and exit status 2."""
-    from .launch import LaunchError, prepare
-    try:
-        app = prepare(args)
-    except LaunchError as err:
-        print(f"kvchat: {err}", file=sys.stderr)
-        return 2
-    app.run()
-    if app.failure:
-        print(f"kvchat: {app.failure}", file=sys.stderr)
-        return 2
-    return app.return_code or 0

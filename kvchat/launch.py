@@ -3,6 +3,8 @@ location, the conversation to resume. Any problem is one line and exit status 2;
 the weights then happens inside the UI, with progress shown."""
 from __future__ import annotations
 
+import sys
+
 from kvchat.engine.errors import KvchatError
 
 from . import settings as settings_mod
@@ -13,6 +15,21 @@ from .store import StoreError
 
 class LaunchError(Exception):
     """Why kvchat cannot start; str() is one line."""
+
+
+def run_chat(args) -> int:
+    """The chat app. Bad flags, settings, or a missing model end here, before the UI starts,
+    with one line on stderr and exit status 2."""
+    try:
+        app = prepare(args)
+    except LaunchError as err:
+        print(f"kvchat: {err}", file=sys.stderr)
+        return 2
+    app.run()
+    if app.failure:
+        print(f"kvchat: {app.failure}", file=sys.stderr)
+        return 2
+    return app.return_code or 0
 
 
 def prepare(args):
@@ -28,10 +45,10 @@ def _prepare(args):
     from kvchat.engine import Engine
     from kvchat.engine.engine import pick_device, pick_dtypes
     from kvchat.engine.policy import make_policy
-    from kvchat.engine.weights import resolve
+    from kvchat.engine.sources import resolve
 
     from .app import AppOptions, KvChatApp
-    from .cli import engine_config, sampling
+    from .args import engine_config, sampling
     from .session import SessionOptions
     from .store import last_conversation, restore
 
@@ -45,7 +62,7 @@ def _prepare(args):
     theme = args.theme or settings.theme or "dark"
     make_policy(args.policy)
     cfg = engine_config(args)
-    sp = sampling(args)
+    sp = sampling(args, default_max=512)
     pick_dtypes(cfg, pick_device(cfg.device))
     source = resolve(cfg.model, cfg.random_weights)
     restored = None
