@@ -74,3 +74,45 @@ def step_reads(geom: Geometry, dtype: str, kv_dtype: str, tokens: int) -> StepRe
     per_token = geom.kv_bytes_per_token(kv_dtype) + (2 * geom.n_layers * geom.n_kv_heads * 4 if kv_dtype == "fp8" else 0)
     return StepReads(geom.param_count() * DTYPE_BYTES[dtype], per_token, tokens)
 
+
+
+WORKING_MARGIN = 512 * 2**20      # activations, logits, allocator slack: measured well under this on CPU
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPlan:
+    """What loading a model takes, against what the device has free."""
+    model: str
+    dtype: str
+    weight_bytes: int
+    pool_bytes: int
+    available: int
+    device: str
+
+    @property
+    def needed(self) -> int:
+        return self.weight_bytes + self.pool_bytes + WORKING_MARGIN
+
+    @property
+    def fits(self) -> bool:
+        return self.needed <= self.available
+
+    def refusal(self, smaller: dict[str, int]) -> str:
+        """One line: the numbers, and what would fit (`smaller`: dtype -> its weight bytes)."""
+        gb = lambda n: f"{n / 1e9:.1f} GB"  # noqa: E731
+        alternatives = []
+        for dtype, weights in [(self.dtype, self.weight_bytes), *smaller.items()]:
+            room = self.available - weights - WORKING_MARGIN       # what is left for the pool
+            if room < 64 * 2**20:
+                continue
+            flag = f"--dtype {dtype}" if dtype != self.dtype else ""
+            budget = f"--kv-budget {room // 2**20:,}MiB or less" if room < self.pool_bytes else ""
+            alternatives.append(" ".join(x for x in (flag, budget) if x))
+        tail = f"; try {' or '.join(alternatives)}" if alternatives else "; use a smaller model or a larger machine"
+        return (f"{self.model} in {self.dtype} does not fit on {self.device}: it needs about {gb(self.needed)} "
+                f"({gb(self.weight_bytes)} of weights + {gb(self.pool_bytes)} KV pool + {gb(WORKING_MARGIN)} working "
+                f"memory) and {gb(self.available)} is available{tail}")
+
+
+def memory_plan(geom: Geometry, dtype: str, pool_bytes: int, available: int, device: str) -> MemoryPlan:
+    return MemoryPlan(geom.name, dtype, geom.param_count() * DTYPE_BYTES[dtype], pool_bytes, available, device)

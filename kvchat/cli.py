@@ -58,16 +58,18 @@ def build_parser() -> Parser:
 def load_backend(args, quiet: bool = False):
     """Validate everything that can be checked cheaply before saying "loading"."""
     from kvchat.engine import Engine
+    from kvchat.engine.engine import check_memory, pick_device, pick_dtypes
+    from kvchat.engine.pool_spec import plan_pool
+    from kvchat.engine.sources import resolve
 
     from .backends.local import LocalBackend
-    from kvchat.engine.sources import resolve
-    from kvchat.engine.engine import pick_device, pick_dtypes
-    from kvchat.engine.pool_spec import plan_pool
     cfg = engine_config(args)
     src = resolve(cfg.model, cfg.random_weights)
-    _, kv_dtype = pick_dtypes(cfg, pick_device(cfg.device))
+    device = pick_device(cfg.device)
+    dtype, kv_dtype = pick_dtypes(cfg, device)
     if cfg.kv_budget:
         plan_pool(src.geometry, kv_dtype, cfg.kv_budget, cfg.block_size)
+    check_memory(src.geometry, dtype, kv_dtype, cfg.kv_budget, device)
     if not quiet:
         print(f"loading {src.name} ...", file=sys.stderr, flush=True)
     return LocalBackend(Engine(cfg, source=src))
