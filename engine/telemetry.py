@@ -43,6 +43,24 @@ class PrefillEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class ServerStats:
+    """A serving engine's own figures (its /metrics and KV-event stream); None where it
+    exports nothing. Server-wide: every client's requests, not only this conversation's."""
+    url: str
+    usage: float | None              # fraction of the pool's blocks referenced by running requests
+    prefix_hit_rate: float | None    # prefix-cache hits / queries, in tokens, since the server started
+    preemptions: int | None
+    running: int | None
+    waiting: int | None
+    inter_token_ms: float | None     # the server's inter-token latency histogram, mean
+    ttft_ms: float | None            # the server's time-to-first-token histogram, mean
+    resident_blocks: int | None      # full prefix blocks resident per the KV events (None: no stream)
+    event_batches: int | None
+    event_gaps: int | None           # sequence numbers skipped: events lost, the map may be stale
+    notes: tuple[str, ...] = ()      # what the panels cannot show in this mode, and why
+
+
+@dataclass(frozen=True, slots=True)
 class CacheSnapshot:
     model: str
     kv_dtype: str
@@ -65,6 +83,11 @@ class CacheSnapshot:
     mode: str                  # "cache" or "off"
     evictions: int
     preemptions: int
+    # a serving engine's cache seen from outside (kvchat/backends/vllm.py): where the figures
+    # came from, the fields it left None because the server cannot tell them, and its own figures
+    source: str = "local"
+    unavailable: tuple[str, ...] = ()
+    server: ServerStats | None = None
 
     @property
     def occupancy(self) -> float:
@@ -92,6 +115,7 @@ class TurnStats:
     preempted: int
     recomputed_tokens: int
     cache: CacheSnapshot
+    unavailable: tuple[str, ...] = ()   # summary() keys the backend cannot tell (they are None)
 
     @property
     def tokens_per_s(self) -> float:
@@ -104,8 +128,8 @@ class TurnStats:
         return {
             "turn": self.turn, "reply": self.reply, "prompt_tokens": self.prompt_tokens,
             "reused_tokens": self.reused_tokens, "computed_tokens": self.computed_tokens,
-            "generated_tokens": self.generated_tokens, "ttft_ms": round(self.ttft_ms, 3),
-            "prefill_ms": round(self.prefill_ms, 3), "decode_ms": [round(x, 3) for x in self.decode_ms],
+            "generated_tokens": self.generated_tokens, "ttft_ms": _round(self.ttft_ms),
+            "prefill_ms": _round(self.prefill_ms), "decode_ms": [round(x, 3) for x in self.decode_ms],
             "positions": list(self.positions), "stop_reason": self.stop_reason,
             "kv_bytes_per_token": c.bytes_per_token, "kv_bytes_used": c.bytes_used,
             "kv_bytes_allocated": c.bytes_allocated, "kv_capacity_bytes": c.capacity_bytes,
@@ -113,7 +137,17 @@ class TurnStats:
             "mode": self.mode, "kv_dtype": self.kv_dtype, "policy": self.policy, "cap": c.cap,
             "dropped_messages": self.dropped_messages, "evicted_blocks": self.evicted_blocks,
             "preempted": self.preempted, "recomputed_tokens": self.recomputed_tokens,
+            "unavailable": sorted(set(self.unavailable) | {_SUMMARY_KEYS.get(k, k) for k in c.unavailable}),
         }
+
+
+def _round(ms: float | None) -> float | None:
+    return round(ms, 3) if ms is not None else None
+
+
+# CacheSnapshot field -> the summary() key that carries it
+_SUMMARY_KEYS = {"bytes_per_token": "kv_bytes_per_token", "bytes_used": "kv_bytes_used",
+                 "bytes_allocated": "kv_bytes_allocated", "capacity_bytes": "kv_capacity_bytes"}
 
 
 class JsonlWriter:

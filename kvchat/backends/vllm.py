@@ -1,0 +1,437 @@
+"""The vLLM backend: a running vLLM server behind the Backend protocol.
+
+Where each figure comes from (issue 10):
+- reused vs computed per turn: the final stream chunk's `usage.prompt_tokens_details.cached_tokens`
+  (the server needs `--enable-prompt-tokens-details`);
+- per-token latency: the client's clock between streamed tokens (position = prompt tokens +
+  index), TTFT from sending the request to the first token; the server's own histograms from
+  /metrics beside them (metrics.py);
+- the pool: `vllm:cache_config_info` (block size, blocks) and `vllm:kv_cache_usage_perc`;
+- bytes per token: the model geometry (the served name matched against our table, `--geometry`,
+  or a local config.json) times the cache element size;
+- the block map: the KV-event stream (kv_events.py), matched against this conversation's token
+  ids, which the server returns with `return_token_ids`.
+What the server cannot tell stays None and is named in `unavailable`; nothing is estimated.
+"""
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvchat.engine.errors import CapExceeded, KvchatError
+from kvchat.engine.geometry import DTYPE_BYTES, HF_REPOS, KNOWN, Geometry, from_hf_config
+from kvchat.engine.policy import make_policy
+from kvchat.engine.telemetry import (CACHED, FREE, HELD, REUSED, CacheSnapshot, PrefillEvent, ServerStats,
+                                     TokenEvent, TurnStats)
+
+from . import metrics as prom
+from .kv_events import KvEventSubscriber
+from .protocol import (BLOCK_MAP, CACHE_TOGGLE, KV_DTYPE, RESET, SINK_WINDOW, BackendInfo, Capabilities,
+                       ChatState, Event, Message)
+from .server_api import ServerApi, ServerError
+
+# vLLM's dtype names -> ours
+_DTYPES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "fp16", "half": "fp16",
+           "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
+_FINISH = {"stop": "eos", "length": "max_tokens", "abort": "cancelled"}
+EVENT_WAIT_S = 0.5   # after a turn, how long the snapshot waits for the KV events of its blocks
+
+
+@dataclass(frozen=True, slots=True)
+class ServerModel:
+    """What the server says about itself at connect time."""
+    name: str
+    max_model_len: int | None
+    dtype: str | None            # the weights' dtype, from /server_info (dev mode) if it answers
+    dev_mode: bool               # /server_info answered: /reset_prefix_cache will too
+
+
+def match_geometry(name: str, geometry_alias: str | None = None, config_path: str | None = None
+                   ) -> tuple[Geometry | None, str]:
+    """The served model's geometry and where it came from, or (None, how to give it)."""
+    if geometry_alias is not None:
+        alias = geometry_alias.strip().lower()
+        if alias not in KNOWN:
+            raise KvchatError(f"--geometry {geometry_alias!r}: unknown; accepted: {', '.join(sorted(KNOWN))}")
+        return KNOWN[alias], f"--geometry {alias}"
+    if config_path is not None:
+        path = Path(config_path).expanduser()
+        cfg = path / "config.json" if path.is_dir() else path
+        try:
+            data = json.loads(cfg.read_text(encoding="utf-8"))
+        except (OSError, ValueError) as err:
+            raise KvchatError(f"--model {config_path!r}: no readable config.json there ({err.__class__.__name__}); "
+                              "with --server, --model names a local copy of the served model's config.json") from None
+        return from_hf_config(data, name), str(cfg)
+    key = name.strip().lower()
+    by_repo = {repo.lower(): alias for alias, repo in HF_REPOS.items()}
+    for candidate in (key, key.rsplit("/", 1)[-1]):
+        if candidate in KNOWN:
+            return KNOWN[candidate], f"served name {name!r} in kvchat's model table"
+        if candidate in by_repo:
+            return KNOWN[by_repo[candidate]], f"served name {name!r} in kvchat's model table"
+    return None, (f"unknown geometry: the served model {name!r} is not in kvchat's table; give --geometry "
+                  f"ALIAS ({', '.join(sorted(KNOWN))}) or --model PATH to a copy of its config.json")
+
+
+class VllmChat:
+    """One conversation: the messages live here (the server keeps none); the server's prefix
+    cache finds the shared prefix of each turn's prompt by itself."""
+
+    def __init__(self, backend: VllmBackend, system: str | None, cap: int | None, policy: str) -> None:
+        self.backend = backend
+        self.messages: list[Message] = [{"role": "system", "content": system}] if system else []
+        self.cap = None
+        self.policy = make_policy("stop")
+        self.set_cap(cap)
+        self.set_policy(policy)
+        self.turns = 0
+        self.token_ids: tuple[int, ...] = ()     # the last turn's prompt + reply, as the server saw them
+        self.reused_tokens = 0
+        self.history: list[TurnStats] = []
+
+    # ---- settings -------------------------------------------------------------------------------
+    def state(self) -> ChatState:
+        return ChatState(messages=tuple(dict(m) for m in self.messages), cap=self.cap, policy=self.policy.name,
+                         policy_description=self.policy.description, mode="cache",
+                         tokens_held=self.backend.tokens_held(self), evicted_tokens=0, preempted_pending=0,
+                         turns=self.turns)
+
+    def set_cap(self, cap: int | None) -> None:
+        if cap is not None and cap <= 0:
+            raise KvchatError(f"cap {cap}: must be a positive number of tokens")
+        limit = self.backend.model.max_model_len
+        if cap is not None and limit is not None and cap > limit:
+            raise KvchatError(f"cap {cap} is over the server's --max-model-len {limit}")
+        self.cap = cap
+
+    def set_policy(self, name: str) -> None:
+        if name not in self.backend.capabilities.policies:
+            why = self.backend.capabilities.why_not(SINK_WINDOW) if name == "sink-window" else ""
+            raise KvchatError(why or f"unknown cap policy {name!r}; accepted on a server: "
+                              f"{', '.join(self.backend.capabilities.policies)}")
+        self.policy = make_policy(name)
+
+    def set_mode(self, mode: str) -> None:
+        if mode != "cache":
+            raise KvchatError(self.backend.capabilities.why_not(CACHE_TOGGLE))
+
+    def restore(self, messages: list[Message]) -> None:
+        self.messages = [dict(m) for m in messages]
+        self.token_ids, self.reused_tokens = (), 0
+
+    def reset_cache(self) -> int:
+        return self.backend.reset_prefix_cache()
+
+    # ---- turns ----------------------------------------------------------------------------------
+    def send(self, text: str, sampling=None, cancel: threading.Event | None = None) -> Iterator[Event]:
+        if not text.strip():
+            raise KvchatError("empty message: type something to send")
+        messages = self.messages + [{"role": "user", "content": text}]
+        if self.cap is not None:
+            messages = self.policy.fit(messages, self.backend.count_tokens, self.cap)
+        return self._turn(messages, len(self.messages) + 1 - len(messages), sampling, cancel)
+
+    def regenerate(self, sampling=None, cancel: threading.Event | None = None) -> Iterator[Event]:
+        if not self.messages or self.messages[-1]["role"] != "assistant":
+            raise KvchatError("nothing to regenerate: the conversation has no reply yet")
+        return self._turn(self.messages[:-1], 0, sampling, cancel)
+
+    def _turn(self, messages: list[Message], dropped: int, sampling, cancel) -> Iterator[Event]:
+        """The messages change only once the reply is complete (or cancelled): a failure
+        mid-reply raises ServerError and leaves the conversation as it was."""
+        b = self.backend
+        body = b.request_body(messages, sampling)
+        prompt_ids: list[int] = []
+        reply_ids: list[int] = []
+        text: list[str] = []
+        decode_ms: list[float] = []
+        positions: list[int] = []
+        usage: dict = {}
+        finish = None
+        ttft_ms = 0.0
+        t0 = last = time.perf_counter()
+        with b.api.stream_events("/v1/chat/completions", body) as events:
+            for chunk in events:
+                if chunk.get("prompt_token_ids"):
+                    prompt_ids = list(chunk["prompt_token_ids"])
+                if chunk.get("usage"):
+                    usage = chunk["usage"]
+                for choice in chunk.get("choices") or ():
+                    delta = (choice.get("delta") or {}).get("content") or ""
+                    ids = list(choice.get("token_ids") or ())
+                    finish = choice.get("finish_reason") or finish
+                    if not ids and not delta:
+                        continue
+                    now = time.perf_counter()
+                    if not reply_ids and not text:
+                        ttft_ms = (now - t0) * 1000
+                        n_prompt = len(prompt_ids) or usage.get("prompt_tokens") or 0
+                        yield PrefillEvent(n_prompt, None, None, None)
+                    step = (now - last) * 1000 / max(1, len(ids))
+                    for i, tid in enumerate(ids or [None]):
+                        pos = len(prompt_ids) + len(reply_ids)
+                        if reply_ids or text:              # every token after the first is a decode step
+                            decode_ms.append(step)
+                            positions.append(pos)
+                        if tid is not None:
+                            reply_ids.append(tid)
+                        yield TokenEvent(delta if i == 0 else "", tid, pos, step if decode_ms else ttft_ms)
+                        text.append(delta if i == 0 else "")
+                    last = now
+                if cancel is not None and cancel.is_set():
+                    finish = "abort"
+                    break
+        reply = "".join(text)
+        self.messages = messages + [{"role": "assistant", "content": reply}]
+        self.turns += 1
+        self.token_ids = tuple(prompt_ids + reply_ids)
+        n_prompt = int(usage.get("prompt_tokens", len(prompt_ids)))
+        details = usage.get("prompt_tokens_details") or {}
+        cached = details.get("cached_tokens")
+        self.reused_tokens = int(cached) if cached is not None else 0
+        unavailable = ["prefill_ms", "evicted_blocks", "preempted", "recomputed_tokens"]
+        if cached is None:
+            unavailable += ["reused_tokens", "computed_tokens"]
+        stats = TurnStats(
+            turn=self.turns, prompt_tokens=n_prompt, reused_tokens=cached,
+            computed_tokens=n_prompt - int(cached) if cached is not None else None,
+            generated_tokens=int(usage.get("completion_tokens", len(reply_ids))), ttft_ms=ttft_ms,
+            prefill_ms=None, decode_ms=tuple(decode_ms), positions=tuple(positions),
+            stop_reason=_FINISH.get(finish or "", finish or "cancelled"), reply=reply, mode="cache",
+            kv_dtype=b.kv_dtype, policy=self.policy.name, dropped_messages=dropped, evicted_blocks=None,
+            preempted=None, recomputed_tokens=None, cache=b.snapshot(self, wait_for_events=True),
+            unavailable=tuple(unavailable))
+        self.history.append(stats)
+        yield stats
+
+
+class VllmBackend:
+    """A vLLM server at `url`; `kv_events` (tcp://HOST:PORT) adds the block map."""
+
+    def __init__(self, url: str, kv_events: str | None = None, geometry: str | None = None,
+                 model_config: str | None = None, kv_dtype: str | None = None) -> None:
+        self.api = ServerApi(url)
+        self.events: KvEventSubscriber | None = None
+        try:
+            self.model = self._probe()
+            self.metrics = self._scrape()
+            self.geometry, self.geometry_source = match_geometry(self.model.name, geometry, model_config)
+            self.kv_dtype = self._kv_dtype(kv_dtype)
+            if kv_events is not None:
+                self.events = KvEventSubscriber(kv_events)
+        except BaseException:
+            self.shutdown()
+            raise
+        self.metrics_error: str | None = None
+        self.capabilities = self._capabilities()
+        self._lock = threading.Lock()
+
+    # ---- connecting -----------------------------------------------------------------------------
+    def _probe(self) -> ServerModel:
+        data = self.api.get_json("/v1/models").get("data")
+        if not isinstance(data, list) or not data or not isinstance(data[0], dict) or "id" not in data[0]:
+            raise ServerError(f"{self.api.url}/v1/models lists no model; is --server an OpenAI-compatible "
+                              "vLLM server?")
+        first = data[0]
+        info = self.api.get_optional_json("/server_info")
+        dtype = None
+        if info is not None:
+            cfg = info.get("vllm_config")
+            text = cfg if isinstance(cfg, str) else json.dumps(cfg)
+            for name in ("bfloat16", "float16", "float32"):
+                if f"dtype=torch.{name}" in text or f'"dtype": "{name}"' in text:
+                    dtype = _DTYPES[name]
+                    break
+        limit = first.get("max_model_len")
+        return ServerModel(name=str(first["id"]), max_model_len=int(limit) if limit else None, dtype=dtype,
+                           dev_mode=info is not None)
+
+    def _scrape(self) -> prom.ServerMetrics:
+        try:
+            text = self.api.get_text("/metrics")
+        except ServerError as err:
+            if getattr(err, "status", None) == 404:
+                raise ServerError(f"{self.api.url} has no /metrics (404); kvchat --server needs a vLLM "
+                                  "server") from None
+            raise
+        try:
+            return prom.parse(text, self.model.name)
+        except prom.MetricsError as err:
+            raise ServerError(f"{self.api.url}: {err}") from None
+
+    def _kv_dtype(self, hint: str | None) -> str:
+        """The cache's element type: the server's --kv-cache-dtype, or for "auto" the weights'
+        dtype (from /server_info), or the user's --kv-dtype; "unknown" if none says."""
+        label = self.metrics.cache.cache_dtype
+        if label and label != "auto":
+            return _DTYPES.get(label, label)
+        if self.model.dtype:
+            return self.model.dtype
+        if hint and hint != "auto":
+            return hint
+        return "unknown"
+
+    def _capabilities(self) -> Capabilities:
+        missing = [
+            (SINK_WINDOW, "sink-window evicts blocks inside kvchat's own engine; on a vLLM server use "
+                          "/policy drop-oldest (the client trims what it sends)"),
+            (KV_DTYPE, "the server's cache dtype is fixed when it starts (vllm --kv-cache-dtype)"),
+            (CACHE_TOGGLE, "a vLLM server always decodes with its KV cache; cache-off mode is a local-engine "
+                           "experiment"),
+        ]
+        if not self.model.dev_mode:
+            missing.append((RESET, "the server allows POST /reset_prefix_cache only when started with "
+                                   "VLLM_SERVER_DEV_MODE=1; restart it so, or start a new conversation"))
+        if self.events is None:
+            missing.append((BLOCK_MAP, "no KV-event stream: start the server with --kv-events-config "
+                                       "'{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":"
+                                       "\"tcp://*:5557\"}' and give kvchat --kv-events tcp://HOST:5557"))
+        return Capabilities(policies=("stop", "drop-oldest"), kv_dtypes=(),
+                            block_map="prefix" if self.events is not None else "none", missing=tuple(missing))
+
+    # ---- the protocol ---------------------------------------------------------------------------
+    @property
+    def bytes_per_token(self) -> int | None:
+        if self.geometry is None or self.kv_dtype not in DTYPE_BYTES:
+            return None
+        return self.geometry.kv_bytes_per_token(self.kv_dtype)
+
+    def info(self) -> BackendInfo:
+        return BackendInfo(kind="vllm", model=self.model.name, device=self.api.url,
+                           dtype=self.model.dtype or "unknown", kv_dtype=self.kv_dtype,
+                           bytes_per_token=self.bytes_per_token, geometry=self.geometry,
+                           max_position=self.model.max_model_len)
+
+    def open(self, system: str | None = None, cap: int | None = None, policy: str = "stop",
+             mode: str = "cache") -> VllmChat:
+        chat = VllmChat(self, system, cap, policy)
+        chat.set_mode(mode)
+        return chat
+
+    def close(self, chat: VllmChat) -> None:
+        pass          # the server holds no conversation; its cached blocks stay for prefix reuse
+
+    def set_kv_dtype(self, kv_dtype: str) -> str:
+        raise KvchatError(self.capabilities.why_not(KV_DTYPE))
+
+    def shutdown(self) -> None:
+        if self.events is not None:
+            self.events.stop()
+            self.events = None
+        self.api.close()
+
+    def reset_prefix_cache(self) -> int:
+        """POST /reset_prefix_cache: the whole server's prefix cache, every client's. Returns the
+        resident blocks the KV events knew of before (0 without a stream)."""
+        if not self.capabilities.has(RESET):
+            raise KvchatError(self.capabilities.why_not(RESET))
+        before = self.events.store.summary().blocks if self.events is not None else 0
+        answer = self.api.post_json("/reset_prefix_cache")
+        if answer.get("success") is False:
+            raise ServerError("the server refused to reset its prefix cache: blocks are still held by "
+                              "running requests; try again when it is idle")
+        if self.events is not None:
+            self.events.store.cleared_by_server()
+        return before
+
+    # ---- requests -------------------------------------------------------------------------------
+    def request_body(self, messages: list[Message], sampling) -> dict:
+        body = {"model": self.model.name, "messages": messages, "stream": True,
+                "stream_options": {"include_usage": True}, "return_token_ids": True}
+        if sampling is not None:
+            body.update(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_tokens)
+            if sampling.top_k:
+                body["top_k"] = sampling.top_k
+            if sampling.seed is not None:
+                body["seed"] = sampling.seed
+        return body
+
+    def count_tokens(self, messages: list[Message]) -> int:
+        """Tokens the messages render to with the chat template and generation prompt (/tokenize)."""
+        data = self.api.post_json("/tokenize", {"model": self.model.name, "messages": messages,
+                                                "add_generation_prompt": True})
+        if not isinstance(data.get("count"), int):
+            raise ServerError(f"{self.api.url}/tokenize answered without a token count")
+        return data["count"]
+
+    def tokens_held(self, chat: VllmChat) -> int:
+        """This conversation's tokens in resident full blocks (0 without a KV-event stream)."""
+        bs = self.metrics.cache.block_size
+        if self.events is None or not bs or not chat.token_ids:
+            return 0
+        return self.events.store.chain(chat.token_ids, bs) * bs
+
+    # ---- the panels -----------------------------------------------------------------------------
+    def snapshot(self, chat: VllmChat | None = None, wait_for_events: bool = False) -> CacheSnapshot:
+        """Scrapes /metrics; where that fails after a good start, keeps the last good scrape and
+        names the failure in server.notes (the app retries on its next poll)."""
+        notes: list[str] = []
+        try:
+            self.metrics = self._scrape()
+            self.metrics_error = None
+        except ServerError as err:
+            self.metrics_error = str(err)
+            notes.append(f"metrics: {err} (showing the last good figures)")
+        m, cc = self.metrics, self.metrics.cache
+        bs, nb, bpt = cc.block_size, cc.num_blocks, self.bytes_per_token
+        unavailable = ["wasted_slots", "pool_shared", "evictions"]
+        if bpt is None:
+            unavailable.append("bytes_per_token")
+            notes.append(self.geometry_source if self.geometry is None else
+                         f"the cache element size is unknown (cache_dtype {cc.cache_dtype!r}); give --kv-dtype")
+        active = round(m.usage * nb) if m.usage is not None and nb else None
+        mine = resident = None
+        store = self.events.store.summary() if self.events is not None else None
+        if self.events is not None and bs:
+            if wait_for_events and chat is not None and chat.token_ids:
+                want = len(chat.token_ids) // bs
+                self.events.store.wait(lambda s: s.chain(chat.token_ids, bs) >= want, EVENT_WAIT_S)
+                store = self.events.store.summary()
+            mine = self.events.store.chain(chat.token_ids, bs) if chat is not None else 0
+            resident = store.blocks
+            if store.first_seq:
+                notes.append(f"KV events before sequence {store.first_seq} were not seen: blocks stored "
+                             "before kvchat subscribed are missing from the map")
+            if store.gaps:
+                notes.append(f"{store.gaps} KV-event batches were lost: the map may be stale until a reset")
+        else:
+            notes.append(self.capabilities.why_not(BLOCK_MAP) or "the server reports no block size")
+            unavailable += ["tokens_held", "blocks_used", "bytes_used", "bytes_allocated", "pool_cached",
+                            "block_map"]
+        held = mine * bs if mine is not None else None
+        codes = b""
+        if mine is not None and nb:
+            reused = min(mine, (chat.reused_tokens // bs) if chat is not None else 0)
+            others = max(0, min(nb - mine, resident - mine))
+            codes = bytes([REUSED] * reused + [HELD] * (mine - reused) + [CACHED] * others
+                          + [FREE] * max(0, nb - mine - others))
+        cached = max(0, resident - (active or 0)) if resident is not None else None
+        if nb is None:
+            unavailable += ["num_blocks", "capacity_bytes", "pool_free"]
+        server = ServerStats(
+            url=self.api.url, usage=m.usage, prefix_hit_rate=m.hit_rate, preemptions=_int(m.preemptions),
+            running=_int(m.running), waiting=_int(m.waiting),
+            inter_token_ms=m.inter_token.mean_ms if m.inter_token else None,
+            ttft_ms=m.ttft.mean_ms if m.ttft else None, resident_blocks=resident,
+            event_batches=store.batches if store else None, event_gaps=store.gaps if store else None,
+            notes=tuple(notes) + ("the map shows resident full prefix blocks by content, in no physical "
+                                  "order; partial last blocks and block ids are not reported",))
+        return CacheSnapshot(
+            model=self.model.name, kv_dtype=self.kv_dtype, block_size=bs or 0, num_blocks=nb or 0,
+            bytes_per_token=bpt, capacity_bytes=nb * bs * bpt if nb and bs and bpt else None,
+            tokens_held=held, bytes_used=held * bpt if held is not None and bpt else None,
+            bytes_allocated=mine * bs * bpt if mine is not None and bs and bpt else None,
+            blocks_used=mine, wasted_slots=None, pool_free=max(0, nb - (active or 0) - (cached or 0)) if nb else None,
+            pool_active=active, pool_cached=cached, pool_shared=None, block_map=codes,
+            cap=chat.cap if chat is not None else None, policy=chat.policy.name if chat is not None else "",
+            mode="cache", evictions=None, preemptions=_int(m.preemptions), source="vllm",
+            unavailable=tuple(dict.fromkeys(unavailable)), server=server)
+
+
+def _int(x: float | None) -> int | None:
+    return int(x) if x is not None else None
