@@ -73,6 +73,21 @@ def add_model_args(p: argparse.ArgumentParser, top: bool = False) -> None:
                    help="tokens per KV block (default 16)")
     g.add_argument("--threads", type=positive_int("--threads"), **_defaults(top, default=None),
                    help="CPU threads for torch (default: torch's choice)")
+    add_server_args(p, top)
+
+
+def add_server_args(p: argparse.ArgumentParser, top: bool = False) -> None:
+    """Attach to a running vLLM server instead of loading the model here (issue 10)."""
+    g = p.add_argument_group("a vLLM server instead of the local engine")
+    g.add_argument("--server", metavar="URL", **_defaults(top, default=None),
+                   help="an OpenAI-compatible vLLM base URL, e.g. http://127.0.0.1:8000 (/v1 optional); "
+                        "API key from KVCHAT_API_KEY or OPENAI_API_KEY")
+    g.add_argument("--kv-events", metavar="tcp://HOST:PORT", **_defaults(top, default=None),
+                   help="with --server: the server's KV-event stream (its --kv-events-config endpoint), "
+                        "for the block map")
+    g.add_argument("--geometry", metavar="ALIAS", **_defaults(top, default=None),
+                   help="with --server: the served model's geometry (llama-3.1-8b, llama-3.1-70b, ...) when "
+                        "its name is not in kvchat's table; or give --model PATH to a copy of its config.json")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, top: bool = False) -> None:

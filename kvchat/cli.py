@@ -57,6 +57,12 @@ def build_parser() -> Parser:
 # ---- commands ------------------------------------------------------------------------------
 def load_backend(args, quiet: bool = False):
     """Validate everything that can be checked cheaply before saying "loading"."""
+    if check_server_flags(args):
+        from .backends.vllm import VllmBackend
+        backend = VllmBackend.from_flags(args)
+        if not quiet:
+            print(f"attached to {backend.model.name} at {backend.api.url}", file=sys.stderr, flush=True)
+        return backend
     from kvchat.engine import Engine
     from kvchat.engine.engine import check_memory, pick_device, pick_dtypes
     from kvchat.engine.pool_spec import plan_pool
@@ -73,6 +79,16 @@ def load_backend(args, quiet: bool = False):
     if not quiet:
         print(f"loading {src.name} ...", file=sys.stderr, flush=True)
     return LocalBackend(Engine(cfg, source=src))
+
+
+def check_server_flags(args) -> bool:
+    """True for a --server run; --kv-events and --geometry make sense only with one."""
+    if getattr(args, "server", None):
+        return True
+    for flag, value in (("--kv-events", getattr(args, "kv_events", None)), ("--geometry", getattr(args, "geometry", None))):
+        if value:
+            raise UsageError(f"{flag} needs --server URL (it describes a vLLM server)")
+    return False
 
 
 def run_turn(chat, text: str, sp, stream) -> dict:
@@ -139,14 +155,20 @@ def cmd_replay(args) -> int:
             if not args.json:
                 print(f"  turn {rec['turn']}: prompt {rec['prompt_tokens']} tokens, reused {rec['reused_tokens']}, "
                       f"computed {rec['computed_tokens']}, generated {rec['generated_tokens']}, "
-                      f"TTFT {rec['ttft_ms']:.0f} ms, KV {rec['kv_bytes_used']:,} B used / "
-                      f"{rec['kv_bytes_allocated']:,} B allocated in {rec['blocks_used']} blocks")
+                      f"TTFT {rec['ttft_ms']:.0f} ms, KV {_n(rec['kv_bytes_used'])} B used / "
+                      f"{_n(rec['kv_bytes_allocated'])} B allocated in {_n(rec['blocks_used'])} blocks")
     if args.json:
         print(json.dumps(records))
     return 0
 
 
+def _n(value) -> str:
+    return f"{value:,}" if value is not None else "unknown"
+
+
 def cmd_info(args) -> int:
+    if check_server_flags(args):
+        return server_info(args)
     from kvchat.engine.geometry import DTYPE_BYTES
     from kvchat.engine.pool_spec import plan_pool
     from kvchat.engine.sizing import step_reads, what_if
@@ -191,6 +213,44 @@ def cmd_info(args) -> int:
               f"{out['tokens_that_fit']:,} tokens")
     if args.tokens:
         print(what_if_line(w, human_bytes))
+    return 0
+
+
+def server_info(args) -> int:
+    """`kvchat info --server URL`: the served model's geometry and the server's pool, from its
+    /v1/models and /metrics; what it cannot tell is null and named in `unavailable`."""
+    from kvchat.engine.units import human_bytes
+
+    from .backends.vllm import VllmBackend
+    backend = VllmBackend.from_flags(args)
+    try:
+        info, snap, cache = backend.info(), backend.snapshot(), backend.metrics.cache
+    finally:
+        backend.shutdown()
+    g = info.geometry
+    out = {"model": info.model, "server": info.device, "max_position": info.max_position, "dtype": info.dtype,
+           "kv_dtype": info.kv_dtype, "kv_bytes_per_token": info.bytes_per_token,
+           "formula": g.formula(info.kv_dtype) if g is not None and info.bytes_per_token else None,
+           "geometry_source": backend.geometry_source, "block_size": cache.block_size,
+           "num_blocks": cache.num_blocks, "kv_cache_size_tokens": cache.size_tokens,
+           "cache_dtype": cache.cache_dtype, "kv_capacity_bytes": snap.capacity_bytes,
+           "kv_cache_usage": snap.server.usage, "prefix_hit_rate": snap.server.prefix_hit_rate}
+    if g is not None:
+        out.update(n_layers=g.n_layers, n_heads=g.n_heads, n_kv_heads=g.n_kv_heads, head_dim=g.head_dim)
+    out["unavailable"] = sorted(k for k, v in out.items() if v is None)
+    if args.json:
+        print(json.dumps(out))
+        return 0
+    print(f"{info.model} on {info.device}: vLLM, context {_n(info.max_position)} tokens, weights {info.dtype}, "
+          f"cache {info.kv_dtype}")
+    if info.bytes_per_token is None:
+        print(f"KV bytes per token: unknown ({backend.geometry_source if g is None else 'cache element size unknown; give --kv-dtype'})")
+    else:
+        print(f"KV bytes per token ({info.kv_dtype}): {out['formula']} -> {info.bytes_per_token:,} B "
+              f"({human_bytes(info.bytes_per_token)}); geometry from {backend.geometry_source}")
+    print(f"pool: {_n(cache.num_blocks)} blocks of {_n(cache.block_size)} tokens = {_n(cache.size_tokens)} tokens"
+          + (f" = {human_bytes(snap.capacity_bytes)}" if snap.capacity_bytes else "")
+          + (f", {snap.server.usage:.0%} in use" if snap.server.usage is not None else ""))
     return 0
 
 

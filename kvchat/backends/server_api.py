@@ -175,6 +175,8 @@ def _error_text(body) -> str:
         if isinstance(err, dict):
             err = err.get("message", err)
         text = str(err) if err is not None else json.dumps(body)
+    elif str(body).lstrip()[:1] == "<":
+        return "an HTML page"
     else:
         text = str(body).strip() or "no message"
     text = " ".join(text.split())

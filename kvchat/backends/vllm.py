@@ -231,9 +231,33 @@ class VllmBackend:
         self.capabilities = self._capabilities()
         self._lock = threading.Lock()
 
+    @classmethod
+    def from_flags(cls, args) -> VllmBackend:
+        """From the command line's flags (--server, --kv-events, --geometry, and --model as a
+        local config.json, --kv-dtype as the cache's element type when the server cannot say).
+        Flags that size kvchat's own engine are refused: the server sized its own."""
+        local_only = [flag for flag, given in (
+            ("--random-weights", getattr(args, "random_weights", False)),
+            ("--kv-budget", getattr(args, "kv_budget", None)),
+            ("--device", getattr(args, "device", "auto") != "auto"),
+            ("--dtype", getattr(args, "dtype", "auto") != "auto"),
+            ("--no-cache", getattr(args, "no_cache", False))) if given]
+        if local_only:
+            raise KvchatError(f"{', '.join(local_only)}: local-engine setting{'s' if len(local_only) > 1 else ''}; "
+                              "with --server the server's own flags decide (vllm --dtype, --kv-cache-dtype, "
+                              "--gpu-memory-utilization)")
+        return cls(args.server, kv_events=getattr(args, "kv_events", None), geometry=getattr(args, "geometry", None),
+                   model_config=getattr(args, "model", None), kv_dtype=getattr(args, "kv_dtype", None))
+
     # ---- connecting -----------------------------------------------------------------------------
     def _probe(self) -> ServerModel:
-        data = self.api.get_json("/v1/models").get("data")
+        try:
+            data = self.api.get_json("/v1/models").get("data")
+        except ServerError as err:
+            if getattr(err, "status", None) in (404, 405):
+                raise ServerError(f"{self.api.url} is not an OpenAI-compatible server (GET /v1/models answered "
+                                  f"{err.status}); give --server the vLLM server's base URL") from None
+            raise
         if not isinstance(data, list) or not data or not isinstance(data[0], dict) or "id" not in data[0]:
             raise ServerError(f"{self.api.url}/v1/models lists no model; is --server an OpenAI-compatible "
                               "vLLM server?")
