@@ -100,14 +100,15 @@ def parse(text: str, model: str | None = None) -> ServerMetrics:
         raise MetricsError("the server's /metrics has no vllm: metrics; is it a vLLM server?")
 
     def samples(family: str, suffix: str = ""):
-        f = families.get(family)
-        if f is None:
+        # a counter is one family "x" with samples "x_total" when its TYPE line says x_total, and
+        # an empty family "x" beside a family "x_total" when it says x: read both
+        found = [f for f in (families.get(family), families.get(family + "_total")) if f is not None]
+        if not found:
             return None
-        wanted = family + suffix
-        out = [s for s in f.samples if s.name == wanted or (not suffix and s.name == family + "_total")]
+        wanted = {family + suffix} if suffix else {family, family + "_total"}
+        out = [s for f in found for s in f.samples if s.name in wanted]
         if model is not None:
-            mine = [s for s in out if s.labels.get("model_name", model) == model]
-            out = mine
+            out = [s for s in out if s.labels.get("model_name", model) == model]
         return out
 
     def scalar(names) -> float | None:

@@ -1,0 +1,180 @@
+"""The vLLM client's edges, without vLLM: bad URLs, nothing listening, an HTTP server that is
+not vLLM, malformed /metrics, an API key, and the KV-event stream's bookkeeping. The servers
+here are the standard library's http.server on loopback: real HTTP, real sockets. Talking to
+a real vLLM server is tests/server/."""
+from __future__ import annotations
+
+import json
+import socket
+import threading
+from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import msgspec
+import pytest
+
+from cli_helpers import fails_with
+from kvchat.backends import metrics
+from kvchat.backends.kv_events import KvEventStore
+
+MODELS = {"object": "list", "data": [{"id": "smollm2-135m", "object": "model", "owned_by": "vllm",
+                                      "max_model_len": 8192}]}
+VLLM_METRICS = """# HELP vllm:kv_cache_usage_perc KV-cache usage.
+# TYPE vllm:kv_cache_usage_perc gauge
+vllm:kv_cache_usage_perc{engine="0",model_name="smollm2-135m"} 0.25
+# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig
+# TYPE vllm:cache_config_info gauge
+vllm:cache_config_info{block_size="16",cache_dtype="fp8",engine="0",num_gpu_blocks="100"} 1.0
+"""
+
+
+@contextmanager
+def http_server(routes: dict[str, tuple[int, str]], seen: list | None = None):
+    """A loopback HTTP server answering GET/POST path -> (status, body)."""
+    class Handler(BaseHTTPRequestHandler):
+        def _answer(self):
+            if seen is not None:
+                seen.append((self.path, self.headers.get("Authorization")))
+            status, body = routes.get(self.path.split("?")[0], (404, "not found"))
+            data = body.encode()
+            self.send_response(status)
+            self.send_header("Content-Length", str(len(data)))
+            self.end_headers()
+            self.wfile.write(data)
+
+        do_GET = do_POST = _answer
+
+        def log_message(self, *args):
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("url, fragment", [
+    ("ftp://127.0.0.1:8000", "expected an http:// or https:// base URL"),
+    ("127.0.0.1:8000", "expected an http:// or https:// base URL"),
+    ("http://127.0.0.1:99999", "port is not a number"),
+    ("http://127.0.0.1:8000/v1?key=x", "without ?query"),
+])
+def test_a_bad_server_url_is_one_line(capsys, url, fragment):
+    fails_with(capsys, ["ask", "--server", url, "hi"], fragment)
+
+
+def test_a_port_with_nothing_listening_is_one_line(capsys):
+    port = free_port()
+    fails_with(capsys, ["info", "--server", f"http://127.0.0.1:{port}"], "nothing answers", str(port))
+
+
+def test_an_http_server_that_is_not_vllm_is_one_line(capsys):
+    with http_server({"/": (200, "<html>hello</html>")}) as url:
+        fails_with(capsys, ["ask", "--server", url, "hi"], "not an OpenAI-compatible server")
+
+
+def test_malformed_metrics_are_one_line(capsys):
+    routes = {"/v1/models": (200, json.dumps(MODELS)), "/metrics": (200, "vllm:kv_cache_usage_perc{ 0.5 oops\n")}
+    with http_server(routes) as url:
+        fails_with(capsys, ["info", "--server", url], "not Prometheus text")
+
+
+def test_metrics_without_vllm_names_are_one_line(capsys):
+    routes = {"/v1/models": (200, json.dumps(MODELS)), "/metrics": (200, "# TYPE up gauge\nup 1\n")}
+    with http_server(routes) as url:
+        fails_with(capsys, ["info", "--server", url], "no vllm: metrics")
+
+
+def test_the_api_key_is_sent_but_never_printed(capsys, monkeypatch):
+    key = "sk-test-do-not-print-123"
+    seen: list = []
+    routes = {"/v1/models": (401, json.dumps({"error": {"message": "bad key"}}))}
+    with http_server(routes, seen) as url:
+        monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+        monkeypatch.delenv("KVCHAT_API_KEY", raising=False)
+        fails_with(capsys, ["info", "--server", url], "KVCHAT_API_KEY")
+        monkeypatch.setenv("KVCHAT_API_KEY", key)
+        line = fails_with(capsys, ["info", "--server", url], "refused")
+    assert key not in line
+    assert seen[-1] == ("/v1/models", f"Bearer {key}") and seen[0][1] is None
+
+
+def test_a_server_with_fp8_cache_and_unknown_model_names_its_unknown_geometry(capsys):
+    models = {"data": [{"id": "my-org/mystery-7b", "max_model_len": 4096}]}
+    routes = {"/v1/models": (200, json.dumps(models)), "/metrics": (200, VLLM_METRICS)}
+    with http_server(routes) as url:
+        assert __import__("kvchat.cli").cli.main(["info", "--server", url, "--json"]) == 0
+        info = json.loads(capsys.readouterr().out)
+        assert info["kv_bytes_per_token"] is None and "kv_bytes_per_token" in info["unavailable"]
+        assert "--geometry" in info["geometry_source"]
+        assert info["kv_dtype"] == "fp8" and info["num_blocks"] == 100 and info["block_size"] == 16
+        # --geometry supplies it: Llama 3.1 8B in fp8 is 2 x 32 x 8 x 128 x 1 B
+        assert __import__("kvchat.cli").cli.main(["info", "--server", url, "--geometry", "llama-3.1-8b",
+                                                  "--json"]) == 0
+        info = json.loads(capsys.readouterr().out)
+        assert info["kv_bytes_per_token"] == 65536 and info["kv_capacity_bytes"] == 100 * 16 * 65536
+        fails_with(capsys, ["info", "--server", url, "--geometry", "gpt-9"], "--geometry", "llama-3.1-8b")
+
+
+def test_server_flags_without_a_server_or_with_local_settings_are_one_line(capsys):
+    fails_with(capsys, ["ask", "--kv-events", "tcp://127.0.0.1:5557", "hi"], "--kv-events needs --server")
+    fails_with(capsys, ["ask", "--server", "http://127.0.0.1:1", "--kv-budget", "1GiB", "hi"], "--kv-budget")
+
+
+def test_a_malformed_kv_events_endpoint_is_one_line(capsys):
+    routes = {"/v1/models": (200, json.dumps(MODELS)), "/metrics": (200, VLLM_METRICS)}
+    with http_server(routes) as url:
+        fails_with(capsys, ["info", "--server", url, "--kv-events", "tcp://*:5557"], "tcp://HOST:PORT")
+        fails_with(capsys, ["info", "--server", url, "--kv-events", "http://x:1"], "tcp://HOST:PORT")
+
+
+# ---- the parsers, on the formats vLLM sends ---------------------------------------------------
+def test_old_metric_names_are_read_where_the_new_ones_are_absent():
+    text = ('# TYPE vllm:gpu_cache_usage_perc gauge\nvllm:gpu_cache_usage_perc{model_name="m"} 0.5\n'
+            '# TYPE vllm:gpu_prefix_cache_queries_total counter\nvllm:gpu_prefix_cache_queries_total{model_name="m"} 10\n'
+            '# TYPE vllm:gpu_prefix_cache_hits counter\nvllm:gpu_prefix_cache_hits_total{model_name="m"} 4\n')
+    m = metrics.parse(text, "m")
+    assert (m.usage, m.prefix_queries, m.prefix_hits, m.hit_rate) == (0.5, 10, 4, 0.4)
+    assert m.preemptions is None and m.inter_token is None and m.cache.num_blocks is None
+
+
+def frames(seq: int, events: list) -> list[bytes]:
+    return [b"", seq.to_bytes(8, "big"), msgspec.msgpack.encode([1.0, events, None])]
+
+
+def stored(hashes, parent, tokens, block_size=4):
+    return {"type": "BlockStored", "block_hashes": hashes, "parent_block_hash": parent, "token_ids": tokens,
+            "block_size": block_size}
+
+
+def test_the_kv_event_store_follows_a_conversations_hash_chain():
+    store = KvEventStore()
+    conv = list(range(10))                 # two full blocks of 4, and a partial one
+    store.apply_message(frames(0, [stored([11, 12], None, conv[:8])]))
+    store.apply_message(frames(1, [stored([21], None, [9, 9, 9, 9])]))
+    assert store.chain(conv, 4) == 2 and store.summary().blocks == 3
+    # the same tokens under another parent are another block: no match past the first
+    assert store.chain([0, 1, 2, 3, 9, 9, 9, 9], 4) == 1
+    store.apply_message(frames(2, [{"type": "BlockRemoved", "block_hashes": [12]}]))
+    assert store.chain(conv, 4) == 1
+    store.apply_message(frames(3, [{"type": "AllBlocksCleared"}]))
+    assert store.chain(conv, 4) == 0 and store.summary().cleared == 1
+
+
+def test_the_kv_event_store_reads_tagged_arrays_and_counts_gaps_and_garbage():
+    store = KvEventStore()
+    store.apply_message(frames(5, [["BlockStored", [b"h1"], None, [1, 2], 2, None, None]]))
+    store.apply_message(frames(9, [["BlockRemoved", [b"h1"], None]]))
+    store.apply_message([b"", b"short", b"x"])
+    s = store.summary()
+    assert (s.first_seq, s.last_seq, s.gaps, s.undecodable, s.blocks) == (5, 9, 3, 1, 0)
