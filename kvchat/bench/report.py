@@ -21,6 +21,7 @@ SERIES = {
     "kvchat_fp8": "kvchat, fp8 KV cache",
     "transformers": "transformers generate",
     "llama_cpp": "llama.cpp",
+    "vllm": "vLLM server",
 }
 DECODE_TARGET = 0.8       # our decode ms/token <= 0.8 x transformers', at 1k and 4k
 PREFILL_TARGET = 1.0      # our prefill tokens/s >= transformers', at 1k and 4k
@@ -186,6 +187,14 @@ def markdown(results: dict[int, dict[str, Series]], meta: dict[str, Any], summar
         lines.append(f"| {ctx} | {_ms(ours.ttft_reuse_ms, False)} | {_ms(ours.ttft_reset_ms, False)} | "
                      f"{_ms(hf.ttft_reset_ms, False)} | {_x(summary['reuse_ttft_speedup_vs_hf'].get(k), 1)} | "
                      f"{pf_ours} | {pf_hf} | {_x(summary['prefill_ratio_vs_hf'].get(k))} |")
+
+    if any("vllm" in row for row in results.values()):
+        lines += ["", "vLLM server (--server), timed at the client: TTFT ms of the new turn (median)", "",
+                  "| context | with its prefix cache | tokens it reused | after /reset_prefix_cache |", "|---:|---:|---:|---:|"]
+        for ctx, row in results.items():
+            v = row.get("vllm", Series())
+            lines.append(f"| {ctx} | {_ms(v.ttft_reuse_ms, False)} | {v.next_turn.get('reused_tokens', '–')} | "
+                         f"{_ms(v.ttft_reset_ms, False)} |")
 
     bpt = meta["model"]["kv_bytes_per_token"]
     lines += ["", f"KV bytes held after the first turn ({bpt:,} B/token in {meta['model']['kv_dtype']}; "

@@ -132,6 +132,8 @@ class BenchConfig:
             parts.append("--random-weights")
         if not self.peers:
             parts.append("--no-peers")
+        if getattr(args, "server", None):
+            parts += ["--server", args.server]
         return " ".join(parts)
 
 
@@ -153,6 +155,7 @@ class Bench:
     def __init__(self, cfg: BenchConfig, engine) -> None:
         self.cfg, self.engine = cfg, engine
         self.hf = self.llama = None           # the peers, when measured
+        self.server = None                    # a vLLM server (--server), server_peer.VllmPeer
         self.base_kv = engine.kv_dtype
         renderer = engine.new_conversation()   # only its render() is used
         engine.close_conversation(renderer)
@@ -220,6 +223,12 @@ class Bench:
             self.peer(peer, ids1, ids2, steps, p)
             self.say(f"{tag} {peer.name:<15} prefill {p.prefill_ms[-1]:8.0f} ms, decode {_med(p.decode_ms[-steps:])} "
                      f"ms/token, next turn {p.ttft_reset_ms[-1]:.0f} ms re-prefilling")
+        if self.server is not None:
+            v = row.setdefault("vllm", Series())
+            self.server.measure(ids1, ids2, steps, v)
+            self.say(f"{tag} vLLM server     TTFT {v.prefill_ms[-1]:8.0f} ms, decode {_med(v.decode_ms[-steps:])} "
+                     f"ms/token, next turn {_med(v.ttft_reuse_ms[-1:])} ms with its prefix cache / "
+                     f"{_med(v.ttft_reset_ms[-1:])} ms after reset")
         if self.base_kv != "fp8":
             f = row.setdefault("kvchat_fp8", Series())
             try:
@@ -295,8 +304,17 @@ def run(args) -> int:
     else:
         notes.append("peers not measured (--no-peers)")
 
+    if getattr(args, "server", None):
+        from .server_peer import VllmPeer
+        bench.server = VllmPeer.connect(args, max(cfg.contexts) + 2 * cfg.new_tokens + NEXT_TURN_MARGIN)
+        notes.append(bench.server.describe())
+
     load0 = busy_note(notes)
-    results = bench.measure()
+    try:
+        results = bench.measure()
+    finally:
+        if bench.server is not None:
+            bench.server.close()
 
     meta = {
         "command": cfg.command(args), "model": engine.describe(), "threads": threads,
