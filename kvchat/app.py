@@ -32,6 +32,7 @@ from .actions import ChatActions
 from .commands import CommandError, message_text, parse
 from .conversations import Conversations
 from .jobs import Jobs, one_line
+from .records import TurnRecord
 from .messages import EngineFailed, EngineReady, TurnEnded, TurnProgress
 from .session import ChatSession, SessionOptions
 from .settings import Settings
@@ -315,7 +316,7 @@ class KvChatApp(ChatActions, Conversations, Jobs, App[int], inherit_bindings=Fal
             error = one_line(err)
         session.log.sync(conv.messages)
         if stats is not None:
-            session.record_turn(stats.summary())
+            session.record_turn(TurnRecord.from_stats(stats))
         viewer = self.session
         snap = stats.cache if stats is not None and viewer is session else self.engine.snapshot(viewer.conv)
         # failing before its first token, the engine restores the messages: as if never sent
@@ -358,12 +359,12 @@ class KvChatApp(ChatActions, Conversations, Jobs, App[int], inherit_bindings=Fal
             session.transcript.add_notice(msg.error or "the turn was refused", error=True)
             latency.end_turn(None)
         else:
-            summary = msg.stats.summary() if msg.stats is not None else None
+            summary = TurnRecord.from_stats(msg.stats) if msg.stats is not None else None
             if self.reply is not None:
                 await self.reply.finish(summary, error=msg.error)
             latency.end_turn(summary)
             if summary is not None:
-                session.context_tokens = summary["prompt_tokens"] + summary["generated_tokens"]
+                session.context_tokens = summary.context_tokens
         if msg.stats is not None:
             session.snapshot = msg.stats.cache
         if msg.snapshot is not None:

@@ -14,6 +14,7 @@ from typing import Any
 from kvchat.engine.telemetry import CacheSnapshot
 
 from .latency import LatencyData
+from .records import TurnRecord
 from .store import ConversationLog, Restored
 
 
@@ -29,7 +30,7 @@ class SessionOptions:
 class ChatSession:
     conv: Any                                  # engine.Conversation, or a test's stand-in
     log: ConversationLog
-    turns: list[dict[str, Any]] = field(default_factory=list)   # TurnStats.summary() per reply
+    turns: list[TurnRecord] = field(default_factory=list)   # one per reply
     number: int = 1                            # shown in the conversation bar; /switch N
     transcript: Any = None                     # its Transcript widget, once mounted
     latency: LatencyData = field(default_factory=LatencyData)
@@ -71,9 +72,9 @@ class ChatSession:
         """Tokens freed by preemption that its next turn recomputes (0 if none)."""
         return self.conv.preempted_pending
 
-    def record_turn(self, summary: dict[str, Any]) -> None:
-        self.turns.append(summary)
-        self.log.turn(summary)
+    def record_turn(self, record: TurnRecord) -> None:
+        self.turns.append(record)
+        self.log.turn(record)
 
     def options(self) -> SessionOptions:
         """The settings a new conversation inherits from this one."""

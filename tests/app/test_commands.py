@@ -114,7 +114,7 @@ async def test_drop_oldest_drops_whole_turns_to_fit_the_cap(fake):
         await pilot.press("enter")
         await send(pilot, "third")
         last = app.session.turns[-1]
-        assert last["dropped_messages"] >= 2 and "dropped" in app.query("Reply .stats").last().render().plain
+        assert last.dropped_messages >= 2 and "dropped" in app.query("Reply .stats").last().render().plain
         assert app.session.conv.messages[0]["content"] != "first turn with some words"
 
 
@@ -158,5 +158,5 @@ async def test_cache_off_and_kv_dtype_commands_change_the_panels(fake):
         await wait_until(pilot, lambda: app.query_one(CachePanel).snapshot.mode == "off", what="cache off")
         assert "cache off" in app.query_one(CachePanel).border_title
         await send(pilot, "no cache now")
-        assert app.session.turns[-1]["mode"] == "off" and app.query_one(CachePanel).snapshot.bytes_used == 0
+        assert app.session.turns[-1].mode == "off" and app.query_one(CachePanel).snapshot.bytes_used == 0
         assert app.query_one(CapGauge).tokens > 0     # the context still counts without a cache

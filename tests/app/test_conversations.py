@@ -80,12 +80,12 @@ async def test_switching_shows_each_conversations_own_transcript_latency_and_cap
         await send(pilot, "gamma")
         two = app.session
         assert [u.text for u in app.transcript.query(UserMessage)] == ["beta", "gamma"]
-        assert app.query_one(LatencyPanel).point_count == sum(t["generated_tokens"] for t in two.turns)
+        assert app.query_one(LatencyPanel).point_count == sum(t.generated_tokens for t in two.turns)
 
         await pilot.press("ctrl+pageup")
         await wait_until(pilot, lambda: app.busy is None, what="the fresh snapshot")
         assert app.session is one and [u.text for u in app.transcript.query(UserMessage)] == ["alpha"]
-        assert app.query_one(LatencyPanel).point_count == one.turns[0]["generated_tokens"]
+        assert app.query_one(LatencyPanel).point_count == one.turns[0].generated_tokens
         assert app.query_one(CapGauge).cap is None and app.query_one(CachePanel).snapshot.tokens_held == \
             one.conv.tokens_held
         assert app.query_one(BlockMap).snapshot.block_map.count(OTHER) == len(two.conv.block_table)
@@ -161,7 +161,7 @@ async def test_a_preempted_conversation_says_so_and_its_next_turn_recomputes_its
         held = one.conv.tokens_held
         await open_second(pilot)
         await send(pilot, "second " + long)
-        assert app.session.turns[-1]["preempted"] == 1 and one.conv.preempted_pending == held
+        assert app.session.turns[-1].preempted == 1 and one.conv.preempted_pending == held
         assert "preempted 1 other conversation" in app.transcript.query(Reply).last().query_one(".stats").render().plain
         assert app.query_one(CachePanel).snapshot.preemptions == 1
         assert "1 conversations, pool-wide" in screen_text(app)
@@ -170,7 +170,7 @@ async def test_a_preempted_conversation_says_so_and_its_next_turn_recomputes_its
         await pilot.press("ctrl+pageup")
         assert f"its next turn recomputes {held:,} tokens" in notices(app)[-1]
         await send(pilot, "and again")
-        assert one.turns[-1]["recomputed_tokens"] == held and one.turns[-1]["reused_tokens"] == 0
+        assert one.turns[-1].recomputed_tokens == held and one.turns[-1].reused_tokens == 0
         assert f"recomputed {held:,} tokens" in app.transcript.query(Reply).last().query_one(".stats").render().plain
         assert app.query_one(ConversationBar).entries[0].state == "" and app.session.conv.preempted_pending == 0
 
@@ -229,5 +229,5 @@ async def test_sink_window_is_offered_accepted_and_its_evictions_show_in_the_gau
         evicted = app.session.conv.evicted_tokens
         assert evicted > 0 and gauge.evicted == evicted and gauge.tokens <= 64
         assert f"evicted {evicted:,} tokens" in gauge.render().plain
-        blocks = app.session.turns[-1]["evicted_blocks"]
+        blocks = app.session.turns[-1].evicted_blocks
         assert blocks == evicted // 16 and f"evicted {blocks} block" in screen_text(app)

@@ -31,7 +31,7 @@ async def test_an_engine_error_before_the_first_token_refuses_the_turn_and_gives
         assert app.query_one(UserMessage).has_class("refused") and not app.query(Reply)
         assert app.query_one("#input").text == "hello" and app.session.conv.messages == []
         await send(pilot, "and again")
-        assert app.session.turns[-1]["generated_tokens"] > 0
+        assert app.session.turns[-1].generated_tokens > 0
 
 
 async def test_an_engine_error_mid_turn_is_shown_under_the_reply_and_the_app_goes_on(fake):
@@ -45,7 +45,7 @@ async def test_an_engine_error_mid_turn_is_shown_under_the_reply_and_the_app_goe
         stats = app.query_one("Reply .stats")
         assert stats.has_class("error") and "KV pool full" in stats.render().plain
         await send(pilot, "and again")
-        assert app.session.turns[-1]["generated_tokens"] > 0
+        assert app.session.turns[-1].generated_tokens > 0
 
 
 async def test_a_bug_in_a_turn_is_reported_with_where_the_traceback_went(fake, private_dirs):

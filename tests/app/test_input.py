@@ -45,5 +45,5 @@ async def test_a_cap_set_while_a_reply_streams_stops_it_at_the_cap(slow_fake):
         await pilot.press("enter")
         await wait_until(pilot, lambda: app.busy is None and app.session.turns, what="the reply to stop")
         turn = app.session.turns[-1]
-        assert turn["stop_reason"] == "cap" and turn["prompt_tokens"] + turn["generated_tokens"] <= 30
+        assert turn.stop_reason == "cap" and turn.prompt_tokens + turn.generated_tokens <= 30
         assert "stopped at the cap" in app.query("Reply .stats").last().render().plain

@@ -25,7 +25,7 @@ async def test_ctrl_r_frees_the_cache_and_the_next_turn_prefills_everything(fake
         assert any(n.startswith("cache reset: freed") for n in notices(app))
         await send(pilot, "second message")
         last = app.session.turns[-1]
-        assert last["reused_tokens"] == 0 and last["computed_tokens"] == last["prompt_tokens"]
+        assert last.reused_tokens == 0 and last.computed_tokens == last.prompt_tokens
         assert app.query_one(CachePanel).snapshot.bytes_used > 0
 
 
@@ -53,10 +53,10 @@ async def test_escape_stops_the_reply_and_keeps_what_was_generated(slow_fake):
         await pilot.press("escape")
         await wait_until(pilot, lambda: app.busy is None and app.session.turns, what="the reply to stop")
         turn = app.session.turns[-1]
-        assert turn["stop_reason"] == "cancelled"
-        assert 3 <= turn["generated_tokens"] < 200
-        assert app.session.conv.messages[-1] == {"role": "assistant", "content": turn["reply"]}
-        assert app.query_one(Reply).text.strip() == turn["reply"]
+        assert turn.stop_reason == "cancelled"
+        assert 3 <= turn.generated_tokens < 200
+        assert app.session.conv.messages[-1] == {"role": "assistant", "content": turn.reply}
+        assert app.query_one(Reply).text.strip() == turn.reply
 
 
 async def test_f2_chooses_the_cap_policy_from_a_list(fake):

@@ -69,13 +69,13 @@ async def test_runtime_experiments_change_the_panels_two_conversations_fp8_and_c
             assert panel.snapshot.bytes_per_token == 11_520 == 46_080 // 4
             assert "fp8" in panel.border_title
             await send(pilot, "And a tree?")
-            assert app.session.turns[-1]["kv_dtype"] == "fp8" and panel.snapshot.tokens_held > 0
+            assert app.session.turns[-1].kv_dtype == "fp8" and panel.snapshot.tokens_held > 0
 
             app.query_one("#input").load_text("/cache off")
             await pilot.press("enter")
             await wait_until(pilot, lambda: panel.snapshot.mode == "off" and app.busy is None, what="cache off")
             await send(pilot, "And a bird?")
-            assert app.session.turns[-1]["mode"] == "off" and panel.snapshot.tokens_held == 0
+            assert app.session.turns[-1].mode == "off" and panel.snapshot.tokens_held == 0
             assert "cache off" in panel.border_title
         finally:
             engine.set_kv_dtype("fp32")
