@@ -1,21 +1,41 @@
-"""Everything `kvchat` checks before the UI starts: flags, settings, theme, the model's
-location, the conversation to resume. Any problem is one line and exit status 2; loading
-the weights then happens inside the UI, with progress shown."""
+"""`kvchat` (the chat): everything checked before the UI starts (flags, settings, theme, the
+model's location, the conversation to resume), then the app, given a factory that loads the
+backend. Any problem before the UI is one line and exit status 2; loading the weights then
+happens inside the UI, with progress shown."""
 from __future__ import annotations
+
+import sys
 
 from kvchat.engine.errors import KvchatError
 
 from . import settings as settings_mod
 from . import theming
+from .app import AppOptions, KvChatApp
+from .chat_view import ChatOptions
 from .settings import SettingsError
-from .store import StoreError
+from .store import StoreError, last_conversation, restore
 
 
 class LaunchError(Exception):
     """Why kvchat cannot start; str() is one line."""
 
 
-def prepare(args):
+def run_chat(args) -> int:
+    """The chat app. Bad flags, settings, or a missing model end here, before the UI starts,
+    with one line on stderr and exit status 2."""
+    try:
+        app = prepare(args)
+    except LaunchError as err:
+        print(f"kvchat: {err}", file=sys.stderr)
+        return 2
+    app.run()
+    if app.failure:
+        print(f"kvchat: {app.failure}", file=sys.stderr)
+        return 2
+    return app.return_code or 0
+
+
+def prepare(args) -> KvChatApp:
     try:
         return _prepare(args)
     except (KvchatError, SettingsError, StoreError) as err:
@@ -24,16 +44,13 @@ def prepare(args):
         raise LaunchError(f"{err.filename or ''}: {err.strerror or err}".lstrip(": ")) from None
 
 
-def _prepare(args):
-    from kvchat.engine import Engine
+def _prepare(args) -> KvChatApp:
     from kvchat.engine.engine import pick_device, pick_dtypes
     from kvchat.engine.policy import make_policy
     from kvchat.engine.weights import resolve
 
-    from .app import AppOptions, KvChatApp
+    from .backends.local import LocalBackend
     from .cli import engine_config, sampling
-    from .session import SessionOptions
-    from .store import last_conversation, restore
 
     path = settings_mod.config_path()
     settings = settings_mod.load(path)
@@ -59,6 +76,6 @@ def _prepare(args):
         settings_mod.save(settings, path)
     options = AppOptions(
         model=source.name, sampling=sp, theme=theme, restored=restored,
-        session=SessionOptions(system=args.system, cap=args.cap, policy=args.policy,
-                               mode="off" if args.no_cache else "cache"))
-    return KvChatApp(lambda: Engine(cfg, source=source), options, settings, path)
+        chat=ChatOptions(system=args.system, cap=args.cap, policy=args.policy,
+                         mode="off" if args.no_cache else "cache"))
+    return KvChatApp(lambda: LocalBackend.load(cfg, source), options, settings, path)

@@ -1,55 +1,63 @@
-"""Messages from the worker threads to the UI: the only way workers talk to widgets."""
+"""Messages from the worker threads to the UI: the only way workers talk to widgets.
+
+Turn messages go to the turn's ChatView, which draws its own transcript, and bubble up to
+the app, which draws the shared panels; the others go to the app."""
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING
 
 from textual.message import Message
 
 from kvchat.engine.telemetry import CacheSnapshot, TurnStats
 
-from .turn import Progress
+from .backends.protocol import Backend
+from .records import TurnRecord
+
+if TYPE_CHECKING:
+    from .chat_view import ChatView
+    from .turn import Progress, RunningTurn
 
 
-class EngineReady(Message):
-    def __init__(self, engine: Any, seconds: float) -> None:
+class BackendReady(Message):
+    def __init__(self, backend: Backend, seconds: float) -> None:
         super().__init__()
-        self.engine, self.seconds = engine, seconds
+        self.backend, self.seconds = backend, seconds
 
 
-class EngineFailed(Message):
+class BackendFailed(Message):
     def __init__(self, error: str) -> None:
         super().__init__()
         self.error = error
 
 
 class TurnProgress(Message):
-    """A batch of tokens and latency points of the turn's session, and (usually) a cache
-    snapshot taken for `focus`, the session in focus when it was taken."""
+    """A batch of the turn's tokens and latency points, and (usually) a cache snapshot of
+    `focus`, the conversation in focus when it was taken."""
 
-    def __init__(self, progress: Progress, focus: Any = None) -> None:
+    def __init__(self, turn: RunningTurn, progress: Progress, focus: ChatView) -> None:
         super().__init__()
-        self.progress, self.focus = progress, focus
+        self.turn, self.progress, self.focus = turn, progress, focus
 
 
 class TurnEnded(Message):
-    """The turn is over: stats when it produced a reply, error when it failed; accepted is
-    False when nothing of it entered the conversation (a refused turn). The snapshot is of
-    `focus`, the session in focus when it was taken."""
+    """The turn is over: stats and its record when it produced a reply, error when it
+    failed; accepted is False when nothing of it entered the conversation (a refused turn).
+    The snapshot is of `focus`, the conversation in focus when it was taken."""
 
-    def __init__(self, stats: TurnStats | None, error: str | None = None, accepted: bool = True,
-                 snapshot: CacheSnapshot | None = None, focus: Any = None) -> None:
+    def __init__(self, turn: RunningTurn, stats: TurnStats | None, record: TurnRecord | None,
+                 error: str | None = None, accepted: bool = True, snapshot: CacheSnapshot | None = None,
+                 focus: ChatView | None = None) -> None:
         super().__init__()
-        self.stats, self.error, self.accepted, self.snapshot = stats, error, accepted, snapshot
-        self.focus = focus
+        self.turn, self.stats, self.record, self.error, self.accepted = turn, stats, record, error, accepted
+        self.snapshot, self.focus = snapshot, focus
 
 
 class OpEnded(Message):
-    """A cache operation ran between turns: a note to show, a fresh snapshot, and an
+    """An operation ran between turns: a note to show, a fresh snapshot of `focus`, and an
     optional follow-up to run on the UI thread."""
 
-    def __init__(self, note: str | None, snapshot: CacheSnapshot | None, error: str | None = None,
-                 then: Callable[[], Any] | None = None, focus: Any = None) -> None:
+    def __init__(self, note: str | None, snapshot: CacheSnapshot | None, focus: ChatView | None,
+                 error: str | None = None, then: Callable[[], Awaitable[None] | None] | None = None) -> None:
         super().__init__()
-        self.note, self.snapshot, self.error, self.then = note, snapshot, error, then
-        self.focus = focus                      # the session the snapshot is of
+        self.note, self.snapshot, self.focus, self.error, self.then = note, snapshot, focus, error, then

@@ -24,7 +24,7 @@ async def test_ctrl_r_frees_the_cache_and_the_next_turn_prefills_everything(fake
         await wait_until(pilot, lambda: app.query_one(CachePanel).snapshot.bytes_used == 0, what="bytes to drop")
         assert any(n.startswith("cache reset: freed") for n in notices(app))
         await send(pilot, "second message")
-        last = app.session.turns[-1]
+        last = app.view.turns[-1]
         assert last.reused_tokens == 0 and last.computed_tokens == last.prompt_tokens
         assert app.query_one(CachePanel).snapshot.bytes_used > 0
 
@@ -34,13 +34,13 @@ async def test_cap_keys_step_the_cap_by_powers_of_two_and_past_the_top_remove_it
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await pilot.press("f3")
-        assert app.session.conv.cap == 4096 and app.query_one(CapGauge).cap == 4096
+        assert app.view.chat.state().cap == 4096 and app.query_one(CapGauge).cap == 4096
         await pilot.press("f3", "f3")
-        assert app.session.conv.cap == 1024
+        assert app.view.chat.state().cap == 1024
         await pilot.press("f4", "f4")
-        assert app.session.conv.cap == 4096
+        assert app.view.chat.state().cap == 4096
         await pilot.press("f4")
-        assert app.session.conv.cap is None and app.query_one(CapGauge).cap is None
+        assert app.view.chat.state().cap is None and app.query_one(CapGauge).cap is None
 
 
 async def test_escape_stops_the_reply_and_keeps_what_was_generated(slow_fake):
@@ -51,11 +51,11 @@ async def test_escape_stops_the_reply_and_keeps_what_was_generated(slow_fake):
         await pilot.press("enter")
         await wait_until(pilot, lambda: len(app.query_one(Reply).text.split()) >= 3, what="a few tokens")
         await pilot.press("escape")
-        await wait_until(pilot, lambda: app.busy is None and app.session.turns, what="the reply to stop")
-        turn = app.session.turns[-1]
+        await wait_until(pilot, lambda: app.busy is None and app.view.turns, what="the reply to stop")
+        turn = app.view.turns[-1]
         assert turn.stop_reason == "cancelled"
         assert 3 <= turn.generated_tokens < 200
-        assert app.session.conv.messages[-1] == {"role": "assistant", "content": turn.reply}
+        assert app.view.chat.state().messages[-1] == {"role": "assistant", "content": turn.reply}
         assert app.query_one(Reply).text.strip() == turn.reply
 
 
@@ -67,7 +67,7 @@ async def test_f2_chooses_the_cap_policy_from_a_list(fake):
         await wait_until(pilot, lambda: isinstance(app.screen, PolicyPicker), what="the picker")
         await pilot.press("down", "enter")
         await wait_until(pilot, lambda: not isinstance(app.screen, PolicyPicker), what="the picker to close")
-        assert app.session.conv.policy.name == "drop-oldest"
+        assert app.view.chat.state().policy == "drop-oldest"
         assert app.query_one(CapGauge).policy == "drop-oldest"
 
 
@@ -76,16 +76,16 @@ async def test_ctrl_n_opens_another_conversation_with_the_same_settings_and_keep
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await send(pilot, "hello")
-        old = app.session
+        old = app.view
         await pilot.press("ctrl+n")
-        await wait_until(pilot, lambda: app.session is not old and app.busy is None, what="the new conversation")
-        assert app.sessions == [old, app.session] and fake.conversations == [old.conv, app.session.conv]
+        await wait_until(pilot, lambda: app.view is not old and app.busy is None, what="the new conversation")
+        assert app.views == [old, app.view] and fake.chats == [old.chat, app.view.chat]
         assert not app.transcript.query(UserMessage) and not app.transcript.query(Reply)
-        assert old.transcript.query(UserMessage) and not old.transcript.display
-        assert app.session.conv.cap == 2048 and app.session.conv.messages == [{"role": "system", "content": "be brief"}]
-        assert old.log.path.exists() and old.log.path != app.session.log.path
+        assert old.query(UserMessage) and not old.display
+        assert app.view.chat.state().cap == 2048 and app.view.chat.state().messages == ({"role": "system", "content": "be brief"},)
+        assert old.conversation_log.path.exists() and old.conversation_log.path != app.view.conversation_log.path
         assert app.query_one(CachePanel).snapshot.bytes_used == 0
-        assert old.conv.tokens_held > 0              # its cache is still there
+        assert old.chat.state().tokens_held > 0              # its cache is still there
 
 
 async def test_f5_regenerates_the_last_reply(fake):
@@ -95,9 +95,9 @@ async def test_f5_regenerates_the_last_reply(fake):
         await send(pilot, "hello")
         first = app.query_one(Reply).text
         await pilot.press("f5")
-        await wait_until(pilot, lambda: len(app.session.turns) == 2 and app.busy is None, what="the new reply")
+        await wait_until(pilot, lambda: len(app.view.turns) == 2 and app.busy is None, what="the new reply")
         assert len(app.query(Reply)) == 1 and app.query_one(Reply).text != first
-        assert [m["role"] for m in app.session.conv.messages] == ["user", "assistant"]
+        assert [m["role"] for m in app.view.chat.state().messages] == ["user", "assistant"]
 
 
 async def test_f5_with_no_reply_says_so(fake):
@@ -158,7 +158,7 @@ async def test_ctrl_q_mid_reply_stops_saves_the_partial_reply_and_exits(slow_fak
         await pilot.press("ctrl+q")
         await wait_until(pilot, lambda: not app.is_running, timeout=10, what="the app to exit")
     assert app.return_code == 0
-    records = [json.loads(line) for line in app.session.log.path.read_text().splitlines()]
+    records = [json.loads(line) for line in app.view.conversation_log.path.read_text().splitlines()]
     turn = next(r for r in records if r["type"] == "turn")
     assert turn["stop_reason"] == "cancelled" and turn["reply"]
     assert {"type": "message", "role": "assistant", "content": turn["reply"]} in records

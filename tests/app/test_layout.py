@@ -6,7 +6,7 @@ from kvchat.widgets import BlockMap
 from kvchat.widgets.block_map import aggregate
 
 from .conftest import SIZE, make_app, ready, screen_text, send, wait_until
-from .fake_engine import FakeEngine, FakeEngineConfig
+from .fake_backend import FakeBackend, FakeConfig
 
 
 def test_aggregation_keeps_one_cell_per_block_when_they_fit():
@@ -47,7 +47,7 @@ async def test_panel_command_hides_one_panel(fake):
 
 
 async def test_a_big_pool_is_drawn_aggregated_with_the_ratio_shown():
-    app = make_app(FakeEngine(FakeEngineConfig(num_blocks=5000)))
+    app = make_app(FakeBackend(FakeConfig(num_blocks=5000)))
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await send(pilot, "hello")

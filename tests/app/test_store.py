@@ -74,7 +74,7 @@ async def test_resume_shows_the_saved_conversation_and_puts_an_unanswered_messag
     async with app.run_test(size=SIZE) as pilot:
         await ready(pilot)
         await send(pilot, "remember me")
-        app.session.log.sync(app.session.conv.messages + [{"role": "user", "content": "lost in a crash"}])
+        app.view.conversation_log.sync(list(app.view.chat.state().messages) + [{"role": "user", "content": "lost in a crash"}])
     restored = restore(last_conversation())
     app = make_app(fake, restored=restored)
     async with app.run_test(size=SIZE) as pilot:
@@ -83,8 +83,8 @@ async def test_resume_shows_the_saved_conversation_and_puts_an_unanswered_messag
         assert app.query_one(ChatInput).text == "lost in a crash"
         assert app.query_one(LatencyPanel).point_count == restored.turns[0].generated_tokens
         await send(pilot, "and now")
-        assert app.session.turns[-1].reused_tokens == 0      # the cache started empty
-        assert app.session.log.path == restored.path
+        assert app.view.turns[-1].reused_tokens == 0      # the cache started empty
+        assert app.view.conversation_log.path == restored.path
 
 
 @pytest.mark.parametrize("content, problem", [

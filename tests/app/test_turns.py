@@ -26,7 +26,7 @@ async def test_panels_show_the_turns_bytes_blocks_and_latency(fake):
         snap = app.query_one(CachePanel).snapshot
         assert snap.bytes_used == snap.tokens_held * fake.bytes_per_token > 0
         assert app.query_one(BlockMap).snapshot.blocks_used == -(-snap.tokens_held // 16)
-        assert app.query_one(LatencyPanel).point_count == app.session.turns[-1].generated_tokens
+        assert app.query_one(LatencyPanel).point_count == app.view.turns[-1].generated_tokens
         assert app.query_one(CapGauge).tokens == snap.tokens_held
 
 
@@ -43,4 +43,4 @@ async def test_a_reply_keeps_streaming_while_the_help_screen_is_open(slow_fake):
         assert app.busy == "reply"
         await pilot.press("escape")            # stops the reply
         await wait_until(pilot, lambda: app.busy is None, what="the stop")
-        assert app.session.turns[-1].stop_reason == "cancelled"
+        assert app.view.turns[-1].stop_reason == "cancelled"
