@@ -34,7 +34,7 @@ from .chat_view import ChatOptions, ChatView, open_chat
 from .commands import CommandError, message_text, parse
 from .controls import Controls
 from .conversations import Conversations
-from .jobs import Busy, Job, JobQueue, Op, one_line
+from .jobs import Busy, Job, JobQueue, Op, one_line, run_op
 from .messages import BackendFailed, BackendReady, OpEnded, TurnEnded, TurnProgress
 from .settings import Settings
 from .store import Restored
@@ -156,10 +156,10 @@ class KvChatApp(App[int], inherit_bindings=False):
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
         """Chat keys are off while a dialog is open (its own keys win), and need a conversation."""
-        if action in {k.action for k in keys.KEYS}:
+        if action == "key":
             if len(self.screen_stack) > 1:
                 return False
-            if self.view is None and action not in ("help", "quit", "theme", "toggle_panels"):
+            if self.view is None and parameters[0] not in ("help", "quit", "theme", "toggle_panels"):
                 return None
         return True
 
@@ -296,8 +296,8 @@ class KvChatApp(App[int], inherit_bindings=False):
     def _start_job(self, job: Job) -> None:
         if isinstance(job, Op):
             self.status(f"{job.label}…")
-            self.call_later(self.run_worker, partial(self._op_worker, job), thread=True, group="op",
-                            exit_on_error=False)
+            self.call_later(self.run_worker, partial(run_op, job, self.backend, lambda: self.view, self.post_message),
+                            thread=True, group="op", exit_on_error=False)
         else:
             self.call_later(self._start_turn, job)
 
@@ -354,23 +354,6 @@ class KvChatApp(App[int], inherit_bindings=False):
             self.notice(f"stopping the reply to {label}")
         self.jobs.submit(Op(label, run, then, focus))
 
-    def _op_worker(self, op: Op) -> None:
-        try:
-            note = op.run()
-        except Exception as err:
-            focus = self.view
-            self.post_message(OpEnded(None, self._safe_snapshot(focus), focus, error=one_line(err)))
-            return
-        focus = op.focus() if op.focus is not None else self.view
-        self.post_message(OpEnded(note, self.backend.snapshot(focus.chat), focus, then=op.then))
-
-    def _safe_snapshot(self, view: ChatView) -> CacheSnapshot | None:
-        try:
-            return self.backend.snapshot(view.chat)
-        except Exception as err:  # the op's own error is what gets shown; this one is logged
-            one_line(err)
-            return None
-
     async def on_op_ended(self, msg: OpEnded) -> None:
         if self.exiting:
             return
@@ -409,61 +392,14 @@ class KvChatApp(App[int], inherit_bindings=False):
         self.status("quitting…")
         self.set_timer(10, lambda: self.exit())   # a stuck job must not keep the app open
 
-    # ---- keys (keys.py binds them; controls.py and conversations.py do the work) ------------------
-    def action_help(self) -> None:
-        self.controls.help()
-
-    def action_reset_cache(self) -> None:
-        self.controls.reset_cache()
-
-    def action_cap_down(self) -> None:
-        self.controls.step_cap(up=False)
-
-    def action_cap_up(self) -> None:
-        self.controls.step_cap(up=True)
-
-    def action_choose_policy(self) -> None:
-        self.controls.choose_policy()
-
-    def action_stop(self) -> None:
-        self.controls.stop()
-
-    def action_regenerate(self) -> None:
-        self.controls.regenerate()
-
-    def action_cache_mode(self) -> None:
-        self.controls.set_mode("off" if self.view.mode == "cache" else "cache")
-
-    def action_kv_dtype(self) -> None:
-        self.controls.next_kv_dtype()
-
-    def action_toggle_panels(self) -> None:
-        self.controls.toggle_panels()
-
-    def action_save(self) -> None:
-        self.controls.save_to(None)
-
-    def action_theme(self) -> None:
-        self.controls.next_theme()
-
-    def action_quit(self) -> None:
-        self.quit_when_idle()
-
-    def action_new_conversation(self) -> None:
-        self.conversations.new()
-
-    def action_next_conversation(self) -> None:
-        self.conversations.step(+1)
-
-    def action_previous_conversation(self) -> None:
-        self.conversations.step(-1)
+    # ---- keys ---------------------------------------------------------------------------------------
+    def action_key(self, name: str) -> None:
+        """Every key of keys.KEYS (bound as `key('name')`); controls.py does what it says."""
+        self.controls.key(name)
 
     def action_switch_conversation(self, number: int) -> None:
-        """A click on the conversation bar, or /switch N."""
+        """A click on the conversation bar."""
         self.conversations.switch(number)
-
-    def action_close_conversation(self) -> None:
-        self.conversations.close(None)
 
 
 def run_chat(args) -> int:

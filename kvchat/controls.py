@@ -10,6 +10,7 @@ mid-reply. A key or command for something this backend cannot do says why, in on
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -233,7 +234,25 @@ class Controls:
         preview = "\n".join(lines[:4]) + (f"\n… ({len(lines) - 4:,} more lines)" if len(lines) > 4 else "")
         self.app.send(text, shown=f"/load {path} ({len(text):,} characters)\n{preview}", typed=f"/load {path}")
 
-    # ---- commands ---------------------------------------------------------------------------
+    # ---- keys and commands -------------------------------------------------------------------
+    def key_handlers(self) -> dict[str, Callable[[], None]]:
+        """What each key of keys.KEYS does, by its action name."""
+        app = self.app
+        return {
+            "help": self.help, "reset_cache": self.reset_cache, "cap_down": lambda: self.step_cap(up=False),
+            "cap_up": lambda: self.step_cap(up=True), "choose_policy": self.choose_policy, "stop": self.stop,
+            "regenerate": self.regenerate, "kv_dtype": self.next_kv_dtype, "toggle_panels": self.toggle_panels,
+            "cache_mode": lambda: self.set_mode("off" if app.view.mode == "cache" else "cache"),
+            "save": lambda: self.save_to(None), "theme": self.next_theme, "quit": lambda: app.quit_when_idle(),
+            "new_conversation": lambda: app.conversations.new(),
+            "next_conversation": lambda: app.conversations.step(+1),
+            "previous_conversation": lambda: app.conversations.step(-1),
+            "close_conversation": lambda: app.conversations.close(None),
+        }
+
+    def key(self, name: str) -> None:
+        self.key_handlers()[name]()
+
     def run(self, cmd: Command) -> None:
         app, arg = self.app, cmd.arg
         handlers = {

@@ -17,7 +17,10 @@ from enum import Enum
 from typing import TYPE_CHECKING, Union
 
 from kvchat.engine.errors import KvchatError
+from kvchat.engine.telemetry import CacheSnapshot
 
+from .backends.protocol import Backend
+from .messages import OpEnded
 from .store import data_dir
 
 if TYPE_CHECKING:
@@ -77,6 +80,27 @@ class JobQueue:
         self.current = self._waiting.popleft()
         self.busy = Busy.OP if isinstance(self.current, Op) else Busy.REPLY
         self._start(self.current)
+
+
+def run_op(op: Op, backend: Backend, focus: Callable[[], ChatView], post: Callable[[OpEnded], object]) -> None:
+    """In a worker thread: run the op, then post OpEnded with its note (or its error) and a
+    fresh snapshot of op.focus() (default: the conversation in focus now)."""
+    try:
+        note = op.run()
+    except Exception as err:
+        view = focus()
+        post(OpEnded(None, _safe_snapshot(backend, view), view, error=one_line(err)))
+        return
+    view = op.focus() if op.focus is not None else focus()
+    post(OpEnded(note, backend.snapshot(view.chat), view, then=op.then))
+
+
+def _safe_snapshot(backend: Backend, view: ChatView) -> CacheSnapshot | None:
+    try:
+        return backend.snapshot(view.chat)
+    except Exception as err:  # the op's own error is what gets shown; this one is logged
+        one_line(err)
+        return None
 
 
 def one_line(err: Exception) -> str:

@@ -162,3 +162,9 @@ async def test_ctrl_q_mid_reply_stops_saves_the_partial_reply_and_exits(slow_fak
     turn = next(r for r in records if r["type"] == "turn")
     assert turn["stop_reason"] == "cancelled" and turn["reply"]
     assert {"type": "message", "role": "assistant", "content": turn["reply"]} in records
+
+
+def test_every_key_in_the_table_has_a_handler():
+    from kvchat.controls import Controls
+    from kvchat.keys import KEYS
+    assert set(Controls(app=None).key_handlers()) == {k.action for k in KEYS}
