@@ -13,7 +13,7 @@ from kvchat.commands import Command, CommandError, parse
 from kvchat.widgets import (BlockMap, CachePanel, CapGauge, ConversationBar, LatencyPanel, Notice, Reply, Transcript,
                             UserMessage)
 
-from .conftest import SIZE, make_app, ready, screen_text, send, wait_until
+from .conftest import screen_text, send, wait_until
 from .fake_backend import FakeBackend, FakeConfig
 
 
@@ -51,10 +51,8 @@ def test_malformed_conversation_commands_say_what_is_accepted(text, message):
         parse(text)
 
 
-async def test_a_second_conversation_shares_the_pool_and_the_block_map_shows_the_first_as_other_chats(fake):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_a_second_conversation_shares_the_pool_and_the_block_map_shows_the_first_as_other_chats(running_app):
+    async with running_app() as (app, pilot):
         assert not app.query_one(ConversationBar).display          # one conversation: no bar
         await send(pilot, "first conversation here")
         first = app.view
@@ -68,10 +66,8 @@ async def test_a_second_conversation_shares_the_pool_and_the_block_map_shows_the
         assert "chat 2 of 2" in app.query_one("StatusBar").info
 
 
-async def test_switching_shows_each_conversations_own_transcript_latency_and_cap(fake):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_switching_shows_each_conversations_own_transcript_latency_and_cap(running_app):
+    async with running_app() as (app, pilot):
         await send(pilot, "alpha")
         one = app.view
         await open_second(pilot)
@@ -96,10 +92,8 @@ async def test_switching_shows_each_conversations_own_transcript_latency_and_cap
         assert app.view is one
 
 
-async def test_clicking_a_conversation_in_the_bar_switches_to_it(fake):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_clicking_a_conversation_in_the_bar_switches_to_it(running_app):
+    async with running_app() as (app, pilot):
         await send(pilot, "hello")
         one = app.view
         await open_second(pilot)
@@ -108,10 +102,8 @@ async def test_clicking_a_conversation_in_the_bar_switches_to_it(fake):
         assert app.part("#transcripts").current == one.id
 
 
-async def test_switch_close_and_list_commands(fake):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_switch_close_and_list_commands(fake, running_app):
+    async with running_app() as (app, pilot):
         await send(pilot, "the first")
         one = app.view
         await open_second(pilot)
@@ -133,10 +125,8 @@ async def test_switch_close_and_list_commands(fake):
             in records
 
 
-async def test_closing_the_focused_conversation_shows_its_neighbour_and_closing_the_last_opens_a_new_one(fake):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_closing_the_focused_conversation_shows_its_neighbour_and_closing_the_last_opens_a_new_one(fake, running_app):
+    async with running_app() as (app, pilot):
         one = app.view
         await open_second(pilot)
         await pilot.press("ctrl+pageup")
@@ -149,13 +139,10 @@ async def test_closing_the_focused_conversation_shows_its_neighbour_and_closing_
         assert len(app.views) == 1 and len(fake.chats) == 1
 
 
-async def test_a_preempted_conversation_says_so_and_its_next_turn_recomputes_its_tokens():
+async def test_a_preempted_conversation_says_so_and_its_next_turn_recomputes_its_tokens(running_app):
     # 8 blocks of 16: each long conversation needs 5, so the second preempts the first
-    fake = FakeBackend(FakeConfig(num_blocks=8))
-    app = make_app(fake)
     long = "word " * 60
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with running_app(FakeBackend(FakeConfig(num_blocks=8))) as (app, pilot):
         await send(pilot, "first " + long)
         one = app.view
         held = one.chat.state().tokens_held
@@ -175,10 +162,8 @@ async def test_a_preempted_conversation_says_so_and_its_next_turn_recomputes_its
         assert app.query_one(ConversationBar).entries[0].state == "" and app.view.chat.state().preempted_pending == 0
 
 
-async def test_a_message_sent_while_another_conversation_replies_waits_its_turn(slow_fake):
-    app = make_app(slow_fake, max_tokens=8)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_a_message_sent_while_another_conversation_replies_waits_its_turn(slow_fake, running_app):
+    async with running_app(slow_fake, max_tokens=8) as (app, pilot):
         app.query_one("#input").load_text("a long story")
         await pilot.press("enter")
         await wait_until(pilot, lambda: app.busy == "reply", what="the first reply")
@@ -193,10 +178,8 @@ async def test_a_message_sent_while_another_conversation_replies_waits_its_turn(
         assert len(one.turns) == 1 and app.view.chat.state().messages[0] == {"role": "user", "content": "me too"}
 
 
-async def test_each_conversation_is_saved_to_its_own_log_as_it_goes(fake):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_each_conversation_is_saved_to_its_own_log_as_it_goes(running_app):
+    async with running_app() as (app, pilot):
         await send(pilot, "one says hi")
         one = app.view
         await open_second(pilot)
@@ -209,10 +192,8 @@ async def test_each_conversation_is_saved_to_its_own_log_as_it_goes(fake):
     assert sum(r["type"] == "turn" for r in logs[1]) == 2 == len(one.turns)
 
 
-async def test_sink_window_is_offered_accepted_and_its_evictions_show_in_the_gauge_and_stats(fake):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_sink_window_is_offered_accepted_and_its_evictions_show_in_the_gauge_and_stats(running_app):
+    async with running_app() as (app, pilot):
         await pilot.press("f2")
         await pilot.pause()
         assert "sink-window: keep the first tokens" in screen_text(app)

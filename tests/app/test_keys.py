@@ -14,10 +14,8 @@ def notices(app) -> list[str]:
     return [n.text for n in app.query(Notice)]
 
 
-async def test_ctrl_r_frees_the_cache_and_the_next_turn_prefills_everything(fake):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_ctrl_r_frees_the_cache_and_the_next_turn_prefills_everything(running_app):
+    async with running_app() as (app, pilot):
         await send(pilot, "first message here")
         assert app.query_one(CachePanel).snapshot.bytes_used > 0
         await pilot.press("ctrl+r")
@@ -29,10 +27,8 @@ async def test_ctrl_r_frees_the_cache_and_the_next_turn_prefills_everything(fake
         assert app.query_one(CachePanel).snapshot.bytes_used > 0
 
 
-async def test_cap_keys_step_the_cap_by_powers_of_two_and_past_the_top_remove_it(fake):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_cap_keys_step_the_cap_by_powers_of_two_and_past_the_top_remove_it(running_app):
+    async with running_app() as (app, pilot):
         await pilot.press("f3")
         assert app.view.chat.state().cap == 4096 and app.query_one(CapGauge).cap == 4096
         await pilot.press("f3", "f3")
@@ -43,10 +39,8 @@ async def test_cap_keys_step_the_cap_by_powers_of_two_and_past_the_top_remove_it
         assert app.view.chat.state().cap is None and app.query_one(CapGauge).cap is None
 
 
-async def test_escape_stops_the_reply_and_keeps_what_was_generated(slow_fake):
-    app = make_app(slow_fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_escape_stops_the_reply_and_keeps_what_was_generated(slow_fake, running_app):
+    async with running_app(slow_fake) as (app, pilot):
         app.query_one("#input").load_text("tell me a long story")
         await pilot.press("enter")
         await wait_until(pilot, lambda: len(app.query_one(Reply).text.split()) >= 3, what="a few tokens")
@@ -59,10 +53,8 @@ async def test_escape_stops_the_reply_and_keeps_what_was_generated(slow_fake):
         assert app.query_one(Reply).text.strip() == turn.reply
 
 
-async def test_f2_chooses_the_cap_policy_from_a_list(fake):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_f2_chooses_the_cap_policy_from_a_list(running_app):
+    async with running_app() as (app, pilot):
         await pilot.press("f2")
         await wait_until(pilot, lambda: isinstance(app.screen, PolicyPicker), what="the picker")
         await pilot.press("down", "enter")
@@ -71,10 +63,8 @@ async def test_f2_chooses_the_cap_policy_from_a_list(fake):
         assert app.query_one(CapGauge).policy == "drop-oldest"
 
 
-async def test_ctrl_n_opens_another_conversation_with_the_same_settings_and_keeps_the_old_one(fake):
-    app = make_app(fake, cap=2048, system="be brief")
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_ctrl_n_opens_another_conversation_with_the_same_settings_and_keeps_the_old_one(fake, running_app):
+    async with running_app(cap=2048, system="be brief") as (app, pilot):
         await send(pilot, "hello")
         old = app.view
         await pilot.press("ctrl+n")
@@ -88,10 +78,8 @@ async def test_ctrl_n_opens_another_conversation_with_the_same_settings_and_keep
         assert old.chat.state().tokens_held > 0              # its cache is still there
 
 
-async def test_f5_regenerates_the_last_reply(fake):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_f5_regenerates_the_last_reply(running_app):
+    async with running_app() as (app, pilot):
         await send(pilot, "hello")
         first = app.query_one(Reply).text
         await pilot.press("f5")
@@ -100,18 +88,14 @@ async def test_f5_regenerates_the_last_reply(fake):
         assert [m["role"] for m in app.view.chat.state().messages] == ["user", "assistant"]
 
 
-async def test_f5_with_no_reply_says_so(fake):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_f5_with_no_reply_says_so(running_app):
+    async with running_app() as (app, pilot):
         await pilot.press("f5")
         assert "nothing to regenerate" in notices(app)[-1]
 
 
-async def test_f1_shows_every_key_and_command_and_escape_closes_it(fake):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_f1_shows_every_key_and_command_and_escape_closes_it(running_app):
+    async with running_app() as (app, pilot):
         await pilot.press("f1")
         await wait_until(pilot, lambda: isinstance(app.screen, HelpScreen), what="help")
         await pilot.pause()
@@ -124,10 +108,8 @@ async def test_f1_shows_every_key_and_command_and_escape_closes_it(fake):
         assert app.busy is None   # escape closed the dialog, it did not reach "stop"
 
 
-async def test_keys_rebound_in_the_settings_file_replace_the_defaults(fake):
-    app = make_app(fake, settings=Settings(keys={"reset_cache": "ctrl+e"}))
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_keys_rebound_in_the_settings_file_replace_the_defaults(running_app):
+    async with running_app(settings=Settings(keys={"reset_cache": "ctrl+e"})) as (app, pilot):
         await send(pilot, "hello")
         await pilot.press("ctrl+r")
         await pilot.pause(0.1)
@@ -148,10 +130,8 @@ async def test_ctrl_t_switches_theme_and_remembers_it(fake):
     assert json.loads(settings_mod.config_path().read_text())["theme"] == "high-contrast"
 
 
-async def test_ctrl_q_mid_reply_stops_saves_the_partial_reply_and_exits(slow_fake):
-    app = make_app(slow_fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_ctrl_q_mid_reply_stops_saves_the_partial_reply_and_exits(slow_fake, running_app):
+    async with running_app(slow_fake) as (app, pilot):
         app.query_one("#input").load_text("a long story please")
         await pilot.press("enter")
         await wait_until(pilot, lambda: len(app.query_one(Reply).text.split()) >= 2, what="tokens")

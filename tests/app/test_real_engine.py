@@ -9,17 +9,15 @@ from kvchat.engine.telemetry import OTHER, SHARED
 from kvchat.engine.units import human_bytes
 from kvchat.widgets import BlockMap, CachePanel, LatencyPanel
 
-from .conftest import SIZE, make_app, ready, screen_text, send, wait_until
+from .conftest import screen_text, send, wait_until
 
 pytestmark = pytest.mark.slow
 
 
-async def test_a_real_turn_grows_the_cache_panel_by_bytes_per_token_per_new_token(engine):
+async def test_a_real_turn_grows_the_cache_panel_by_bytes_per_token_per_new_token(engine, running_app):
     """`engine` is the session's real Engine (tests/conftest.py: bundled model, 64 MiB pool)."""
     backend = LocalBackend(engine)
-    app = make_app(factory=lambda: backend, max_tokens=16)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with running_app(factory=lambda: backend, max_tokens=16) as (app, pilot):
         try:
             before = app.query_one(CachePanel).snapshot
             map_before = app.query_one(BlockMap).render().plain
@@ -45,15 +43,13 @@ async def test_a_real_turn_grows_the_cache_panel_by_bytes_per_token_per_new_toke
             backend.close(app.view.chat)
 
 
-async def test_runtime_experiments_change_the_panels_two_conversations_fp8_and_cache_off(engine):
+async def test_runtime_experiments_change_the_panels_two_conversations_fp8_and_cache_off(engine, running_app):
     """Two conversations in the session engine's one pool: the second shares the first's
     system-prompt block (the bundled model's template adds a default one) and sees the
     first's other blocks; /kv fp8 rebuilds the pool at a quarter of fp32's bytes per token;
     /cache off makes the next turn hold nothing. The engine is left as it was found."""
     backend = LocalBackend(engine)
-    app = make_app(factory=lambda: backend, max_tokens=6)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with running_app(factory=lambda: backend, max_tokens=6) as (app, pilot):
         panel, blocks = app.query_one(CachePanel), app.query_one(BlockMap)
         try:
             await send(pilot, "Name a colour.")

@@ -12,7 +12,7 @@ from kvchat.settings import Settings, SettingsError
 from kvchat.store import ConversationLog, export, last_conversation, restore
 from kvchat.widgets import ChatInput, LatencyPanel, Reply, UserMessage
 
-from .conftest import SIZE, make_app, ready, send
+from .conftest import send
 
 SUMMARY = {"turn": 1, "reply": "hi there", "prompt_tokens": 12, "reused_tokens": 0, "computed_tokens": 12,
            "generated_tokens": 2, "ttft_ms": 30.0, "decode_ms": [10.0, 11.0], "positions": [12, 13],
@@ -69,16 +69,12 @@ def test_export_writes_the_transcript_with_stats_lines_and_the_telemetry(tmp_pat
     assert json.loads(jl.read_text())["positions"] == [12, 13]
 
 
-async def test_resume_shows_the_saved_conversation_and_puts_an_unanswered_message_back(fake, tmp_path):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_resume_shows_the_saved_conversation_and_puts_an_unanswered_message_back(running_app):
+    async with running_app() as (app, pilot):
         await send(pilot, "remember me")
         app.view.conversation_log.sync(list(app.view.chat.state().messages) + [{"role": "user", "content": "lost in a crash"}])
     restored = restore(last_conversation())
-    app = make_app(fake, restored=restored)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with running_app(restored=restored) as (app, pilot):
         assert app.query_one(UserMessage).text == "remember me" and app.query_one(Reply).text
         assert app.query_one(ChatInput).text == "lost in a crash"
         assert app.query_one(LatencyPanel).point_count == restored.turns[0].generated_tokens
@@ -110,10 +106,8 @@ def test_settings_round_trip_and_a_missing_file_gives_defaults(tmp_path):
     assert settings_mod.load(path) == Settings(theme="light", keys={"quit": "ctrl+x"})
 
 
-async def test_a_session_without_messages_leaves_nothing_to_resume(fake):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_a_session_without_messages_leaves_nothing_to_resume(running_app):
+    async with running_app() as (app, pilot):
         await pilot.press("f3")                    # a setting alone is not a conversation
         await pilot.press("ctrl+q")
     assert last_conversation() is None
