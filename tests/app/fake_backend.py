@@ -62,6 +62,7 @@ class FakeConfig:
     token_delay_s: float = 0.0      # per token; tests of stopping set it > 0
     replies: tuple[str, ...] = REPLIES
     capabilities: Capabilities = LOCAL_LIKE
+    knows_geometry: bool = True     # False: like a server's model that matches no known geometry
 
 
 class FakeChat:
@@ -259,9 +260,10 @@ class FakeBackend:
 
     # ---- the Backend protocol ----------------------------------------------------------------
     def info(self) -> BackendInfo:
+        known = self.cfg.knows_geometry
         return BackendInfo(kind="fake", model="fake-smollm2", device="cpu", dtype="fp32", kv_dtype=self.kv_dtype,
-                           bytes_per_token=self.bytes_per_token, geometry=self.geometry,
-                           max_position=self.geometry.max_position, random_weights=True)
+                           bytes_per_token=self.bytes_per_token, geometry=self.geometry if known else None,
+                           max_position=self.geometry.max_position if known else None, random_weights=True)
 
     def open(self, system: str | None = None, cap: int | None = None, policy: str = "stop",
              mode: str = "cache") -> FakeChat:
