@@ -1,8 +1,9 @@
 """The kvchat app: the chat on the left, the KV cache's telemetry on the right.
 
-Parts, one file each: a ChatView per conversation (chat_view.py: its transcript and its
-state), the open conversations and the focus (conversations.py), what keys and commands do
-(controls.py), the job queue (jobs.py) and one turn (turn.py). The app sees the model only
+Parts, one file each: a ChatView per conversation and the RunningTurn (chat_view.py), the
+open conversations and the focus (conversations.py), what keys and commands do
+(controls.py), the job queue and its workers (jobs.py), the relay of a turn's events
+(turn.py); host.py is the app as those parts see it. The app sees the model only
 through a Backend (backends/protocol.py) and the engine's telemetry types.
 
 Threads: the UI thread owns every widget. Loading the backend, each turn, and each
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from textual.app import App, ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.message import Message
 from textual.widgets import ContentSwitcher, Footer, ProgressBar
 
 from kvchat.engine.errors import KvchatError
@@ -30,15 +32,14 @@ from kvchat.engine.telemetry import CacheSnapshot
 
 from . import keys, theming
 from .backends.protocol import BLOCK_MAP, Backend
-from .chat_view import ChatOptions, ChatView, open_chat
+from .chat_view import ChatOptions, ChatView, RunningTurn, TurnEnded, TurnProgress, open_chat
 from .commands import CommandError, message_text, parse
 from .controls import Controls
 from .conversations import Conversations
-from .jobs import Busy, Job, JobQueue, Op, one_line, run_op
-from .messages import BackendFailed, BackendReady, OpEnded, TurnEnded, TurnProgress
+from .jobs import Busy, Job, JobQueue, Op, OpEnded, one_line, run_op, run_turn
 from .settings import Settings
 from .store import Restored
-from .turn import Governor, RunningTurn, run_turn
+from .turn import Governor
 from .widgets import BlockMap, CachePanel, CapGauge, ChatInput, ConversationBar, LatencyPanel, StatusBar
 
 NARROW = 90   # below this many columns the panels hide themselves (ctrl+b shows them)
@@ -52,6 +53,18 @@ class AppOptions:
     theme: str = "dark"
     restored: Restored | None = None            # --resume
     data_root: Path | None = None               # None: the platform's user data dir
+
+
+class BackendReady(Message):
+    def __init__(self, backend: Backend, seconds: float) -> None:
+        super().__init__()
+        self.backend, self.seconds = backend, seconds
+
+
+class BackendFailed(Message):
+    def __init__(self, error: str) -> None:
+        super().__init__()
+        self.error = error
 
 
 class KvChatApp(App[int], inherit_bindings=False):
@@ -73,8 +86,8 @@ class KvChatApp(App[int], inherit_bindings=False):
         self.settings_path = settings_path
         self.theme_name = options.theme if options.theme in self.themes else next(iter(self.themes))
         self.backend: Backend | None = None
-        self.conversations = Conversations(self)
-        self.controls = Controls(self)
+        self.conversations = Conversations(self, options.data_root)
+        self.controls = Controls(self, self.conversations)
         self.jobs = JobQueue(self._start_job)
         self.turn: RunningTurn | None = None        # the running turn (the last one, once idle)
         self.governor = Governor()
@@ -402,8 +415,9 @@ class KvChatApp(App[int], inherit_bindings=False):
         self.conversations.switch(number)
 
 
+
 def run_chat(args) -> int:
-    """Kept only while kvchat/cli.py (not this branch's file) imports run_chat from here; the
-    entry point is launch.run_chat. Imported late, as launch.py imports this module."""
+    """Kept only while kvchat/cli.py imports run_chat from here; the entry point is
+    launch.run_chat. Imported late, as launch.py imports this module."""
     from .launch import run_chat as run
     return run(args)

@@ -4,24 +4,27 @@ the backend last reported them (a ChatState: cap, policy, mode, tokens held...) 
 cache snapshot taken while it was in focus.
 
 The app keeps one ChatView per open conversation in a ContentSwitcher and draws the panels
-for the one in focus (kvchat/conversations.py switches between them). During a turn the
-worker posts TurnProgress and TurnEnded to the turn's ChatView: it draws the reply here,
-and the messages bubble on to the app, which draws the panels.
+for the one in focus (kvchat/conversations.py switches between them). A turn is a
+RunningTurn; its worker (jobs.run_turn) posts TurnProgress and TurnEnded to the turn's
+ChatView, which draws the reply here; the messages bubble on to the app, which draws the
+panels.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from kvchat.engine.telemetry import CacheSnapshot
+from textual.message import Message
+
+from kvchat.engine.telemetry import CacheSnapshot, TurnStats
 
 from .backends.protocol import Backend, Chat, ChatState
 from .latency import LatencyData
-from .messages import TurnEnded, TurnProgress
 from .records import TurnRecord
 from .store import ConversationLog, Restored
-from .turn import RunningTurn
-from .widgets import Transcript, UserMessage
+from .turn import Progress
+from .widgets import Reply, Transcript, UserMessage
 
 
 @dataclass(slots=True)
@@ -48,6 +51,41 @@ def open_chat(backend: Backend, options: ChatOptions, data_root: Path | None = N
     log = ConversationLog.create(data_root, model=backend.info().model, system=options.system,
                                  cap=options.cap, policy=options.policy, mode=options.mode)
     return chat, log, []
+
+
+@dataclass(slots=True, eq=False)
+class RunningTurn:
+    """A turn from the moment it is asked for (it may wait in the job queue) to its end."""
+    view: ChatView                      # the conversation it belongs to
+    text: str | None                    # the message to send; None regenerates the last reply
+    shown: str | None = None            # what the transcript shows instead (a /load preview)
+    typed: str | None = None            # what goes back into the input if the turn is refused
+    user: UserMessage | None = None     # the message's widget, once shown
+    reply: Reply | None = None          # the reply's widget, once the turn starts
+    cancel: threading.Event = field(default_factory=threading.Event)
+    prefilled: bool = False             # the backend accepted the turn (its PrefillEvent came)
+
+
+class TurnProgress(Message):
+    """From the turn's worker: a batch of its tokens and latency points, and (usually) a
+    cache snapshot of `focus`, the conversation in focus when it was taken."""
+
+    def __init__(self, turn: RunningTurn, progress: Progress, focus: ChatView) -> None:
+        super().__init__()
+        self.turn, self.progress, self.focus = turn, progress, focus
+
+
+class TurnEnded(Message):
+    """From the turn's worker: stats and its record when it produced a reply, error when it
+    failed; accepted is False when nothing of it entered the conversation (a refused turn).
+    The snapshot is of `focus`, the conversation in focus when it was taken."""
+
+    def __init__(self, turn: RunningTurn, stats: TurnStats | None, record: TurnRecord | None,
+                 error: str | None = None, accepted: bool = True, snapshot: CacheSnapshot | None = None,
+                 focus: ChatView | None = None) -> None:
+        super().__init__()
+        self.turn, self.stats, self.record, self.error, self.accepted = turn, stats, record, error, accepted
+        self.snapshot, self.focus = snapshot, focus
 
 
 class ChatView(Transcript):

@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from kvchat.engine.errors import KvchatError
 from kvchat.engine.policy import POLICIES
@@ -20,12 +19,11 @@ from kvchat.engine.policy import POLICIES
 from . import settings as settings_mod
 from .backends.protocol import CACHE_TOGGLE, KV_DTYPE, REGENERATE, RESET, SINK_WINDOW
 from .commands import Command, CommandError, read_message_file
+from .conversations import Conversations
+from .host import Host
 from .jobs import Busy
 from .store import export
 from .widgets import HelpScreen, PolicyPicker
-
-if TYPE_CHECKING:
-    from .app import KvChatApp
 
 MIN_CAP = 64
 NO_LIMIT = 1 << 20      # the top cap step when the backend does not know the model's context
@@ -44,8 +42,9 @@ def next_cap(cap: int | None, max_position: int | None, up: bool) -> int | None:
 
 
 class Controls:
-    def __init__(self, app: KvChatApp) -> None:
+    def __init__(self, app: Host, conversations: Conversations) -> None:
         self.app = app
+        self.conversations = conversations
 
     def can(self, capability: str) -> bool:
         """Whether the backend can; if not, the focused transcript says why."""
@@ -244,10 +243,10 @@ class Controls:
             "regenerate": self.regenerate, "kv_dtype": self.next_kv_dtype, "toggle_panels": self.toggle_panels,
             "cache_mode": lambda: self.set_mode("off" if app.view.mode == "cache" else "cache"),
             "save": lambda: self.save_to(None), "theme": self.next_theme, "quit": lambda: app.quit_when_idle(),
-            "new_conversation": lambda: app.conversations.new(),
-            "next_conversation": lambda: app.conversations.step(+1),
-            "previous_conversation": lambda: app.conversations.step(-1),
-            "close_conversation": lambda: app.conversations.close(None),
+            "new_conversation": lambda: self.conversations.new(),
+            "next_conversation": lambda: self.conversations.step(+1),
+            "previous_conversation": lambda: self.conversations.step(-1),
+            "close_conversation": lambda: self.conversations.close(None),
         }
 
     def key(self, name: str) -> None:
@@ -260,8 +259,8 @@ class Controls:
             "policy": lambda: self.set_policy(arg), "load": lambda: self.load(arg), "save": lambda: self.save_to(arg),
             "theme": lambda: self.set_theme(arg), "cache": lambda: self.set_mode("cache" if arg == "on" else "off"),
             "kv": lambda: self.set_kv_dtype(arg), "panel": lambda: self.toggle_panel(arg),
-            "new": app.conversations.new, "switch": lambda: app.conversations.switch(arg),
-            "close": lambda: app.conversations.close(arg), "list": app.conversations.list,
+            "new": self.conversations.new, "switch": lambda: self.conversations.switch(arg),
+            "close": lambda: self.conversations.close(arg), "list": self.conversations.list,
             "regen": self.regenerate, "quit": app.quit_when_idle,
         }
         if cmd.name not in handlers:   # a command in COMMANDS without a handler here is a bug

@@ -16,26 +16,24 @@ transcript, and its tab says "preempted" until its next turn recomputes the cach
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from pathlib import Path
 
 from textual.binding import Binding
 from textual.widgets import ContentSwitcher
 
 from kvchat.engine.errors import KvchatError
 
-from .chat_view import ChatOptions, ChatView, open_chat
+from .chat_view import ChatOptions, ChatView, RunningTurn, open_chat
+from .host import Host
 from .jobs import Busy
-from .turn import RunningTurn
 from .widgets import ConversationBar, LatencyPanel
 from .widgets.conversation_bar import Entry
 
-if TYPE_CHECKING:
-    from .app import KvChatApp
-
 
 class Conversations:
-    def __init__(self, app: KvChatApp) -> None:
+    def __init__(self, app: Host, data_root: Path | None = None) -> None:
         self.app = app
+        self.data_root = data_root                 # None: the platform's user data dir
         self.views: list[ChatView] = []
         self.focused: ChatView | None = None
         self.next_number = 1
@@ -106,7 +104,7 @@ class Conversations:
     async def _open(self, options: ChatOptions) -> None:
         app = self.app
         try:
-            chat, log, turns = open_chat(app.backend, options, app.options.data_root)
+            chat, log, turns = open_chat(app.backend, options, self.data_root)
         except (KvchatError, OSError) as err:
             app.notice(f"cannot open a new conversation: {err}", error=True)
             return
@@ -143,7 +141,7 @@ class Conversations:
 
         def run() -> str:
             if new is not None:
-                new.attach(*open_chat(app.backend, target.options(), app.options.data_root))
+                new.attach(*open_chat(app.backend, target.options(), self.data_root))
                 after.append(new)
             else:
                 after.append(self.focused if self.focused is not target else self._neighbour(target))

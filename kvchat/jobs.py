@@ -1,10 +1,11 @@
 """The job queue: backend work runs in thread workers one job at a time, in order.
 
-Jobs are turns (a RunningTurn, kvchat/turn.py) and operations (an Op: reset, cache mode, KV
+Jobs are turns (a RunningTurn, chat_view.py) and operations (an Op: reset, cache mode, KV
 dtype, opening and closing conversations, a fresh snapshot); the model load runs before
 any. A turn holds the backend from its prefill to its last token, so running jobs in order
 means the UI thread never waits on it. The queue only orders and counts: whoever owns it
-(the app) starts each job and says when it is done.
+(the app) starts each job, in a worker running `run_turn` or `run_op`, and says when it
+is done.
 """
 from __future__ import annotations
 
@@ -14,18 +15,19 @@ from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
 from enum import Enum
-from typing import TYPE_CHECKING, Union
+from typing import Union
+
+from textual.message import Message
 
 from kvchat.engine.errors import KvchatError
+from kvchat.engine.sampler import SamplingParams
 from kvchat.engine.telemetry import CacheSnapshot
 
 from .backends.protocol import Backend
-from .messages import OpEnded
+from .chat_view import ChatView, RunningTurn, TurnEnded, TurnProgress
+from .records import TurnRecord
 from .store import data_dir
-
-if TYPE_CHECKING:
-    from .chat_view import ChatView
-    from .turn import RunningTurn
+from .turn import Progress, relay
 
 
 class Busy(str, Enum):
@@ -43,7 +45,17 @@ class Op:
     focus: Callable[[], ChatView] | None = None         # whose snapshot to take (default: the focused)
 
 
-Job = Union["RunningTurn", Op]
+Job = Union[RunningTurn, Op]
+
+
+class OpEnded(Message):
+    """From an op's worker: a note to show, a fresh snapshot of `focus`, and an optional
+    follow-up to run on the UI thread."""
+
+    def __init__(self, note: str | None, snapshot: CacheSnapshot | None, focus: ChatView | None,
+                 error: str | None = None, then: Callable[[], Awaitable[None] | None] | None = None) -> None:
+        super().__init__()
+        self.note, self.snapshot, self.focus, self.error, self.then = note, snapshot, focus, error, then
 
 
 class JobQueue:
@@ -80,6 +92,45 @@ class JobQueue:
         self.current = self._waiting.popleft()
         self.busy = Busy.OP if isinstance(self.current, Op) else Busy.REPLY
         self._start(self.current)
+
+
+def run_turn(turn: RunningTurn, backend: Backend, sampling: SamplingParams,
+             focus: Callable[[], ChatView], interval: Callable[[], float]) -> None:
+    """In a worker thread: run the turn, posting TurnProgress batches and then TurnEnded to
+    the turn's ChatView. Snapshots are of the conversation in focus when each is taken (the
+    user may switch mid-reply): `focus()` names it."""
+    view = turn.view
+    chat = view.chat
+    try:
+        events = (chat.send(turn.text, sampling, turn.cancel) if turn.text is not None
+                  else chat.regenerate(sampling, turn.cancel))
+    except Exception as err:
+        view.post_message(TurnEnded(turn, None, None, one_line(err), accepted=False))
+        return
+    view.conversation_log.sync(list(chat.state().messages))
+    shown = [focus()]
+
+    def snapshot() -> CacheSnapshot:
+        shown[0] = focus()
+        return backend.snapshot(shown[0].chat)
+
+    def emit(p: Progress) -> None:
+        turn.prefilled = turn.prefilled or p.prefill is not None
+        view.post_message(TurnProgress(turn, p, shown[0]))
+    stats, error = None, None
+    try:
+        stats = relay(events, snapshot, emit, interval=interval)
+    except Exception as err:
+        error = one_line(err)
+    view.conversation_log.sync(list(chat.state().messages))
+    record = TurnRecord.from_stats(stats) if stats is not None else None
+    if record is not None:
+        view.conversation_log.turn(record)
+    viewer = focus()
+    snap = stats.cache if stats is not None and viewer is view else backend.snapshot(viewer.chat)
+    # failing before its first token, the backend restores the messages: as if never sent
+    view.post_message(TurnEnded(turn, stats, record, error, accepted=record is not None or turn.prefilled,
+                                snapshot=snap, focus=viewer))
 
 
 def run_op(op: Op, backend: Backend, focus: Callable[[], ChatView], post: Callable[[OpEnded], object]) -> None:

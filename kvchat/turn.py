@@ -1,5 +1,4 @@
-"""One turn: what the app holds while it runs (RunningTurn), the worker that runs it
-(run_turn), and the relay of its events to the UI at a bounded cost.
+"""Relaying one turn's engine events to the UI at a bounded cost.
 
 The engine yields one event per token. Redrawing per token would cost more than the decode
 step itself on a fast device, so `relay` (in the worker) batches the text and the latency
@@ -12,23 +11,11 @@ bounded, each measured where it is paid:
 """
 from __future__ import annotations
 
-import threading
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
 
-from kvchat.engine.sampler import SamplingParams
 from kvchat.engine.telemetry import CacheSnapshot, PrefillEvent, TokenEvent, TurnStats
-
-from .backends.protocol import Backend
-from .jobs import one_line
-from .messages import TurnEnded, TurnProgress
-from .records import TurnRecord
-
-if TYPE_CHECKING:
-    from .chat_view import ChatView
-    from .widgets import Reply, UserMessage
 
 INTERVAL_S = 0.125          # ~8 updates a second at most
 MAX_INTERVAL_S = 1.0        # and at least one a second
@@ -116,55 +103,3 @@ def relay(events: Iterable, snapshot: Callable[[], CacheSnapshot], emit: Callabl
     if text or points or prefill:
         flush(take_snapshot=True)
     return None
-
-
-@dataclass(slots=True, eq=False)
-class RunningTurn:
-    """A turn from the moment it is asked for (it may wait in the job queue) to its end."""
-    view: ChatView                      # the conversation it belongs to
-    text: str | None                    # the message to send; None regenerates the last reply
-    shown: str | None = None            # what the transcript shows instead (a /load preview)
-    typed: str | None = None            # what goes back into the input if the turn is refused
-    user: UserMessage | None = None     # the message's widget, once shown
-    reply: Reply | None = None          # the reply's widget, once the turn starts
-    cancel: threading.Event = field(default_factory=threading.Event)
-    prefilled: bool = False             # the backend accepted the turn (its PrefillEvent came)
-
-
-def run_turn(turn: RunningTurn, backend: Backend, sampling: SamplingParams,
-             focus: Callable[[], ChatView], interval: Callable[[], float]) -> None:
-    """In a worker thread: run the turn, posting TurnProgress batches and then TurnEnded to
-    the turn's ChatView. Snapshots are of the conversation in focus when each is taken (the
-    user may switch mid-reply): `focus()` names it."""
-    view = turn.view
-    chat = view.chat
-    try:
-        events = (chat.send(turn.text, sampling, turn.cancel) if turn.text is not None
-                  else chat.regenerate(sampling, turn.cancel))
-    except Exception as err:
-        view.post_message(TurnEnded(turn, None, None, one_line(err), accepted=False))
-        return
-    view.conversation_log.sync(list(chat.state().messages))
-    shown = [focus()]
-
-    def snapshot() -> CacheSnapshot:
-        shown[0] = focus()
-        return backend.snapshot(shown[0].chat)
-
-    def emit(p: Progress) -> None:
-        turn.prefilled = turn.prefilled or p.prefill is not None
-        view.post_message(TurnProgress(turn, p, shown[0]))
-    stats, error = None, None
-    try:
-        stats = relay(events, snapshot, emit, interval=interval)
-    except Exception as err:
-        error = one_line(err)
-    view.conversation_log.sync(list(chat.state().messages))
-    record = TurnRecord.from_stats(stats) if stats is not None else None
-    if record is not None:
-        view.conversation_log.turn(record)
-    viewer = focus()
-    snap = stats.cache if stats is not None and viewer is view else backend.snapshot(viewer.chat)
-    # failing before its first token, the backend restores the messages: as if never sent
-    view.post_message(TurnEnded(turn, stats, record, error, accepted=record is not None or turn.prefilled,
-                                snapshot=snap, focus=viewer))

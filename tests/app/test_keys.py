@@ -147,4 +147,4 @@ async def test_ctrl_q_mid_reply_stops_saves_the_partial_reply_and_exits(slow_fak
 def test_every_key_in_the_table_has_a_handler():
     from kvchat.controls import Controls
     from kvchat.keys import KEYS
-    assert set(Controls(app=None).key_handlers()) == {k.action for k in KEYS}
+    assert set(Controls(None, None).key_handlers()) == {k.action for k in KEYS}
