@@ -15,7 +15,7 @@ def make_engine(s: Setup, budget_tokens: int):
     token ids need none, and the GPU machine may lack the bundled model it would load."""
     from kvchat.engine import engine as engine_mod
     from kvchat.engine.engine import Engine, EngineConfig
-    from kvchat.engine.weights import ModelSource
+    from kvchat.engine.sources import ModelSource
     src = ModelSource(s.geom.name, s.geom, None, Path("."), random_weights=True)
     budget = budget_tokens * s.geom.kv_bytes_per_token("fp32" if s.dry else "bf16")
     real = engine_mod.load_tokenizer

@@ -5,59 +5,18 @@ after RoPE. An fp8 pool adds one float32 scale per (slot, KV head), counted in i
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
 
 import torch
 
 from .attention import FP8
-from .errors import KvchatError
-from .geometry import DTYPE_BYTES, Geometry
+from .geometry import Geometry
+from .pool_spec import PoolSpec, blocks_for, plan_pool  # noqa: F401  (the pool is planned there)
 
 TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 if FP8 is not None:
     TORCH_DTYPES["fp8"] = FP8
 
 
-def blocks_for(tokens: int, block_size: int) -> int:
-    return -(-tokens // block_size)
-
-
-@dataclass(frozen=True, slots=True)
-class PoolSpec:
-    num_blocks: int
-    block_size: int
-    kv_dtype: str
-    bytes_per_token: int        # the formula's figure: 2 x L x H_kv x d_h x element bytes
-    scale_bytes_per_token: int  # fp8 only: 2 x L x H_kv x 4
-
-    @property
-    def block_bytes(self) -> int:
-        return self.block_size * (self.bytes_per_token + self.scale_bytes_per_token)
-
-    @property
-    def capacity_bytes(self) -> int:
-        return self.num_blocks * self.block_bytes
-
-    @property
-    def capacity_tokens(self) -> int:
-        return self.num_blocks * self.block_size
-
-
-def plan_pool(geom: Geometry, kv_dtype: str, budget_bytes: int, block_size: int) -> PoolSpec:
-    """How many blocks of `block_size` tokens fit in `budget_bytes`."""
-    if block_size <= 0:
-        raise KvchatError(f"--block-size must be a positive number of tokens, got {block_size}")
-    if kv_dtype not in DTYPE_BYTES:
-        raise KvchatError(f"unknown KV dtype {kv_dtype!r}; accepted: {', '.join(DTYPE_BYTES)}")
-    per_token = geom.kv_bytes_per_token(kv_dtype)
-    scale_per_token = 2 * geom.n_layers * geom.n_kv_heads * 4 if kv_dtype == "fp8" else 0
-    block_bytes = block_size * (per_token + scale_per_token)
-    num_blocks = budget_bytes // block_bytes
-    if num_blocks < 1:
-        raise KvchatError(
-            f"--kv-budget of {budget_bytes} bytes is too small for one block: a block of {block_size} "
-            f"tokens takes {block_bytes} bytes on this model")
-    return PoolSpec(num_blocks, block_size, kv_dtype, per_token, scale_per_token)
 
 
 class KVPool:

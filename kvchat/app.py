@@ -415,9 +415,3 @@ class KvChatApp(App[int], inherit_bindings=False):
         self.conversations.switch(number)
 
 
-
-def run_chat(args) -> int:
-    """Kept only while kvchat/cli.py imports run_chat from here; the entry point is
-    launch.run_chat. Imported late, as launch.py imports this module."""
-    from .launch import run_chat as run
-    return run(args)

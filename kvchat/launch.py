@@ -45,12 +45,12 @@ def prepare(args) -> KvChatApp:
 
 
 def _prepare(args) -> KvChatApp:
-    from kvchat.engine.engine import pick_device, pick_dtypes
+    from kvchat.engine.engine import check_memory, pick_device, pick_dtypes
     from kvchat.engine.policy import make_policy
-    from kvchat.engine.weights import resolve
+    from kvchat.engine.sources import resolve
 
+    from .args import engine_config, sampling
     from .backends.local import LocalBackend
-    from .cli import engine_config, sampling
 
     path = settings_mod.config_path()
     settings = settings_mod.load(path)
@@ -62,9 +62,11 @@ def _prepare(args) -> KvChatApp:
     theme = args.theme or settings.theme or "dark"
     make_policy(args.policy)
     cfg = engine_config(args)
-    sp = sampling(args)
-    pick_dtypes(cfg, pick_device(cfg.device))
+    sp = sampling(args, default_max=512)
+    device = pick_device(cfg.device)
+    dtype, kv_dtype = pick_dtypes(cfg, device)
     source = resolve(cfg.model, cfg.random_weights)
+    check_memory(source.geometry, dtype, kv_dtype, cfg.kv_budget, device)
     restored = None
     if args.resume:
         last = last_conversation()

@@ -27,7 +27,7 @@ def hf_model():
     """transformers' own LlamaForCausalLM on the same converted safetensors, fp32."""
     import torch
     from transformers import LlamaForCausalLM
-    from kvchat.engine.weights import bundled_dir
+    from kvchat.engine.sources import bundled_dir
     model = LlamaForCausalLM.from_pretrained(str(bundled_dir()), dtype=torch.float32)
     model.eval()
     return model

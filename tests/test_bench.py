@@ -12,8 +12,8 @@ import sys
 import pytest
 import torch
 
-from kvchat.bench_peers import LLAMA_CPP_MISSING
-from kvchat.bench_report import Series, percentile, summarise
+from kvchat.bench.peers import LLAMA_CPP_MISSING
+from kvchat.bench.report import Series, percentile, summarise
 from kvchat.cli import main
 from cli_helpers import fails_with
 
@@ -147,8 +147,8 @@ class FakeLlama:
 
 
 def test_llama_cpp_peer_resets_then_times_each_token(monkeypatch):
-    from kvchat.engine.weights import resolve
-    from kvchat.bench_peers import load_llama_cpp
+    from kvchat.engine.sources import resolve
+    from kvchat.bench.peers import load_llama_cpp
     fake = type(sys)("llama_cpp")
     fake.Llama = FakeLlama
     monkeypatch.setitem(sys.modules, "llama_cpp", fake)
@@ -162,7 +162,7 @@ def test_llama_cpp_peer_resets_then_times_each_token(monkeypatch):
 
 @pytest.mark.parametrize("context", [31, 64, 257, 1024])
 def test_history_renders_to_exactly_the_requested_tokens(engine, context):
-    from kvchat.bench_history import history
+    from kvchat.bench.history import history
     renderer = engine.new_conversation()
     engine.close_conversation(renderer)
     text, ids = history(renderer.render, engine.tokenizer, context, seed=3)

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from kvchat.engine.weights import bundled_dir
+from kvchat.engine.sources import bundled_dir
 from kvchat.cli import main
 from cli_helpers import fails_with
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from .cli import UsageError
+from ..args import UsageError
 
 SYSTEM = "Repeat the user's notes word for word."
 FOLLOW_UP = "Thank you. Now repeat only the second note."

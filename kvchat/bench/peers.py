@@ -11,7 +11,7 @@
   `Llama.generate`, timing each yielded token. Never installed by kvchat or its CI.
 
 This module touches torch because the peer does; kvchat's own engine is only driven
-through its public API in `bench.py`.
+through its public API in `run.py`.
 """
 from __future__ import annotations
 
@@ -20,7 +20,7 @@ from pathlib import Path
 
 from kvchat.engine.errors import KvchatError
 
-from .bench_report import Timing
+from .report import Timing
 
 LLAMA_CPP_MISSING = "llama-cpp-python is not installed (pip install llama-cpp-python); llama.cpp peer skipped"
 
@@ -138,7 +138,7 @@ def load_llama_cpp(source, model_arg: str | None, n_ctx: int, threads: int) -> t
 
 def gguf_for(source, model_arg: str | None) -> Path | None:
     """The GGUF the engine's weights were converted from, when there is one."""
-    from kvchat.engine.weights import BUNDLED, bundled_gguf
+    from kvchat.engine.sources import BUNDLED, bundled_gguf
     if source.random_weights:
         return None
     if model_arg and model_arg.strip().endswith(".gguf"):

@@ -13,8 +13,8 @@ prompt, then numbered notes the model is asked to repeat, so that it keeps talki
   llama.cpp          the same, on the bundled GGUF, when llama-cpp-python is installed.
 
 The engine is driven only through its public API (Engine, Conversation.send, TurnStats).
-The history is built in bench_history.py, the peers run in bench_peers.py, and statistics,
-tables, JSON and plots are in bench_report.py.
+The history is built in history.py, the peers run in peers.py, and statistics, tables, JSON
+and plots are in report.py.
 """
 from __future__ import annotations
 
@@ -28,10 +28,11 @@ from pathlib import Path
 
 from kvchat.engine.errors import KvchatError
 
-from . import bench_peers, bench_report
-from .bench_history import FOLLOW_UP, SYSTEM, history
-from .bench_report import Series, Timing
-from .cli import UsageError, int_at_least, positive_int
+from . import peers as bench_peers
+from . import report as bench_report
+from .history import FOLLOW_UP, SYSTEM, history
+from .report import Series, Timing
+from ..args import UsageError, add_model_args, int_at_least, positive_int
 
 DEFAULT_CONTEXTS = (256, 1024, 4096)
 NEXT_TURN_MARGIN = 64   # positions the follow-up turn adds beyond the reply
@@ -49,7 +50,7 @@ METHOD = {
 
 
 # ---- arguments -----------------------------------------------------------------------------
-def add_parser(subparsers, add_model_args) -> argparse.ArgumentParser:
+def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="decode latency, TTFT and KV bytes against context length, "
                                             "next to transformers and llama.cpp")
     add_model_args(p)
@@ -272,7 +273,7 @@ def run(args) -> int:
     import torch
     from kvchat.engine import Engine
 
-    from .cli import engine_config
+    from ..args import engine_config
     cfg = BenchConfig.from_args(args)
     engine = Engine(engine_config(args))  # quietly: a bad --contexts is still refused in one line
     check_fits(engine, cfg)
@@ -344,7 +345,7 @@ def busy_note(notes: list[str]) -> float | None:
 def _commit() -> str | None:
     """The checkout's commit (with "+changes" when the tree differs from it), or None."""
     import subprocess
-    root = Path(__file__).resolve().parent.parent
+    root = Path(__file__).resolve().parents[2]
     try:
         head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
                               timeout=5, check=True).stdout.strip()

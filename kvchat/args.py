@@ -1,0 +1,107 @@
+"""Argument types and flag groups shared by every subcommand, and the engine settings and
+sampling they map to. Imports nothing of kvchat but the engine, so any module (the CLI,
+the bench, the app's launcher) may use it without an import circle."""
+from __future__ import annotations
+
+import argparse
+
+SUPPRESS = argparse.SUPPRESS
+
+
+class UsageError(Exception):
+    """A bad flag or file: printed as one line, exit status 2."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # argparse's default prints usage + exits 2; keep it to one line
+        raise UsageError(f"{self.prog}: {message}")
+
+
+def int_at_least(name: str, minimum: int):
+    """An argparse type: a whole number >= minimum, with a message naming the flag."""
+    want = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be {want}, got {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"{name} must be {want}, got {text!r}")
+        return value
+    return parse
+
+
+def positive_int(name: str):
+    return int_at_least(name, 1)
+
+
+def nonneg_float(name: str):
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
+        if value < 0:
+            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {text!r}")
+        return value
+    return parse
+
+
+def _defaults(top: bool, **values):
+    """Flags appear on the main parser and again on each subcommand. On a subcommand their
+    default is SUPPRESS, so `kvchat --kv-budget 1GiB ask ...` keeps the value given before
+    the subcommand instead of silently resetting it."""
+    return values if top else {k: SUPPRESS for k in values}
+
+
+def add_model_args(p: argparse.ArgumentParser, top: bool = False) -> None:
+    g = p.add_argument_group("model and cache")
+    g.add_argument("--model", "-m", **_defaults(top, default=None),
+                   help="alias (llama-3.1-8b, llama-3.1-8b-instruct, llama-3.1-70b, llama-2-7b, smollm2-135m), "
+                        "an HF-format directory, or a .gguf file; default: the bundled SmolLM2-135M-Instruct")
+    g.add_argument("--random-weights", action="store_true", **_defaults(top, default=False),
+                   help="the model's geometry with random weights: no download, for cache and latency experiments")
+    g.add_argument("--device", **_defaults(top, default="auto"), help="auto, cpu, cuda, cuda:N (default auto)")
+    g.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"), **_defaults(top, default="auto"),
+                   help="model dtype (default: bf16 on CUDA, fp32 on CPU)")
+    g.add_argument("--kv-dtype", choices=("auto", "fp32", "bf16", "fp16", "fp8"), **_defaults(top, default="auto"),
+                   help="KV cache storage dtype (default: the model dtype)")
+    g.add_argument("--kv-budget", **_defaults(top, default=None),
+                   help="KV pool size in bytes, e.g. 512MiB, 2GiB (default: from free memory)")
+    g.add_argument("--block-size", type=positive_int("--block-size"), **_defaults(top, default=16),
+                   help="tokens per KV block (default 16)")
+    g.add_argument("--threads", type=positive_int("--threads"), **_defaults(top, default=None),
+                   help="CPU threads for torch (default: torch's choice)")
+
+
+def add_sampling_args(p: argparse.ArgumentParser, top: bool = False) -> None:
+    g = p.add_argument_group("sampling")
+    g.add_argument("--max-tokens", type=positive_int("--max-tokens"), **_defaults(top, default=None),
+                   help="most tokens per reply (default: 512 in the chat, 256 headless)")
+    g.add_argument("--temperature", type=nonneg_float("--temperature"), **_defaults(top, default=0.0),
+                   help="0 is greedy (default)")
+    g.add_argument("--top-k", type=positive_int("--top-k"), **_defaults(top, default=None))
+    g.add_argument("--top-p", type=nonneg_float("--top-p"), **_defaults(top, default=1.0))
+    g.add_argument("--seed", type=int, **_defaults(top, default=None))
+    g.add_argument("--system", **_defaults(top, default=None), help="system prompt")
+    g.add_argument("--no-cache", action="store_true", **_defaults(top, default=False),
+                   help="recompute the whole sequence at every step (the baseline the KV cache avoids)")
+
+
+def add_cap_args(p: argparse.ArgumentParser, top: bool = False) -> None:
+    p.add_argument("--cap", type=positive_int("--cap"), **_defaults(top, default=None), help="context cap in tokens")
+    p.add_argument("--policy", **_defaults(top, default="stop"), help="cap policy: stop, drop-oldest, sink-window")
+
+
+def engine_config(args):
+    from kvchat.engine import EngineConfig
+    return EngineConfig(model=args.model, random_weights=args.random_weights, device=args.device,
+                        dtype=args.dtype, kv_dtype=args.kv_dtype, kv_budget=args.kv_budget,
+                        block_size=args.block_size, seed=args.seed or 0)
+
+
+def sampling(args, default_max: int = 256):
+    from kvchat.engine import SamplingParams
+    return SamplingParams(temperature=args.temperature, top_k=args.top_k or 0, top_p=args.top_p,
+                          seed=args.seed, max_tokens=args.max_tokens or default_max)

@@ -1,0 +1,112 @@
+"""The package's shape: imports point one way (engine below backends below the app and the
+CLI), with no circle anywhere in kvchat/, and the light commands never import torch."""
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+PKG = ROOT / "kvchat"
+ENGINE = ROOT / "engine"
+
+
+def module_name(path: Path) -> str:
+    if path.is_relative_to(ENGINE):
+        parts = ("kvchat", "engine") + path.relative_to(ENGINE).with_suffix("").parts
+    else:
+        parts = ("kvchat",) + path.relative_to(PKG).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def sources() -> dict[str, Path]:
+    files = [p for p in PKG.rglob("*.py") if "engine" not in p.relative_to(PKG).parts[:1]]
+    files += list(ENGINE.rglob("*.py"))
+    return {module_name(p): p for p in files}
+
+
+def imports(name: str, path: Path, known: set[str]) -> set[str]:
+    """Every kvchat module `path` imports, at module level or inside a function."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([node.module] if node.module else []))
+            targets = [base] + [f"{base}.{a.name}" for a in node.names]
+        else:
+            continue
+        for t in targets:
+            while t and t not in known:
+                t = t.rpartition(".")[0]
+            if t and t != name:
+                out.add(t)
+    return out
+
+
+def graph() -> dict[str, set[str]]:
+    src = sources()
+    known = set(src)
+    g = {name: imports(name, path, known) for name, path in src.items()}
+    # importing a package runs its __init__, which is not an edge of the package's own modules
+    return {name: {t for t in deps if not name.startswith(t + ".")} for name, deps in g.items()}
+
+
+def find_cycle(g: dict[str, set[str]]) -> list[str] | None:
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(n: str) -> list[str] | None:
+        state[n] = 1
+        stack.append(n)
+        for m in sorted(g.get(n, ())):
+            if state.get(m) == 1:
+                return stack[stack.index(m):] + [m]
+            if m not in state and (c := visit(m)):
+                return c
+        stack.pop()
+        state[n] = 2
+        return None
+
+    for n in sorted(g):
+        if n not in state and (c := visit(n)):
+            return c
+    return None
+
+
+def test_no_import_circle_in_kvchat():
+    assert find_cycle(graph()) is None, " -> ".join(find_cycle(graph()))
+
+
+def test_the_cycle_finder_finds_one():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+
+
+def test_layers_point_one_way():
+    g = graph()
+    for name, deps in g.items():
+        if name.startswith("kvchat.engine"):
+            assert all(d.startswith("kvchat.engine") or d == "kvchat" for d in deps), (name, deps)
+        if name.startswith("kvchat.backends"):
+            assert all(d.startswith(("kvchat.engine", "kvchat.backends")) or d == "kvchat" for d in deps), (name, deps)
+        if name == "kvchat.args":
+            assert all(d.startswith("kvchat.engine") or d == "kvchat" for d in deps), (name, deps)
+    for path in list(ENGINE.rglob("*.py")) + list((PKG / "backends").rglob("*.py")):
+        assert "textual" not in path.read_text(encoding="utf-8"), f"{path} mentions textual"
+
+
+def test_help_and_info_do_not_import_torch():
+    code = ("import sys, contextlib, io\n"
+            "from kvchat.cli import main\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    rc = main(['info', '--model', 'llama-3.1-8b'])\n"
+            "assert rc == 0, rc\n"
+            "print('torch' in sys.modules, 'textual' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["False", "False"]
