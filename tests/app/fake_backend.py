@@ -6,7 +6,9 @@ telemetry. FakeBackend and FakeChat implement the same Protocol as LocalBackend,
 cannot tell them apart, and replay canned replies word by word ("one word = one token")
 with fixed latencies. What decides a turn is the engine's own code: `make_policy` and each
 policy's `fit` (stop refuses, drop-oldest drops whole turns), `check_window_cap` and
-`sink_blocks` for sink-window. Its bookkeeping follows the real engine's rules: bytes used =
+`sink_blocks` for sink-window. The engine's turn loop itself cannot be reused here: it
+needs the model, the tokenizer and the pool's tensors; the fake's is a prefill and a word
+loop. Its bookkeeping follows the real engine's rules: bytes used =
 tokens held x bytes per token, blocks = ceil(tokens / block size), reused prompt tokens are
 the held whole blocks. Several conversations share its pool: another's blocks are OTHER in
 the block map, and when the pool is full whole idle conversations are preempted, the most
