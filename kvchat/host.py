@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from textual.binding import Binding
 from textual.screen import Screen
@@ -18,6 +18,7 @@ from .settings import Settings
 from .theming import ThemeFile
 
 
+@runtime_checkable
 class Host(Protocol):
     backend: Backend | None
     jobs: JobQueue

@@ -148,3 +148,9 @@ def test_every_key_in_the_table_has_a_handler():
     from kvchat.controls import Controls
     from kvchat.keys import KEYS
     assert set(Controls(None, None).key_handlers()) == {k.action for k in KEYS}
+
+
+async def test_the_app_has_everything_its_parts_take_it_for(running_app):
+    from kvchat.host import Host
+    async with running_app() as (app, pilot):
+        assert isinstance(app, Host)
