@@ -148,7 +148,8 @@ class Conversations:
             app.backend.close(target.chat)
             target.conversation_log.event("closed")
             target.conversation_log.close()
-            note = f"closed conversation {target.number} (saved as {target.conversation_log.path.name}); its full blocks stay cached"
+            saved = target.conversation_log.path.name
+            note = f"closed conversation {target.number} (saved as {saved}); its full blocks stay cached"
             return note + (f"; conversation {new.number} is new" if new is not None else "")
 
         async def then() -> None:

@@ -72,7 +72,8 @@ async def test_ctrl_n_opens_another_conversation_with_the_same_settings_and_keep
         assert app.views == [old, app.view] and fake.chats == [old.chat, app.view.chat]
         assert not app.transcript.query(UserMessage) and not app.transcript.query(Reply)
         assert old.query(UserMessage) and not old.display
-        assert app.view.chat.state().cap == 2048 and app.view.chat.state().messages == ({"role": "system", "content": "be brief"},)
+        state = app.view.chat.state()
+        assert state.cap == 2048 and state.messages == ({"role": "system", "content": "be brief"},)
         assert old.conversation_log.path.exists() and old.conversation_log.path != app.view.conversation_log.path
         assert app.query_one(CachePanel).snapshot.bytes_used == 0
         assert old.chat.state().tokens_held > 0              # its cache is still there

@@ -63,7 +63,8 @@ def test_a_turn_record_writes_back_the_json_it_was_read_from():
 
 def test_export_writes_the_transcript_with_stats_lines_and_the_telemetry(tmp_path):
     md, jl = export(tmp_path / "chat", [{"role": "user", "content": "hello"},
-                                        {"role": "assistant", "content": "hi there"}], [TurnRecord.from_dict(SUMMARY)], "m")
+                                        {"role": "assistant", "content": "hi there"}],
+                    [TurnRecord.from_dict(SUMMARY)], "m")
     assert md.name == "chat.md" and jl.name == "chat.jsonl"
     assert "## You\n\nhello" in md.read_text() and "2 tokens · TTFT 30 ms" in md.read_text()
     assert json.loads(jl.read_text())["positions"] == [12, 13]
@@ -72,7 +73,8 @@ def test_export_writes_the_transcript_with_stats_lines_and_the_telemetry(tmp_pat
 async def test_resume_shows_the_saved_conversation_and_puts_an_unanswered_message_back(running_app):
     async with running_app() as (app, pilot):
         await send(pilot, "remember me")
-        app.view.conversation_log.sync(list(app.view.chat.state().messages) + [{"role": "user", "content": "lost in a crash"}])
+        crashed = {"role": "user", "content": "lost in a crash"}
+        app.view.conversation_log.sync([*app.view.chat.state().messages, crashed])
     restored = restore(last_conversation())
     async with running_app(restored=restored) as (app, pilot):
         assert app.query_one(UserMessage).text == "remember me" and app.query_one(Reply).text
