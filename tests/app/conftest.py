@@ -8,6 +8,7 @@ import contextlib
 import inspect
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
@@ -51,11 +52,11 @@ async def wait_until(pilot, condition: Callable[[], bool], timeout: float = 10.0
 
 def make_app(backend: FakeBackend | None = None, *, cap: int | None = None, policy: str = "stop",
              system: str | None = None, max_tokens: int = 64, settings: Settings | None = None,
-             restored=None, factory: Callable | None = None) -> KvChatApp:
+             restored=None, factory: Callable | None = None, settings_path: Path | None = None) -> KvChatApp:
     backend = backend or FakeBackend()
     options = AppOptions(model="fake-smollm2", sampling=SamplingParams(max_tokens=max_tokens),
                          chat=ChatOptions(system=system, cap=cap, policy=policy), restored=restored)
-    return KvChatApp(factory or (lambda: backend), options, settings or Settings())
+    return KvChatApp(factory or (lambda: backend), options, settings or Settings(), settings_path)
 
 
 @pytest.fixture

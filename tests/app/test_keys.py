@@ -7,7 +7,7 @@ from kvchat import settings as settings_mod
 from kvchat.settings import Settings
 from kvchat.widgets import CachePanel, CapGauge, HelpScreen, Notice, PolicyPicker, Reply, UserMessage
 
-from .conftest import SIZE, make_app, ready, screen_text, send, wait_until
+from .conftest import screen_text, send, wait_until
 
 
 def notices(app) -> list[str]:
@@ -119,11 +119,8 @@ async def test_keys_rebound_in_the_settings_file_replace_the_defaults(running_ap
         await wait_until(pilot, lambda: app.query_one(CachePanel).snapshot.bytes_used == 0, what="the reset")
 
 
-async def test_ctrl_t_switches_theme_and_remembers_it(fake):
-    app = make_app(fake)
-    app.settings_path = settings_mod.config_path()
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_ctrl_t_switches_theme_and_remembers_it(running_app):
+    async with running_app(settings_path=settings_mod.config_path()) as (app, pilot):
         assert app.has_class("theme-dark")
         await pilot.press("ctrl+t")
         assert app.has_class("theme-high-contrast") and not app.has_class("theme-dark")
