@@ -136,8 +136,12 @@ class Controls:
     def next_kv_dtype(self) -> None:
         order = list(self.app.backend.capabilities.kv_dtypes)
         current = self.app.backend.info().kv_dtype
-        if self.can(KV_DTYPE) and order:
-            self.set_kv_dtype(order[(order.index(current) + 1) % len(order)] if current in order else order[0])
+        if not self.can(KV_DTYPE):
+            return
+        if not order:
+            self.app.notice(f"not with this backend: its KV dtype is fixed ({current})", error=True)
+            return
+        self.set_kv_dtype(order[(order.index(current) + 1) % len(order)] if current in order else order[0])
 
     def set_kv_dtype(self, kv: str) -> None:
         app = self.app
@@ -145,7 +149,8 @@ class Controls:
         if not self.can(KV_DTYPE):
             return
         if kv != "auto" and kv not in offered:
-            app.notice(f"this backend rebuilds its cache in {', '.join(offered)}, not {kv}", error=True)
+            what = f"it rebuilds its cache in {', '.join(offered)}" if offered else "its KV dtype is fixed"
+            app.notice(f"not with this backend: {what}, not {kv}", error=True)
             return
 
         def run() -> str:

@@ -71,3 +71,17 @@ async def test_an_unknown_geometry_leaves_out_the_formula_and_the_model_limit(ru
         assert "per token" in text and "2 × L × H_kv" not in text and "model max" not in text
         await pilot.press("f3")                  # caps still step, from the top of the range
         assert app.view.chat.state().cap == app.query_one(CapGauge).cap == 1 << 19
+
+
+async def test_a_fixed_kv_dtype_says_so_when_the_backend_does_not_say_why(running_app):
+    from kvchat.backends.protocol import Capabilities
+    fixed = FakeBackend(FakeConfig(capabilities=Capabilities(kv_dtypes=())))
+    async with running_app(fixed) as (app, pilot):
+        await pilot.press("f8")
+        await pilot.pause()
+        assert last_notice(app).text == "not with this backend: its KV dtype is fixed (fp32)"
+        app.query_one("#input").load_text("/kv bf16")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert last_notice(app).text == "not with this backend: its KV dtype is fixed, not bf16"
+        assert app.query_one(CachePanel).snapshot.kv_dtype == "fp32"
