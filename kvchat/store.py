@@ -22,6 +22,8 @@ from typing import Any
 
 from kvchat.engine.telemetry import JsonlWriter
 
+from .latency import duration
+
 DATA_ENV = "KVCHAT_DATA_DIR"
 Messages = list[dict[str, str]]
 
@@ -162,7 +164,7 @@ def stats_line(s: dict[str, Any]) -> str:
     """The line under a reply: tokens, TTFT, speed, prompt reuse."""
     decode = s.get("decode_ms") or []
     tps = 1000.0 * len(decode) / sum(decode) if decode and sum(decode) > 0 else 0.0
-    line = (f"{s['generated_tokens']} tokens · TTFT {s['ttft_ms']:.0f} ms · {tps:.1f} tok/s · "
+    line = (f"{s['generated_tokens']} token{'' if s['generated_tokens'] == 1 else 's'} · TTFT {duration(s['ttft_ms'])} · {tps:.1f} tok/s · "
             f"prompt {s['prompt_tokens']}: {s['reused_tokens']} reused, {s['computed_tokens']} computed")
     if s.get("mode") == "off":
         line += " · cache off"
