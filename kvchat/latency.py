@@ -23,6 +23,12 @@ MODES = ("cache", "off")
 SLOW_MS = 10_000.0      # durations from here on read in seconds
 
 Key = tuple[str, str]   # (cache mode, KV dtype); the KV dtype is "" with the cache off (nothing is stored)
+Turn = Any              # one turn's telemetry: a TurnStats.summary() dict or a typed record with those fields
+
+
+def turn_field(turn: Turn, name: str, default: Any = None) -> Any:
+    """A turn's field by its summary key, whether the turn is a dict or a typed record."""
+    return turn.get(name, default) if isinstance(turn, dict) else getattr(turn, name, default)
 
 
 def series_key(mode: str, kv_dtype: str | None) -> Key:
@@ -105,7 +111,7 @@ class LatencyData:
         self.series: dict[Key, list[tuple[int, float]]] = {}
         self.contexts: dict[Key, list[int]] = {}      # the context each point's step read (see the module doc)
         self.flat_by: dict[Key, str] = {}             # why a series' context stopped growing, e.g. "sink-window"
-        self.turns: list[dict[str, Any]] = []
+        self.turns: list[Turn] = []
         self._live: list[tuple[int, float]] = []
         self._live_key: Key = ("cache", "")
         self._live_cap: int | None = None
@@ -135,7 +141,7 @@ class LatencyData:
         if self._live and (mode is None or self._live_key[0] == mode):
             return self._live_key
         for s in reversed(self.turns):
-            key = series_key(s.get("mode", "cache"), s.get("kv_dtype"))
+            key = series_key(turn_field(s, "mode", "cache"), turn_field(s, "kv_dtype"))
             if mode is None or key[0] == mode:
                 return key
         return None
@@ -144,8 +150,8 @@ class LatencyData:
                    cap: int | None = None) -> None:
         """Live points go to (mode, kv_dtype); without kv_dtype, to the last turn's dtype."""
         if kv_dtype is None and mode != "off":
-            last = next((s for s in reversed(self.turns) if s.get("mode", "cache") == "cache"), None)
-            kv_dtype = last.get("kv_dtype") if last else None
+            last = next((s for s in reversed(self.turns) if turn_field(s, "mode", "cache") == "cache"), None)
+            kv_dtype = turn_field(last, "kv_dtype") if last is not None else None
         self._live = []
         self._live_key = series_key(mode, kv_dtype)
         self._live_cap = cap if policy == "sink-window" and mode != "off" else None
@@ -154,7 +160,7 @@ class LatencyData:
         self._live.extend(points)
         self._add(self._live_key, points, self._live_cap)
 
-    def end_turn(self, summary: dict[str, Any] | None) -> None:
+    def end_turn(self, summary: Turn | None) -> None:
         n = len(self._live)
         self._fits.pop(self._live_key, None)
         if n:
@@ -166,11 +172,12 @@ class LatencyData:
         if summary is not None:
             self.add_turn(summary)
 
-    def add_turn(self, summary: dict[str, Any]) -> None:
-        mode = summary.get("mode", "cache")
-        key = series_key(mode, summary.get("kv_dtype"))
-        window = summary.get("cap") if summary.get("policy") == "sink-window" and mode != "off" else None
-        self._add(key, tuple(zip(summary.get("positions", ()), summary.get("decode_ms", ()))), window)
+    def add_turn(self, summary: Turn) -> None:
+        mode = turn_field(summary, "mode", "cache")
+        key = series_key(mode, turn_field(summary, "kv_dtype"))
+        sink = turn_field(summary, "policy") == "sink-window" and mode != "off"
+        window = turn_field(summary, "cap") if sink else None
+        self._add(key, tuple(zip(turn_field(summary, "positions", ()), turn_field(summary, "decode_ms", ()))), window)
         self.turns.append(summary)
 
     def _add(self, key: Key, points: tuple[tuple[int, float], ...], window: int | None) -> None:

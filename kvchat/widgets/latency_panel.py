@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import math
 import time
-from typing import Any
 
 from rich.table import Table
 from rich.text import Text
@@ -15,7 +14,7 @@ from textual.containers import Vertical
 from textual.widgets import Static
 from textual_plotext import PlotextPlot
 
-from ..latency import MODES, Fit, Key, LatencyData, duration, fit_slope, series_label
+from ..latency import MODES, Fit, Key, LatencyData, Turn, duration, fit_slope, series_label, turn_field
 
 __all__ = ["LatencyPanel", "fit_slope", "nice_ticks"]
 
@@ -109,7 +108,7 @@ class LatencyPanel(Vertical):
         return self.data.points
 
     @property
-    def turns(self) -> list[dict[str, Any]]:
+    def turns(self) -> list[Turn]:
         return self.data.turns
 
     @property
@@ -142,11 +141,11 @@ class LatencyPanel(Vertical):
             if time.monotonic() - self._drawn_at >= REDRAW_S:
                 self._redraw(table=False)
 
-    def end_turn(self, summary: dict[str, Any] | None) -> None:
+    def end_turn(self, summary: Turn | None) -> None:
         self.data.end_turn(summary)
         self._redraw()
 
-    def add_turn(self, summary: dict[str, Any]) -> None:
+    def add_turn(self, summary: Turn) -> None:
         self.data.add_turn(summary)
         self._redraw()
 
@@ -217,11 +216,12 @@ class LatencyPanel(Vertical):
         t.add_column("KV", no_wrap=True)
         t.add_column("", no_wrap=True)
         for s in self.data.turns[-TURNS_SHOWN:]:
-            total = max(s["prompt_tokens"], 1)
+            f = lambda name, default=0: turn_field(s, name, default)  # noqa: E731
+            total = max(f("prompt_tokens"), 1)
             bar_w = 12
-            r = round(bar_w * s["reused_tokens"] / total)
+            r = round(bar_w * f("reused_tokens") / total)
             bar = Text("█" * r, style="green") + Text("█" * (bar_w - r), style="yellow")
-            kv = "off" if s.get("mode") == "off" else s.get("kv_dtype", "")
-            t.add_row(str(s["turn"]), duration(s["ttft_ms"]), f"{s['reused_tokens']:,}",
-                      f"{s['computed_tokens']:,}", kv, bar)
+            kv = "off" if f("mode") == "off" else f("kv_dtype", "")
+            t.add_row(str(f("turn")), duration(f("ttft_ms")), f"{f('reused_tokens'):,}",
+                      f"{f('computed_tokens'):,}", kv, bar)
         return t

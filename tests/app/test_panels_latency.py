@@ -100,3 +100,11 @@ def test_y_ticks_land_on_evenly_spaced_character_rows():
         assert lower <= lo and hi <= upper and len(ticks) >= 3
         assert all(abs(a - round(a)) < 1e-9 for a in at)                       # exactly on a row
         assert len({round(b - a, 9) for a, b in zip(at, at[1:])}) == 1           # evenly spaced rows
+
+
+def test_a_typed_turn_record_is_read_like_a_summary_dict():
+    """Turns may come as TurnStats.summary() dicts or as typed records with the same fields."""
+    from types import SimpleNamespace
+    data = LatencyData()
+    data.add_turn(SimpleNamespace(**turn(1, 0, 400, "bf16")))
+    assert abs(data.fit(("cache", "bf16")).slope - 4.0) < 1e-6 and data.latest_key() == ("cache", "bf16")
