@@ -8,19 +8,20 @@ from kvchat.widgets import LatencyPanel
 from kvchat.widgets.latency_panel import nice_ticks
 
 from .conftest import screen_text
-from .panel_host import PanelHost
+from .panel_host import PanelHost, as_turn
 
 # ms per position by KV dtype: fp8 reads fewer bytes, so it grows more slowly than fp32
 GROWTH = {"fp32": 0.008, "bf16": 0.004, "fp8": 0.002}
 
 
 def turn(n: int, start: int, count: int, kv_dtype: str = "fp32", mode: str = "cache", base: float = 30.0,
-         growth: float | None = None, policy: str = "stop", cap: int | None = None, ttft_ms: float = 50.0) -> dict:
+         growth: float | None = None, policy: str = "stop", cap: int | None = None, ttft_ms: float = 50.0):
     g = GROWTH.get(kv_dtype, 0.01) if growth is None else growth
     positions = list(range(start, start + count))
-    return {"turn": n, "prompt_tokens": 10, "reused_tokens": 0, "computed_tokens": 10, "generated_tokens": count,
-            "ttft_ms": ttft_ms, "mode": mode, "kv_dtype": kv_dtype, "policy": policy, "cap": cap,
-            "positions": positions, "decode_ms": [base + g * p for p in positions]}
+    return as_turn({"turn": n, "prompt_tokens": 10, "reused_tokens": 0, "computed_tokens": 10,
+                    "generated_tokens": count, "ttft_ms": ttft_ms, "mode": mode, "kv_dtype": kv_dtype,
+                    "policy": policy, "cap": cap, "positions": positions,
+                    "decode_ms": [base + g * p for p in positions]})
 
 
 def test_each_kv_dtype_and_cache_mode_is_its_own_series_with_its_own_fit():
@@ -106,5 +107,6 @@ def test_a_typed_turn_record_is_read_like_a_summary_dict():
     """Turns may come as TurnStats.summary() dicts or as typed records with the same fields."""
     from types import SimpleNamespace
     data = LatencyData()
-    data.add_turn(SimpleNamespace(**turn(1, 0, 400, "bf16")))
+    fields = turn(1, 0, 400, "bf16")
+    data.add_turn(SimpleNamespace(**(fields if isinstance(fields, dict) else fields.to_dict())))
     assert abs(data.fit(("cache", "bf16")).slope - 4.0) < 1e-6 and data.latest_key() == ("cache", "bf16")

@@ -8,6 +8,7 @@ from kvchat.store import export, stats_line
 from kvchat.widgets import Reply, Transcript
 
 from .conftest import screen_text
+from .panel_host import as_turn
 
 POEM = "Roses are red,\nviolets are blue,\nthe cache holds keys\nand values too."
 LIST = "first: flour\nsecond: eggs\n\nthen bake"
@@ -22,10 +23,10 @@ def lines(app) -> list[str]:
     return [line.strip().replace("\u00a0", " ") for line in screen_text(app).splitlines()]
 
 
-def summary(**over) -> dict:
+def summary(**over):
     s = {"turn": 1, "reply": POEM, "prompt_tokens": 12, "reused_tokens": 0, "computed_tokens": 12,
          "generated_tokens": 16, "ttft_ms": 212_234.0, "decode_ms": [40.0] * 16, "mode": "cache"}
-    return {**s, **over}
+    return as_turn({**s, **over})
 
 
 async def test_a_restored_reply_keeps_each_line_of_a_poem_and_a_list_without_bullets():
