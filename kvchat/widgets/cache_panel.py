@@ -104,7 +104,7 @@ class CachePanel(Static):
             how = f"2 × {g.n_layers} × {g.n_kv_heads} × {g.head_dim} × {DTYPE_BYTES[kv]} B"
             if scales:
                 t.add_row("per token", human_bytes(elems + scales),
-                          f"{human_bytes(elems)} elements + {human_bytes(scales)} scales")
+                          f"{human_bytes(elems)} + {human_bytes(scales)} scales")
             else:
                 t.add_row("per token", human_bytes(elems), how)
         t.add_row("evicted", f"{s.evictions:,}", "cached blocks, pool-wide since start")

@@ -31,7 +31,7 @@ async def test_other_models_are_shown_in_bf16_and_fp8_whatever_the_kv_dtype_here
 
 async def test_the_fp8_per_token_figure_shows_elements_and_scales():
     text = await panel_text(snapshot(tokens=100, kv_dtype="fp8"))
-    assert "12 KiB" in text and "11.2 KiB elements + 720 B scales" in text     # 11,520 + 720 B
+    assert "12 KiB" in text and "11.2 KiB + 720 B scales" in text     # 11,520 + 720 B
     assert "+ scales 2 × 30 × 3 × 100 × 4 B = 72,000 B" in text
 
 
