@@ -46,8 +46,11 @@ def row_ticks(lo: float, hi: float, rows: int, most: int = 4) -> tuple[float, fl
     """Y limits and ticks that land exactly on character rows, evenly: plotext maps the
     limits to the first and last of `rows` rows, so a tick every r rows means limits
     (base, base + (rows - 1) x step / r). Returns (lower, upper, ticks)."""
-    if rows < 2 or hi <= lo:
-        return lo, hi, [lo]
+    if hi - lo < 1e-9 * max(abs(lo), 1.0):       # one point, or a flat line: give it room
+        pad = abs(lo) * 0.1 or 1.0
+        lo, hi = lo - pad, hi + pad
+    if rows < 2:
+        return lo, hi, [lo, hi]
     mag = 10 ** math.floor(math.log10((hi - lo) / (rows - 1)))
     want = min(3, rows, most)
     for k in range(6):

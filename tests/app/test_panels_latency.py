@@ -110,3 +110,13 @@ def test_a_typed_turn_record_is_read_like_a_summary_dict():
     fields = turn(1, 0, 400, "bf16")
     data.add_turn(SimpleNamespace(**(fields if isinstance(fields, dict) else fields.to_dict())))
     assert abs(data.fit(("cache", "bf16")).slope - 4.0) < 1e-6 and data.latest_key() == ("cache", "bf16")
+
+
+async def test_a_single_point_or_a_flat_series_is_drawn_without_error():
+    panel = LatencyPanel()
+    async with PanelHost(panel).run_test(size=(60, 30)) as pilot:
+        panel.add_turn(turn(1, 5, 1, "fp32"))
+        await pilot.pause()
+        panel.add_turn(turn(2, 6, 3, "fp32", growth=0.0))
+        await pilot.pause()
+        assert "fp32 cache: no fit: 4 points, needs 8" in screen_text(pilot.app)
