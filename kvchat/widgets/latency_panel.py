@@ -28,7 +28,7 @@ SERIES_COLOURS = {"fp32": ("cyan", "cyan"), "bf16": ("green", "green"), "fp16": 
 
 
 def nice_ticks(lo: float, hi: float, most: int = 5) -> list[float]:
-    """At most `most` ticks at a round step (1, 2 or 5 x 10^k) covering [lo, hi]: evenly spaced
+    """At most `most` ticks at a round step (1, 2, 2.5 or 5 x 10^k) within [lo, hi]: evenly spaced
     values with short labels, instead of plotext's 13.0, 19.8, 26.5, ..."""
     if hi <= lo:
         return [lo]
