@@ -21,7 +21,7 @@ from kvchat.engine.telemetry import CacheSnapshot, TurnStats
 
 from .backends.protocol import Backend, Chat, ChatState
 from .latency import LatencyData
-from .records import TurnRecord
+from .records import TurnRecord, plural
 from .store import ConversationLog, Restored
 from .turn import Progress
 from .widgets import Reply, Transcript, UserMessage
@@ -145,7 +145,7 @@ class ChatView(Transcript):
         """Its line in /list."""
         s = self.refresh_state()
         cap = f"cap {s.cap:,}" if s.cap else "no cap"
-        line = (f"{'●' if focused else ' '} {self.number} {self.title} · {len(self.turns)} turns · "
+        line = (f"{'●' if focused else ' '} {self.number} {self.title} · {plural(len(self.turns), 'turn')} · "
                 f"{s.tokens_held:,} tokens cached · {cap} · {s.policy}")
         if s.mode != "cache":
             line += " · cache off"
