@@ -1,15 +1,35 @@
 """The transcript: user messages, replies streamed as Markdown with a stats line under each,
-and one-line notices (command results and errors)."""
+and one-line notices (command results and errors).
+
+Replies keep their line breaks: a poem or a list without bullets is drawn as the model wrote
+it (each newline inside a paragraph is a hard break), while the text itself, and the saved
+Markdown, stay as written."""
 from __future__ import annotations
 
-from typing import Any
-
+from markdown_it import MarkdownIt
+from markdown_it.rules_core import StateCore
 from rich.text import Text
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
-from ..store import stats_line
+from ..records import TurnRecord, stats_line
+
+
+def _keep_line_breaks(state: StateCore) -> None:
+    """A newline inside a paragraph is a line break, as the writer meant it (markdown-it's
+    `breaks` option does this for HTML only; Textual reads the tokens)."""
+    for token in state.tokens:
+        for child in token.children or ():
+            if child.type == "softbreak":
+                child.type, child.tag = "hardbreak", "br"
+
+
+def markdown_parser() -> MarkdownIt:
+    """Textual's gfm-like parser, keeping line breaks."""
+    md = MarkdownIt("gfm-like")
+    md.core.ruler.push("kvchat_line_breaks", _keep_line_breaks)
+    return md
 
 
 class UserMessage(Static):
@@ -38,15 +58,15 @@ class Reply(Vertical):
     Reply > .stats.error { color: $error; }
     """
 
-    def __init__(self, text: str = "", summary: dict[str, Any] | None = None) -> None:
+    def __init__(self, text: str = "", record: TurnRecord | None = None) -> None:
         super().__init__()
         self.text = text
-        self.summary = summary
+        self.record = record
         self._stream: MarkdownStream | None = None
 
     def compose(self):
-        yield Markdown(self.text)
-        yield Static(stats_line(self.summary) if self.summary else "…", classes="stats")
+        yield Markdown(self.text, parser_factory=markdown_parser)
+        yield Static(stats_line(self.record) if self.record else "…", classes="stats")
 
     @property
     def markdown(self) -> Markdown:
@@ -60,19 +80,19 @@ class Reply(Vertical):
             self._stream = Markdown.get_stream(self.markdown)
         await self._stream.write(fragment)
 
-    async def finish(self, summary: dict[str, Any] | None, error: str | None = None) -> None:
+    async def finish(self, record: TurnRecord | None, error: str | None = None) -> None:
         if self._stream is not None:
             await self._stream.stop()
             self._stream = None
-        self.summary = summary
+        self.record = record
         stats = self.query_one(".stats", Static)
         if error:
             stats.update(Text(f"stopped by an error: {error}"))
             stats.add_class("error")
-        elif summary is not None:
-            stats.update(stats_line(summary))
-            if summary.get("reply") is not None and summary["reply"] != self.text:
-                self.text = summary["reply"]   # the detokenizer's final text wins
+        elif record is not None:
+            stats.update(stats_line(record))
+            if record.reply is not None and record.reply != self.text:
+                self.text = record.reply   # the detokenizer's final text wins
                 await self.markdown.update(self.text)
         else:
             stats.update("")
@@ -116,9 +136,9 @@ class Transcript(VerticalScroll):
         self.mount(notice)
         return notice
 
-    async def show_history(self, messages: list[dict[str, str]], turns: list[dict[str, Any]]) -> None:
+    async def show_history(self, messages: list[dict[str, str]], turns: list[TurnRecord]) -> None:
         """Replay a restored conversation: each reply with its stats line."""
-        by_reply = {t.get("reply"): t for t in turns}
+        by_reply = {t.reply: t for t in turns}
         widgets = []
         for m in messages:
             if m["role"] == "user":
