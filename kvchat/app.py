@@ -210,7 +210,8 @@ class KvChatApp(App[int], inherit_bindings=False):
         view = self.view
         s = view.refresh_state()
         held = view.snapshot.tokens_held if view.snapshot is not None else 0
-        tokens = held if s.mode == "cache" else view.context_tokens
+        # held is None for a server without a KV-event stream: the gauge shows the context sent
+        tokens = held if s.mode == "cache" and held is not None else view.context_tokens
         self.part(CapGauge).show(tokens, s.cap, s.policy, s.policy_description,
                                  self.backend.info().max_position or 0, evicted=s.evicted_tokens)
 

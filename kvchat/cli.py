@@ -268,9 +268,6 @@ def what_if_line(w, human_bytes) -> str:
 
 
 def cmd_chat(args) -> int:
-    if check_server_flags(args):
-        # until the app takes any Backend (its restructure), say so rather than chat locally
-        raise UsageError("the chat app cannot attach to a server yet; use `kvchat ask|replay|info|bench --server URL`")
     from .launch import run_chat
     return run_chat(args)
 

@@ -80,7 +80,7 @@ class Controls:
         view.refresh_state()
         app.update_gauge()
         app.update_status()
-        held = view.snapshot.tokens_held if view.snapshot else 0
+        held = (view.snapshot.tokens_held if view.snapshot else 0) or 0
         note = f"cap {cap:,} tokens" if cap else "no cap"
         if cap and held > cap:
             then = "is refused" if view.policy == "stop" else f"makes room by {view.policy}"

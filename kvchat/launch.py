@@ -29,6 +29,8 @@ def run_chat(args) -> int:
         print(f"kvchat: {err}", file=sys.stderr)
         return 2
     app.run()
+    if app.backend is not None:
+        app.backend.shutdown()
     if app.failure:
         print(f"kvchat: {app.failure}", file=sys.stderr)
         return 2
@@ -61,12 +63,38 @@ def _prepare(args) -> KvChatApp:
         raise SettingsError(f"settings file {path}: unknown theme {settings.theme!r}; accepted: {', '.join(themes)}")
     theme = args.theme or settings.theme or "dark"
     make_policy(args.policy)
+    if getattr(args, "server", None):
+        return _prepare_server(args, settings, path, theme)
+    if getattr(args, "kv_events", None) or getattr(args, "geometry", None):
+        raise KvchatError("--kv-events and --geometry need --server URL (they describe a vLLM server)")
     cfg = engine_config(args)
     sp = sampling(args, default_max=512)
     device = pick_device(cfg.device)
     dtype, kv_dtype = pick_dtypes(cfg, device)
     source = resolve(cfg.model, cfg.random_weights)
     check_memory(source.geometry, dtype, kv_dtype, cfg.kv_budget, device)
+    options = _options(args, settings, path, theme, source.name, sp)
+    return KvChatApp(lambda: LocalBackend.load(cfg, source), options, settings, path)
+
+
+def _prepare_server(args, settings, path, theme) -> KvChatApp:
+    """`kvchat --server URL`: connect (a second at most) before the UI, so a bad URL, a server
+    that is not vLLM or a refused key is one line on stderr; the app then gets the backend."""
+    from .args import sampling
+    from .backends.vllm import VllmBackend
+    backend = VllmBackend.from_flags(args)
+    try:
+        if args.policy not in backend.capabilities.policies:
+            backend.open(policy=args.policy)      # raises the one line that says why not
+        options = _options(args, settings, path, theme, f"{backend.model.name} at {backend.api.url}",
+                           sampling(args, default_max=512))
+    except BaseException:
+        backend.shutdown()
+        raise
+    return KvChatApp(lambda: backend, options, settings, path)
+
+
+def _options(args, settings, path, theme, model: str, sp) -> AppOptions:
     restored = None
     if args.resume:
         last = last_conversation()
@@ -76,8 +104,7 @@ def _prepare(args) -> KvChatApp:
     if args.theme is not None and args.theme != settings.theme:
         settings.theme = args.theme
         settings_mod.save(settings, path)
-    options = AppOptions(
-        model=source.name, sampling=sp, theme=theme, restored=restored,
+    return AppOptions(
+        model=model, sampling=sp, theme=theme, restored=restored,
         chat=ChatOptions(system=args.system, cap=args.cap, policy=args.policy,
                          mode="off" if args.no_cache else "cache"))
-    return KvChatApp(lambda: LocalBackend.load(cfg, source), options, settings, path)

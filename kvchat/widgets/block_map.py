@@ -133,6 +133,9 @@ class BlockMap(Widget):
         out.append("\n")
         ratio = "1 cell = 1 block" if self.ratio == 1 else f"1 cell = {self.ratio:,} blocks"
         out.append(f"occupancy {100 * s.occupancy:.1f}% · {ratio} of {s.block_size} tokens\n", style="dim")
-        out.append(f"wasted {s.wasted_slots} slots in the partial block "
-                   f"({human_bytes(s.wasted_slots * s.bytes_per_token)})", style="dim")
+        if s.wasted_slots is None or s.bytes_per_token is None:   # a server's map: no partial blocks in it
+            out.append("resident full prefix blocks only, in no physical order (KV events)", style="dim")
+        else:
+            out.append(f"wasted {s.wasted_slots} slots in the partial block "
+                       f"({human_bytes(s.wasted_slots * s.bytes_per_token)})", style="dim")
         return out

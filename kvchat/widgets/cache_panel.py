@@ -49,6 +49,32 @@ def formula(g: Geometry, kv_dtype: str, tokens: int) -> str:
     return out
 
 
+def _bytes(n: int | None) -> str:
+    return human_bytes(n) if n is not None else "unknown"
+
+
+def _count(n: int | None) -> str:
+    return f"{n:,}" if n is not None else "unknown"
+
+
+def server_lines(s: CacheSnapshot) -> Text:
+    """A serving engine's own figures (CacheSnapshot.server), and what this mode cannot show."""
+    v = s.server
+    pct = lambda x: f"{100 * x:.0f}%" if x is not None else "unknown"   # noqa: E731
+    ms = lambda x: f"{x:,.1f} ms" if x is not None else "unknown"       # noqa: E731
+    out = Text(f"server {v.url}\n", style="bold")
+    out.append(f"pool in use {pct(v.usage)} · prefix hits {pct(v.prefix_hit_rate)} · "
+               f"{_count(v.running)} running, {_count(v.waiting)} waiting\n")
+    out.append(f"its histograms: inter-token {ms(v.inter_token_ms)} · TTFT {ms(v.ttft_ms)} (means)\n")
+    if v.resident_blocks is not None:
+        out.append(f"resident prefix blocks {v.resident_blocks:,} (KV events: {v.event_batches:,} batches, "
+                   f"{v.event_gaps:,} lost)\n")
+    for note in v.notes:
+        out.append(f"{note}\n", style="dim italic")
+    out.rstrip()
+    return out
+
+
 class CachePanel(Static):
     """Draws the latest CacheSnapshot; `show` is cheap, called at most a few times a second.
     `geometry` None means a model of unknown shape (a remote server's): the panel says so."""
@@ -94,11 +120,11 @@ class CachePanel(Static):
         t.add_column(style="bold", no_wrap=True)
         t.add_column(justify="right", no_wrap=True)
         t.add_column(style="dim", overflow="fold")
-        t.add_row("used", human_bytes(s.bytes_used), f"{S:,} tokens")
-        t.add_row("allocated", human_bytes(s.bytes_allocated), f"{s.blocks_used:,} blocks of {s.block_size}")
-        t.add_row("pool", human_bytes(s.capacity_bytes), f"{s.num_blocks:,} blocks")
+        t.add_row("used", _bytes(s.bytes_used), f"{_count(S)} tokens")
+        t.add_row("allocated", _bytes(s.bytes_allocated), f"{_count(s.blocks_used)} blocks of {s.block_size}")
+        t.add_row("pool", _bytes(s.capacity_bytes), f"{s.num_blocks:,} blocks")
         if g is None:
-            t.add_row("per token", human_bytes(s.bytes_per_token), f"{s.bytes_per_token:,} B")
+            t.add_row("per token", _bytes(s.bytes_per_token), f"{_count(s.bytes_per_token)} B")
         else:
             elems, scales = g.kv_bytes_per_token(kv), scale_bytes_per_token(g, kv)
             how = f"2 × {g.n_layers} × {g.n_kv_heads} × {g.head_dim} × {DTYPE_BYTES[kv]} B"
@@ -107,10 +133,14 @@ class CachePanel(Static):
                           f"{human_bytes(elems)} + {human_bytes(scales)} scales")
             else:
                 t.add_row("per token", human_bytes(elems), how)
-        t.add_row("evicted", f"{s.evictions:,}", "cached blocks, pool-wide since start")
-        t.add_row("preempted", f"{s.preemptions:,}", "conversations, pool-wide since start")
+        t.add_row("evicted", _count(s.evictions), "cached blocks, pool-wide since start")
+        t.add_row("preempted", _count(s.preemptions), "conversations, pool-wide since start")
         out = Table.grid()
         out.add_row(t)
+        if s.server is not None:
+            out.add_row(server_lines(s))
+        if S is None:           # a server without a KV-event stream: this conversation's share is unknown
+            return out
         if g is None:
             out.add_row(Text(UNKNOWN_GEOMETRY, style="italic"))
         else:
