@@ -178,3 +178,12 @@ def test_the_kv_event_store_reads_tagged_arrays_and_counts_gaps_and_garbage():
     store.apply_message([b"", b"short", b"x"])
     s = store.summary()
     assert (s.first_seq, s.last_seq, s.gaps, s.undecodable, s.blocks) == (5, 9, 3, 1, 0)
+
+
+def test_the_chat_app_with_no_server_there_is_one_line_before_the_ui(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("KVCHAT_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("KVCHAT_CONFIG_DIR", str(tmp_path / "config"))
+    fails_with(capsys, ["--server", f"http://127.0.0.1:{free_port()}"], "nothing answers")
+    with http_server({"/": (200, "<html>hello</html>")}) as url:
+        fails_with(capsys, ["--server", url], "not an OpenAI-compatible server")
+    fails_with(capsys, ["--geometry", "llama-3.1-8b"], "--geometry", "--server")

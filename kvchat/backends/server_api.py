@@ -74,8 +74,9 @@ class ServerApi:
         with self._request("POST", path, json=body, params=params) as r:
             return self._json(r, path)
 
-    def get_text(self, path: str) -> str:
-        with self._request("GET", path) as r:
+    def get_text(self, path: str, timeout: float | None = None) -> str:
+        kw = {"timeout": httpx.Timeout(timeout, connect=min(timeout, CONNECT_S))} if timeout else {}
+        with self._request("GET", path, **kw) as r:
             return r.text
 
     def get_optional_json(self, path: str) -> dict | None:

@@ -39,6 +39,7 @@ _DTYPES = {"float32": "fp32", "float": "fp32", "bfloat16": "bf16", "float16": "f
            "fp8": "fp8", "fp8_e4m3": "fp8", "fp8_e5m2": "fp8", "fp32": "fp32", "bf16": "bf16", "fp16": "fp16"}
 _FINISH = {"stop": "eos", "length": "max_tokens", "abort": "cancelled"}
 EVENT_WAIT_S = 0.5   # after a turn, how long the snapshot waits for the KV events of its blocks
+METRICS_TIMEOUT_S = 5.0   # a hung server must not hold the app's snapshot worker for long
 
 
 @dataclass(frozen=True, slots=True)
@@ -277,7 +278,7 @@ class VllmBackend:
 
     def _scrape(self) -> prom.ServerMetrics:
         try:
-            text = self.api.get_text("/metrics")
+            text = self.api.get_text("/metrics", timeout=METRICS_TIMEOUT_S)
         except ServerError as err:
             if getattr(err, "status", None) == 404:
                 raise ServerError(f"{self.api.url} has no /metrics (404); kvchat --server needs a vLLM "

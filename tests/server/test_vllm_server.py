@@ -127,9 +127,13 @@ def test_a_cap_with_drop_oldest_trims_what_is_sent(vllm_server):
         b.shutdown()
 
 
-def test_local_engine_features_say_why_not_on_a_server(vllm_server, capsys):
+def test_local_engine_features_say_why_not_on_a_server(vllm_server, tmp_path, capsys):
     fails_with(capsys, ["ask", "--server", vllm_server.url, "--no-cache", "hi"], "--no-cache", "local-engine")
-    fails_with(capsys, ["replay", "--server", vllm_server.url, "--policy", "sink-window", "x.json"], "replay file")
+    script = tmp_path / "chat.json"
+    script.write_text(json.dumps(["hi"]))
+    fails_with(capsys, ["replay", "--server", vllm_server.url, "--json", "--cap", "100", "--policy", "sink-window",
+                        str(script)],
+               "sink-window", "drop-oldest")
     b = backend(vllm_server)
     try:
         chat = b.open()
