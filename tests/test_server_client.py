@@ -187,3 +187,25 @@ def test_the_chat_app_with_no_server_there_is_one_line_before_the_ui(capsys, tmp
     with http_server({"/": (200, "<html>hello</html>")}) as url:
         fails_with(capsys, ["--server", url], "not an OpenAI-compatible server")
     fails_with(capsys, ["--geometry", "llama-3.1-8b"], "--geometry", "--server")
+
+
+def test_a_restarted_servers_numbering_clears_the_map():
+    store = KvEventStore()
+    store.apply_message(frames(7, [stored([11], None, [1, 2, 3, 4])]))
+    store.apply_message(frames(0, [stored([31], None, [5, 6, 7, 8])]))
+    assert store.chain([1, 2, 3, 4], 4) == 0 and store.chain([5, 6, 7, 8], 4) == 1
+    assert store.restarts == 1 and store.summary().gaps == 0
+
+
+def test_model_gives_the_geometry_from_a_local_config_json(capsys, tmp_path):
+    cfg = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512,
+           "num_attention_heads": 8, "num_key_value_heads": 2, "num_hidden_layers": 4, "intermediate_size": 1024,
+           "vocab_size": 1000}
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    models = {"data": [{"id": "my-org/tiny", "max_model_len": 2048}]}
+    routes = {"/v1/models": (200, json.dumps(models)), "/metrics": (200, VLLM_METRICS)}
+    with http_server(routes) as url:
+        assert __import__("kvchat.cli").cli.main(["info", "--server", url, "--model", str(tmp_path), "--json"]) == 0
+        info = json.loads(capsys.readouterr().out)
+        assert info["kv_bytes_per_token"] == 2 * 4 * 2 * 64 * 1          # fp8 cache: 1 byte per element
+        fails_with(capsys, ["info", "--server", url, "--model", str(tmp_path / "nowhere")], "config.json")

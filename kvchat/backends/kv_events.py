@@ -42,6 +42,7 @@ class ResidentBlocks:
     gaps: int                  # sequence numbers skipped after the first
     cleared: int               # AllBlocksCleared seen
     undecodable: int           # messages that were not a vLLM event batch
+    restarts: int = 0          # times the numbering started again (a restarted server)
 
 
 class KvEventStore:
@@ -53,7 +54,7 @@ class KvEventStore:
         self._blocks: dict[BlockHash, tuple[BlockHash | None, tuple[int, ...]]] = {}
         self._by_content: dict[tuple[BlockHash | None, tuple[int, ...]], BlockHash] = {}
         self.block_size: int | None = None
-        self.batches = self.gaps = self.cleared = self.undecodable = 0
+        self.batches = self.gaps = self.cleared = self.undecodable = self.restarts = 0
         self.first_seq: int | None = None
         self.last_seq: int | None = None
         self.changed = threading.Condition(self.lock)
@@ -78,6 +79,11 @@ class KvEventStore:
                 self.first_seq = seq
             elif self.last_seq is not None and seq > self.last_seq + 1:
                 self.gaps += seq - self.last_seq - 1
+            elif self.last_seq is not None and seq <= self.last_seq:
+                # numbering started again: the server restarted with an empty cache
+                self._blocks.clear()
+                self._by_content.clear()
+                self.restarts += 1
             self.last_seq = seq
             self.batches += 1
             for event in events:
@@ -138,7 +144,7 @@ class KvEventStore:
         with self.lock:
             return ResidentBlocks(blocks=len(self._blocks), block_size=self.block_size, batches=self.batches,
                                   first_seq=self.first_seq, last_seq=self.last_seq, gaps=self.gaps,
-                                  cleared=self.cleared, undecodable=self.undecodable)
+                                  cleared=self.cleared, undecodable=self.undecodable, restarts=self.restarts)
 
     def wait(self, predicate, timeout: float) -> bool:
         """Block until predicate(self) holds after a message (for tests and the CLI)."""

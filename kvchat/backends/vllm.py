@@ -422,6 +422,8 @@ class VllmBackend:
             if store.first_seq:
                 notes.append(f"KV events before sequence {store.first_seq} were not seen: blocks stored "
                              "before kvchat subscribed are missing from the map")
+            if store.restarts:
+                notes.append(f"the server restarted {store.restarts} time(s): the map starts again from empty")
             if store.gaps:
                 notes.append(f"{store.gaps} KV-event batches were lost: the map may be stale until a reset")
         else:
