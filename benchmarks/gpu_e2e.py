@@ -67,8 +67,7 @@ class ContiguousSDPA:
         import torch
         g = model.geom
         self.model = model
-        if model._cos.shape[0] < max_len:
-            model._extend_rope(max_len)  # the step indexes the table directly
+        model.rope_tables(max_len)  # the step indexes the table directly
         shape = (g.n_layers, 1, g.n_kv_heads, max_len, g.head_dim)
         self.k = torch.randn(shape, device=model.device, dtype=model.dtype)
         self.v = torch.randn(shape, device=model.device, dtype=model.dtype)
@@ -80,7 +79,7 @@ class ContiguousSDPA:
         m, g = self.model, self.model.geom
         hq, hk, d = g.n_heads, g.n_kv_heads, g.head_dim
         with torch.inference_mode():
-            cos, sin = m._cos[positions], m._sin[positions]
+            cos, sin = (t[positions] for t in m.rope_tables())
             x = m.embed[ids]                                                    # (1, hidden)
             for i, layer in enumerate(m.layers):
                 h = rms_norm(x, layer.attn_norm, g.norm_eps)
