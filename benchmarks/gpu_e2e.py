@@ -40,13 +40,13 @@ def engine_decode_ms(s: Setup, engine, ctx: int, fused: bool = True) -> float:
     conv = engine.new_conversation()
     try:
         ids = torch.randint(0, s.geom.vocab_size, (ctx,)).tolist()
-        conv._claim(ids)
+        conv.reserve(ctx)
         logits = conv._prefill(ids, 0)
         token, pos = int(logits.argmax()), ctx
         times = []
         for i in range(s.decode_steps + 3):
             t0 = time.perf_counter()
-            conv._make_room_for(pos)
+            conv.reserve(pos + 1)
             with kernels_on_cpu(s):
                 logits = conv._decode(token, pos)
             token = int(logits.argmax())
