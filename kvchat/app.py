@@ -202,7 +202,8 @@ class KvChatApp(App[int], inherit_bindings=False):
             self.show_snapshot(snap)
 
     def show_snapshot(self, snap: CacheSnapshot) -> None:
-        self.part(CachePanel).show(snap, self.backend.info().geometry)
+        info = self.backend.info()
+        self.part(CachePanel).show(snap, info.geometry, info.dtype)
         self.part(BlockMap).show(snap)
         self.update_gauge()
 

@@ -169,7 +169,10 @@ class ChatView(Transcript):
             if last is not None:
                 await last.remove()
         turn.reply = await self.start_reply()
-        self.latency.begin_turn(self.mode)
+        backend = getattr(self.app, "backend", None)
+        state = self.refresh_state()
+        self.latency.begin_turn(state.mode, kv_dtype=backend.info().kv_dtype if backend is not None else None,
+                                policy=state.policy, cap=state.cap)
 
     async def on_turn_progress(self, msg: TurnProgress) -> None:
         p = msg.progress
