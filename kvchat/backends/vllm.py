@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvchat.engine.errors import CapExceeded, KvchatError
+from kvchat.engine.errors import KvchatError
 from kvchat.engine.geometry import DTYPE_BYTES, HF_REPOS, KNOWN, Geometry, from_hf_config
 from kvchat.engine.policy import make_policy
 from kvchat.engine.telemetry import (CACHED, FREE, HELD, REUSED, CacheSnapshot, PrefillEvent, ServerStats,
