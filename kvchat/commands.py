@@ -124,6 +124,7 @@ COMMANDS: dict[str, Spec] = {s.name: s for s in (
     Spec("close", "/close [N]", "close conversation N (default: this one); it stays saved", _number("close", True)),
     Spec("list", "/list", "list the open conversations: turns, tokens cached, cap, policy", _no_arg("list")),
     Spec("regen", "/regen", "generate the last reply again", _no_arg("regen")),
+    Spec("chats", "/chats", "browse saved conversations: open, rename, delete, search", _no_arg("chats")),
     Spec("quit", "/quit", "quit", _no_arg("quit")),
 )}
 

@@ -11,9 +11,10 @@ from kvchat.engine.errors import KvchatError
 from . import settings as settings_mod
 from . import theming
 from .app import AppOptions, KvChatApp
+from .catalog import resume_paths
 from .chat_view import ChatOptions
 from .settings import SettingsError
-from .store import StoreError, last_conversation, restore
+from .store import StoreError, restore
 
 
 class LaunchError(Exception):
@@ -67,9 +68,9 @@ def _prepare(args) -> KvChatApp:
     dtype, kv_dtype = pick_dtypes(cfg, device)
     source = resolve(cfg.model, cfg.random_weights)
     check_memory(source.geometry, dtype, kv_dtype, cfg.kv_budget, device)
-    restored = None
+    restored, reopen = None, []
     if args.resume:
-        last = last_conversation()
+        last, reopen = resume_paths()
         if last is None:
             raise KvchatError("--resume: no saved conversation yet; start one with plain `kvchat`")
         restored = restore(last)
@@ -77,7 +78,7 @@ def _prepare(args) -> KvChatApp:
         settings.theme = args.theme
         settings_mod.save(settings, path)
     options = AppOptions(
-        model=source.name, sampling=sp, theme=theme, restored=restored,
+        model=source.name, sampling=sp, theme=theme, restored=restored, reopen=reopen,
         chat=ChatOptions(system=args.system, cap=args.cap, policy=args.policy,
                          mode="off" if args.no_cache else "cache"))
     return KvChatApp(lambda: LocalBackend.load(cfg, source), options, settings, path)

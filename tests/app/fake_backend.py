@@ -65,6 +65,7 @@ class FakeConfig:
     replies: tuple[str, ...] = REPLIES
     capabilities: Capabilities = LOCAL_LIKE
     knows_geometry: bool = True     # False: like a server's model that matches no known geometry
+    model: str = "fake-smollm2"     # the name info() reports (a conversation's log records it)
 
 
 class FakeChat:
@@ -263,7 +264,7 @@ class FakeBackend:
     # ---- the Backend protocol ----------------------------------------------------------------
     def info(self) -> BackendInfo:
         known = self.cfg.knows_geometry
-        return BackendInfo(kind="fake", model="fake-smollm2", device="cpu", dtype="fp32", kv_dtype=self.kv_dtype,
+        return BackendInfo(kind="fake", model=self.cfg.model, device="cpu", dtype="fp32", kv_dtype=self.kv_dtype,
                            bytes_per_token=self.bytes_per_token, geometry=self.geometry if known else None,
                            max_position=self.geometry.max_position if known else None, random_weights=True)
 
