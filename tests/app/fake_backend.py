@@ -122,6 +122,22 @@ class FakeChat:
         self.backend.refuse(RESET)
         return self._drop()
 
+    def truncate(self, n_messages: int) -> None:
+        """The engine's block rule: the held blocks stay cached up to the block holding the
+        first dropped token (whole blocks only), so the next turn reuses exactly those."""
+        if not 0 <= n_messages <= len(self.messages):
+            raise KvchatError(f"cannot keep {n_messages} messages of {len(self.messages)}")
+        with self.backend.lock:
+            self.messages = self.messages[:n_messages]
+            bs = self.backend.cfg.block_size
+            kept = min(self.tokens_held, count_tokens(self.messages) - GENERATION_PROMPT) // bs
+            if self.streaming:
+                kept = 0
+            self.backend.free(self.block_table[kept:])
+            del self.block_table[kept:]
+            self.tokens_held = self.fed = kept * bs
+            self.reused_blocks = min(self.reused_blocks, kept)
+
     def restore(self, messages: list[Message]) -> None:
         self._drop()
         self.messages = [dict(m) for m in messages]
