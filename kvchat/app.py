@@ -37,6 +37,7 @@ from .chat_view import ChatOptions, ChatView, RunningTurn, TurnEnded, TurnProgre
 from .commands import CommandError, message_text, parse
 from .controls import Controls
 from .conversations import Conversations
+from .editing import Editor
 from .jobs import Busy, Job, JobQueue, Op, OpEnded, one_line, run_op, run_turn
 from .records import plural
 from .settings import Settings
@@ -92,6 +93,7 @@ class KvChatApp(App[int], inherit_bindings=False):
         self.conversations = Conversations(self, options.data_root)
         self.controls = Controls(self, self.conversations)
         self.browser = Browser(self, self.conversations, options.data_root)
+        self.editor = Editor(self, self.conversations)
         self.conversations.on_change = self.browser.remember
         self.jobs = JobQueue(self._start_job)
         self.turn: RunningTurn | None = None        # the running turn (the last one, once idle)
@@ -284,7 +286,9 @@ class KvChatApp(App[int], inherit_bindings=False):
         except CommandError as err:
             self.notice(str(err), error=True)
             return
-        if cmd is None:
+        if cmd is None and self.editor.editing():
+            self.editor.resend(message_text(event.text))
+        elif cmd is None:
             self.send(message_text(event.text))
         elif self.view is None and cmd.name not in ("help", "theme", "quit", "panel"):
             self.notice(f"/{cmd.name} waits for the model to load", error=True)

@@ -105,6 +105,7 @@ class ChatView(Transcript):
         self.context_tokens = 0                   # prompt + generated, the last turn
         self.preempted_noted = False              # its transcript already says it was preempted
         self.given_title: str | None = None       # set by a rename in the chat browser
+        self.editing: int | None = None           # index of the user message being edited (editing.py)
 
     def attach(self, chat: Chat, log: ConversationLog, turns: list[TurnRecord]) -> None:
         self.chat, self.conversation_log = chat, log

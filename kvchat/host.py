@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 from textual.binding import Binding
 from textual.screen import Screen
@@ -17,8 +17,16 @@ from .jobs import JobQueue
 from .settings import Settings
 from .theming import ThemeFile
 
-if TYPE_CHECKING:
-    from .browser import Browser
+
+class BrowserPart(Protocol):
+    """browser.Browser as controls.py sees it (declared here: browser.py imports this module)."""
+    def show(self) -> None: ...
+
+
+class EditorPart(Protocol):
+    """editing.Editor as controls.py sees it."""
+    def start(self, number: int | None) -> None: ...
+    def cancel(self) -> None: ...
 
 
 @runtime_checkable
@@ -31,7 +39,8 @@ class Host(Protocol):
     themes: dict[str, ThemeFile]
     theme_name: str
     panels_forced: bool
-    browser: Browser                            # saved conversations (browser.py)
+    browser: BrowserPart                        # saved conversations (browser.py)
+    editor: EditorPart                          # edit and resend (editing.py)
 
     @property
     def view(self) -> ChatView | None: ...      # the conversation in focus

@@ -38,6 +38,8 @@ KEYS: tuple[Key, ...] = (
         "close this conversation: it stays saved, its full blocks stay cached for reuse", footer=False),
     Key("chat_browser", "ctrl+o", "chat_browser", "chats",
         "browse saved conversations: open one again, rename, delete, search"),
+    Key("edit_last", "f6", "edit_last", "edit", "edit your last message and resend it (/edit N for another)",
+        footer=False),
     Key("regenerate", "f5", "regenerate", "regen", "drop the last reply and generate it again"),
     Key("cache_mode", "f7", "cache_mode", "cache on/off",
         "switch the KV cache off (recompute everything each token) or back on", footer=False),
