@@ -37,7 +37,7 @@ KEYS: tuple[Key, ...] = (
     Key("close_conversation", "f9", "close_conversation", "close",
         "close this conversation: it stays saved, its full blocks stay cached for reuse", footer=False),
     Key("chat_browser", "ctrl+o", "chat_browser", "chats",
-        "browse saved conversations: open one again, rename, delete, search"),
+        "browse saved conversations: open one again, rename, delete, search", footer=False),
     Key("edit_last", "f6", "edit_last", "edit", "edit your last message and resend it (/edit N for another)",
         footer=False),
     Key("regenerate", "f5", "regenerate", "regen", "drop the last reply and generate it again"),
