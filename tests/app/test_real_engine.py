@@ -107,7 +107,8 @@ async def test_edit_and_resend_reuses_the_cache_up_to_the_block_holding_the_firs
             n = len(view.turns)
             app.query_one(ChatInput).load_text(edited)
             await pilot.press("enter")
-            await wait_until(pilot, lambda: len(view.turns) > n and app.busy is None, timeout=60, what="the resent turn")
+            await wait_until(pilot, lambda: len(view.turns) > n and app.busy is None, timeout=60,
+                             what="the resent turn")
             turn = view.turns[-1]
             assert turn.prompt_tokens == len(new)
             assert turn.reused_tokens == differ // bs * bs
