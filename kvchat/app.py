@@ -32,10 +32,12 @@ from kvchat.engine.telemetry import CacheSnapshot
 
 from . import keys, theming
 from .backends.protocol import BLOCK_MAP, Backend
+from .browser import Browser
 from .chat_view import ChatOptions, ChatView, RunningTurn, TurnEnded, TurnProgress, open_chat
 from .commands import CommandError, message_text, parse
 from .controls import Controls
 from .conversations import Conversations
+from .editing import Editor
 from .jobs import Busy, Job, JobQueue, Op, OpEnded, one_line, run_op, run_turn
 from .records import plural
 from .settings import Settings
@@ -53,6 +55,7 @@ class AppOptions:
     chat: ChatOptions = field(default_factory=ChatOptions)
     theme: str = "dark"
     restored: Restored | None = None            # --resume
+    reopen: list[Path] = field(default_factory=list)   # --resume: the others open at the last quit
     data_root: Path | None = None               # None: the platform's user data dir
 
 
@@ -89,6 +92,9 @@ class KvChatApp(App[int], inherit_bindings=False):
         self.backend: Backend | None = None
         self.conversations = Conversations(self, options.data_root)
         self.controls = Controls(self, self.conversations)
+        self.browser = Browser(self, self.conversations, options.data_root)
+        self.editor = Editor(self, self.conversations)
+        self.conversations.on_change = self.browser.remember
         self.jobs = JobQueue(self._start_job)
         self.turn: RunningTurn | None = None        # the running turn (the last one, once idle)
         self.governor = Governor()
@@ -256,12 +262,15 @@ class KvChatApp(App[int], inherit_bindings=False):
             if restored.unanswered:
                 self.part(ChatInput).restore(restored.unanswered)
                 view.add_notice("your last message got no reply; it is back in the input")
+            await self.browser.resumed(view, restored, history=False)
         info, caps = self.backend.info(), self.backend.capabilities
         view.add_notice(f"{info.model} loaded in {msg.seconds:.0f} s; F1 shows the keys")
         self.part(LatencyPanel).attach(view.latency)
         self.part(CachePanel).geometry = info.geometry
         self.part(BlockMap).unavailable(None if caps.block_map != "none" else caps.why_not(BLOCK_MAP) or
                                         "this backend cannot say which block holds what")
+        if self.options.reopen:
+            await self.browser.reopen_all(self.options.reopen)
         self.update_status()
         self.conversations.refresh_bar()
         self.run_op("read the cache", lambda: None)   # first snapshot, taken off the UI thread
@@ -278,7 +287,9 @@ class KvChatApp(App[int], inherit_bindings=False):
         except CommandError as err:
             self.notice(str(err), error=True)
             return
-        if cmd is None:
+        if cmd is None and self.editor.editing():
+            self.editor.resend(message_text(event.text))
+        elif cmd is None:
             self.send(message_text(event.text))
         elif self.view is None and cmd.name not in ("help", "theme", "quit", "panel"):
             self.notice(f"/{cmd.name} waits for the model to load", error=True)

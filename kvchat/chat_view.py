@@ -104,6 +104,8 @@ class ChatView(Transcript):
         self.prompt_tokens = 0                    # this turn's prompt, while it streams
         self.context_tokens = 0                   # prompt + generated, the last turn
         self.preempted_noted = False              # its transcript already says it was preempted
+        self.given_title: str | None = None       # set by a rename in the chat browser
+        self.editing: int | None = None           # index of the user message being edited (editing.py)
 
     def attach(self, chat: Chat, log: ConversationLog, turns: list[TurnRecord]) -> None:
         self.chat, self.conversation_log = chat, log
@@ -131,7 +133,9 @@ class ChatView(Transcript):
 
     @property
     def title(self) -> str:
-        """The first thing the user said, or "new"."""
+        """The title given in the chat browser, else the first thing the user said, or "new"."""
+        if self.given_title:
+            return self.given_title[:13] + "…" if len(self.given_title) > 14 else self.given_title
         first = next((m["content"] for m in self.state.messages if m["role"] == "user"), "")
         words = " ".join(first.split())
         return (words[:13] + "…" if len(words) > 14 else words) or "new"

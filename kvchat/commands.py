@@ -89,6 +89,22 @@ def _number(name: str, optional: bool):
     return parse
 
 
+def _edit(args, _themes) -> int | str | None:
+    if not args:
+        return None
+    text = _one("edit", "/edit [N] (your message N, from 1; default the last) or /edit off", args)
+    if text.lower() == "off":
+        return "off"
+    try:
+        value = int(text)
+    except ValueError:
+        raise CommandError(f"/edit needs the number of one of your messages (1 = the first) or 'off', "
+                           f"got {text!r}") from None
+    if value <= 0:
+        raise CommandError(f"/edit needs a message number from 1 up, got {value}")
+    return value
+
+
 def _theme(args, themes: Sequence[str]) -> str:
     text = _one("theme", f"/theme {'|'.join(themes)}", args)
     if text not in themes:
@@ -124,6 +140,9 @@ COMMANDS: dict[str, Spec] = {s.name: s for s in (
     Spec("close", "/close [N]", "close conversation N (default: this one); it stays saved", _number("close", True)),
     Spec("list", "/list", "list the open conversations: turns, tokens cached, cap, policy", _no_arg("list")),
     Spec("regen", "/regen", "generate the last reply again", _no_arg("regen")),
+    Spec("chats", "/chats", "browse saved conversations: open, rename, delete, search", _no_arg("chats")),
+    Spec("edit", "/edit [N] | off", "edit your message N (default the last) and resend it; later ones are dropped",
+         _edit),
     Spec("quit", "/quit", "quit", _no_arg("quit")),
 )}
 

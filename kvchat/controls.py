@@ -252,6 +252,7 @@ class Controls:
             "next_conversation": lambda: self.conversations.step(+1),
             "previous_conversation": lambda: self.conversations.step(-1),
             "close_conversation": lambda: self.conversations.close(None),
+            "chat_browser": lambda: app.browser.show(), "edit_last": lambda: app.editor.start(None),
         }
 
     def key(self, name: str) -> None:
@@ -267,6 +268,8 @@ class Controls:
             "new": self.conversations.new, "switch": lambda: self.conversations.switch(arg),
             "close": lambda: self.conversations.close(arg), "list": self.conversations.list,
             "regen": self.regenerate, "quit": app.quit_when_idle,
+            "chats": lambda: app.browser.show(),
+            "edit": lambda: app.editor.cancel() if arg == "off" else app.editor.start(arg),
         }
         if cmd.name not in handlers:   # a command in COMMANDS without a handler here is a bug
             raise KvchatError(f"/{cmd.name} has no handler")

@@ -16,6 +16,7 @@ transcript, and its tab says "preempted" until its next turn recomputes the cach
 """
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 from textual.binding import Binding
@@ -37,6 +38,7 @@ class Conversations:
         self.views: list[ChatView] = []
         self.focused: ChatView | None = None
         self.next_number = 1
+        self.on_change: Callable[[], None] | None = None   # the open set changed (browser.remember)
 
     def number(self) -> int:
         n, self.next_number = self.next_number, self.next_number + 1
@@ -55,6 +57,8 @@ class Conversations:
             view.display = False
             await self.app.part(ContentSwitcher).mount(view)
         self.views.append(view)
+        if self.on_change is not None:
+            self.on_change()
 
     def switch_to(self, view: ChatView, fresh: bool = True) -> None:
         """Focus a conversation: its transcript, latency history and last snapshot at once,
@@ -158,6 +162,8 @@ class Conversations:
             elif target is self.focused:     # the focus may have moved since the worker chose
                 after[0] = self._neighbour(target)
             self.views.remove(target)
+            if self.on_change is not None:
+                self.on_change()
             self.switch_to(after[0] if target is self.focused else self.focused, fresh=False)
             await target.remove()
             self.refresh_bar()

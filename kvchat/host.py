@@ -18,6 +18,17 @@ from .settings import Settings
 from .theming import ThemeFile
 
 
+class BrowserPart(Protocol):
+    """browser.Browser as controls.py sees it (declared here: browser.py imports this module)."""
+    def show(self) -> None: ...
+
+
+class EditorPart(Protocol):
+    """editing.Editor as controls.py sees it."""
+    def start(self, number: int | None) -> None: ...
+    def cancel(self) -> None: ...
+
+
 @runtime_checkable
 class Host(Protocol):
     backend: Backend | None
@@ -28,6 +39,8 @@ class Host(Protocol):
     themes: dict[str, ThemeFile]
     theme_name: str
     panels_forced: bool
+    browser: BrowserPart                        # saved conversations (browser.py)
+    editor: EditorPart                          # edit and resend (editing.py)
 
     @property
     def view(self) -> ChatView | None: ...      # the conversation in focus

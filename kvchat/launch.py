@@ -11,9 +11,10 @@ from kvchat.engine.errors import KvchatError
 from . import settings as settings_mod
 from . import theming
 from .app import AppOptions, KvChatApp
+from .catalog import resume_paths
 from .chat_view import ChatOptions
 from .settings import SettingsError
-from .store import StoreError, last_conversation, restore
+from .store import StoreError, restore
 
 
 class LaunchError(Exception):
@@ -95,9 +96,9 @@ def _prepare_server(args, settings, path, theme) -> KvChatApp:
 
 
 def _options(args, settings, path, theme, model: str, sp) -> AppOptions:
-    restored = None
+    restored, reopen = None, []
     if args.resume:
-        last = last_conversation()
+        last, reopen = resume_paths()
         if last is None:
             raise KvchatError("--resume: no saved conversation yet; start one with plain `kvchat`")
         restored = restore(last)
@@ -105,6 +106,6 @@ def _options(args, settings, path, theme, model: str, sp) -> AppOptions:
         settings.theme = args.theme
         settings_mod.save(settings, path)
     return AppOptions(
-        model=model, sampling=sp, theme=theme, restored=restored,
+        model=model, sampling=sp, theme=theme, restored=restored, reopen=reopen,
         chat=ChatOptions(system=args.system, cap=args.cap, policy=args.policy,
                          mode="off" if args.no_cache else "cache"))

@@ -5,6 +5,7 @@ import threading
 from collections.abc import Iterator
 
 from kvchat.engine.engine import KV_DTYPES, Engine, EngineConfig
+from kvchat.engine.errors import KvchatError
 from kvchat.engine.policy import POLICIES
 
 from .protocol import BackendInfo, Capabilities, ChatState, Event, Message
@@ -31,6 +32,15 @@ class LocalChat:
     def restore(self, messages: list[Message]) -> None:
         self.conv.reset_cache()
         self.conv.messages = [dict(m) for m in messages]
+
+    def truncate(self, n_messages: int) -> None:
+        c = self.conv
+        if not 0 <= n_messages <= len(c.messages):
+            raise KvchatError(f"cannot keep {n_messages} messages of {len(c.messages)}")
+        with c.engine.lock:
+            c.messages = c.messages[:n_messages]
+            if c.streaming:   # a sink-window cache is not a prefix of the text: start it again
+                c.reset_cache()
 
     def reset_cache(self) -> int:
         return self.conv.reset_cache()

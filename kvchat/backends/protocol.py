@@ -97,6 +97,12 @@ class Chat(Protocol):
     def restore(self, messages: list[Message]) -> None:
         """Replace the history (a conversation reopened from disk); the cache starts empty."""
 
+    def truncate(self, n_messages: int) -> None:
+        """Keep the first n_messages of the history and drop the rest (edit and resend: the
+        edited message is sent next). The cache keeps what it holds; the next turn reuses it
+        up to the block where the new text first differs, and computes the rest. Raises
+        KvchatError for n_messages outside 0..len(messages)."""
+
     def reset_cache(self) -> int:
         """Forget the cache; the next turn prefills the whole history. Returns blocks freed."""
 

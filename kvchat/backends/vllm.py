@@ -125,6 +125,13 @@ class VllmChat:
         self.messages = [dict(m) for m in messages]
         self.token_ids, self.reused_tokens = (), 0
 
+    def truncate(self, n_messages: int) -> None:
+        """Keep the first n messages (an edited one is resent); the server's prefix cache
+        reuses whatever still matches."""
+        if not 0 <= n_messages <= len(self.messages):
+            raise KvchatError(f"cannot keep {n_messages} messages of {len(self.messages)}")
+        self.messages = self.messages[:n_messages]
+
     def reset_cache(self) -> int:
         return self.backend.reset_prefix_cache()
 

@@ -52,10 +52,12 @@ async def wait_until(pilot, condition: Callable[[], bool], timeout: float = 10.0
 
 def make_app(backend: FakeBackend | None = None, *, cap: int | None = None, policy: str = "stop",
              system: str | None = None, max_tokens: int = 64, settings: Settings | None = None,
-             restored=None, factory: Callable | None = None, settings_path: Path | None = None) -> KvChatApp:
+             restored=None, factory: Callable | None = None, settings_path: Path | None = None,
+             reopen: list[Path] | None = None) -> KvChatApp:
     backend = backend or FakeBackend()
     options = AppOptions(model="fake-smollm2", sampling=SamplingParams(max_tokens=max_tokens),
-                         chat=ChatOptions(system=system, cap=cap, policy=policy), restored=restored)
+                         chat=ChatOptions(system=system, cap=cap, policy=policy), restored=restored,
+                         reopen=reopen or [])
     return KvChatApp(factory or (lambda: backend), options, settings or Settings(), settings_path)
 
 

@@ -65,6 +65,7 @@ class FakeConfig:
     replies: tuple[str, ...] = REPLIES
     capabilities: Capabilities = LOCAL_LIKE
     knows_geometry: bool = True     # False: like a server's model that matches no known geometry
+    model: str = "fake-smollm2"     # the name info() reports (a conversation's log records it)
 
 
 class FakeChat:
@@ -120,6 +121,22 @@ class FakeChat:
     def reset_cache(self) -> int:
         self.backend.refuse(RESET)
         return self._drop()
+
+    def truncate(self, n_messages: int) -> None:
+        """The engine's block rule: the held blocks stay cached up to the block holding the
+        first dropped token (whole blocks only), so the next turn reuses exactly those."""
+        if not 0 <= n_messages <= len(self.messages):
+            raise KvchatError(f"cannot keep {n_messages} messages of {len(self.messages)}")
+        with self.backend.lock:
+            self.messages = self.messages[:n_messages]
+            bs = self.backend.cfg.block_size
+            kept = min(self.tokens_held, count_tokens(self.messages) - GENERATION_PROMPT) // bs
+            if self.streaming:
+                kept = 0
+            self.backend.free(self.block_table[kept:])
+            del self.block_table[kept:]
+            self.tokens_held = self.fed = kept * bs
+            self.reused_blocks = min(self.reused_blocks, kept)
 
     def restore(self, messages: list[Message]) -> None:
         self._drop()
@@ -263,7 +280,7 @@ class FakeBackend:
     # ---- the Backend protocol ----------------------------------------------------------------
     def info(self) -> BackendInfo:
         known = self.cfg.knows_geometry
-        return BackendInfo(kind="fake", model="fake-smollm2", device="cpu", dtype="fp32", kv_dtype=self.kv_dtype,
+        return BackendInfo(kind="fake", model=self.cfg.model, device="cpu", dtype="fp32", kv_dtype=self.kv_dtype,
                            bytes_per_token=self.bytes_per_token, geometry=self.geometry if known else None,
                            max_position=self.geometry.max_position if known else None, random_weights=True)
 

@@ -7,7 +7,7 @@ import pytest
 from kvchat.backends.local import LocalBackend
 from kvchat.engine.telemetry import OTHER, SHARED
 from kvchat.engine.units import human_bytes
-from kvchat.widgets import BlockMap, CachePanel, LatencyPanel
+from kvchat.widgets import BlockMap, CachePanel, ChatInput, LatencyPanel
 
 from .conftest import screen_text, send, wait_until
 
@@ -80,3 +80,40 @@ async def test_runtime_experiments_change_the_panels_two_conversations_fp8_and_c
             engine.set_kv_dtype("fp32")
             for view in app.views:
                 backend.close(view.chat)
+
+
+async def test_edit_and_resend_reuses_the_cache_up_to_the_block_holding_the_first_changed_token(engine, running_app):
+    """/edit 2 on the real engine: the resent turn's reused tokens are the whole blocks before
+    the first token where the new prompt differs from the old one, computed here from the
+    model's own chat template, and no more (the prefix index matches whole blocks only)."""
+    backend = LocalBackend(engine)
+    async with running_app(factory=lambda: backend, max_tokens=4) as (app, pilot):
+        try:
+            await send(pilot, "Name three colours of the rainbow, please.")
+            await send(pilot, "Now name three fruits that are red.")
+            view, bs = app.view, engine.spec.block_size
+            messages = list(view.state.messages)
+            kept = messages[:max(i for i, m in enumerate(messages) if m["role"] == "user")]
+            edited = "Now name three fruits that are yellow."
+            old = view.chat.conv.render(kept + [messages[len(kept)]])
+            new = view.chat.conv.render(kept + [{"role": "user", "content": edited}])
+            differ = next(i for i, (a, b) in enumerate(zip(old, new)) if a != b)
+            assert differ >= bs            # the edit is past the first block, so some reuse is expected
+
+            app.query_one(ChatInput).load_text("/edit 2")
+            await pilot.press("enter")
+            await pilot.pause()
+            assert app.query_one(ChatInput).text == "Now name three fruits that are red."
+            n = len(view.turns)
+            app.query_one(ChatInput).load_text(edited)
+            await pilot.press("enter")
+            await wait_until(pilot, lambda: len(view.turns) > n and app.busy is None, timeout=60,
+                             what="the resent turn")
+            turn = view.turns[-1]
+            assert turn.prompt_tokens == len(new)
+            assert turn.reused_tokens == differ // bs * bs
+            assert [m["content"] for m in view.state.messages if m["role"] == "user"][-1] == edited
+            assert len(view.state.messages) == len(kept) + 2
+        finally:
+            for v in app.views:
+                backend.close(v.chat)

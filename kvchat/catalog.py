@@ -1,0 +1,147 @@
+"""The saved conversations as a list: what the chat browser shows and `--resume` opens.
+
+Each conversation is its log (store.py). `summarize` reads one log into a `Summary`
+(title, model, dates, turns, tokens, the text to search); a damaged line is skipped, as
+`store.restore` does. A rename and a model change are log events, so the log stays the one
+record of a conversation:
+    {"type": "event", "event": "title", "value": "my title"}      the browser's rename
+    {"type": "event", "event": "model", "value": M, "previous": P}  resumed under model M
+Which conversations were open when the app last quit is kept in <data dir>/open.json
+(`remember_open`, `open_at_quit`); `--resume` reopens them all.
+"""
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+from .store import ConversationLog, conversations_dir, data_dir, last_conversation
+
+TITLE_CHARS = 48
+OPEN_FILE = "open.json"
+
+
+@dataclass(frozen=True, slots=True)
+class Summary:
+    """One saved conversation as the browser lists it."""
+    path: Path
+    title: str                 # the name given by a rename, else the first thing the user said
+    named: bool                # the title was given by a rename
+    model: str | None          # the model it last ran with (None: a log from before models were kept)
+    model_from: int            # turns before this index ran under another model
+    started: float             # seconds since the epoch
+    modified: float
+    turns: int
+    tokens: int                # the context of its last turn: prompt + generated tokens
+    messages: int              # user and assistant messages in the history now
+    text: str                  # every message and the title, lowercased, for search
+
+    def when(self) -> str:
+        return time.strftime("%Y-%m-%d %H:%M", time.localtime(self.modified))
+
+    def matches(self, query: str) -> bool:
+        """Every word of the query is somewhere in the conversation or its title."""
+        return all(word in self.text for word in query.lower().split())
+
+
+def summarize(path: Path) -> Summary:
+    """Read a log; OSError if it cannot be read. Damaged lines are skipped."""
+    raw = path.read_bytes().decode("utf-8", errors="replace")
+    model: str | None = None
+    name: str | None = None
+    started = 0.0
+    messages: list[dict[str, str]] = []
+    turns = model_from = tokens = 0
+    for line in raw.splitlines():
+        try:
+            rec = json.loads(line)
+            kind = rec.get("type")
+            if kind == "start":
+                model, started = rec.get("model"), float(rec.get("time") or 0.0)
+                messages = [{"role": "system", "content": str(rec["system"])}] if rec.get("system") else []
+            elif kind == "message":
+                messages.append({"role": str(rec["role"]), "content": str(rec["content"])})
+            elif kind == "messages":
+                messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in rec["messages"]]
+            elif kind == "turn":
+                turns += 1
+                tokens = int(rec.get("prompt_tokens") or 0) + int(rec.get("generated_tokens") or 0)
+            elif kind == "event" and rec.get("event") == "title":
+                name = str(rec.get("value") or "").strip() or None
+            elif kind == "event" and rec.get("event") == "model":
+                model, model_from = rec.get("value"), turns
+        except (ValueError, KeyError, TypeError, AttributeError):
+            continue
+    first = next((m["content"] for m in messages if m["role"] == "user"), "")
+    words = " ".join(first.split())
+    title = name or (words[:TITLE_CHARS - 1] + "…" if len(words) > TITLE_CHARS else words) or "(no message yet)"
+    text = "\n".join([title] + [m["content"] for m in messages]).lower()
+    chat = sum(m["role"] != "system" for m in messages)
+    return Summary(path, title, name is not None, model, model_from, started or path.stat().st_mtime,
+                   path.stat().st_mtime, turns, tokens, chat, text)
+
+
+def list_conversations(root: Path | None = None) -> list[Summary]:
+    """Every saved conversation, the most recently used first; unreadable files left out."""
+    folder = conversations_dir(root)
+    out = []
+    for path in folder.glob("*.jsonl") if folder.is_dir() else ():
+        try:
+            out.append(summarize(path))
+        except OSError:
+            continue
+    return sorted(out, key=lambda s: s.modified, reverse=True)
+
+
+def rename(path: Path, title: str, log: ConversationLog | None = None) -> None:
+    """Give a conversation a title (an event in its log; `log` if it is open here)."""
+    if log is not None:
+        log.event("title", value=title)
+        return
+    closed = ConversationLog(path)
+    try:
+        closed.event("title", value=title)
+    finally:
+        closed.close()
+
+
+def delete(path: Path) -> None:
+    path.unlink()
+
+
+# ---- the conversations open at quit -------------------------------------------------------------
+def remember_open(paths: list[Path], root: Path | None = None) -> str | None:
+    """Record the conversations open now (written whenever one opens or closes, so a crash
+    keeps the list too). Returns a line saying why it could not be written, or None:
+    failing loses only which conversations --resume reopens, never a conversation."""
+    target = (root or data_dir()) / OPEN_FILE
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f"{OPEN_FILE}.{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"open": [str(p) for p in paths]}), encoding="utf-8")
+        os.replace(tmp, target)
+    except OSError as err:
+        return f"cannot record the open conversations in {target} ({err.strerror or err}); --resume reopens the last"
+    return None
+
+
+def resume_paths(root: Path | None = None) -> tuple[Path | None, list[Path]]:
+    """What --resume opens: every conversation open at the last quit, the most recently used
+    in focus; with none recorded (or none left), the last saved conversation alone."""
+    still_open = open_at_quit(root)
+    if not still_open:
+        return last_conversation(root), []
+    focus = max(still_open, key=lambda p: p.stat().st_mtime)
+    return focus, [p for p in still_open if p != focus]
+
+
+def open_at_quit(root: Path | None = None) -> list[Path]:
+    """The conversations that were open when the app last quit and are still on disk (a
+    conversation never sent a message has no file)."""
+    try:
+        paths = json.loads(((root or data_dir()) / OPEN_FILE).read_text(encoding="utf-8"))["open"]
+    except (OSError, ValueError, KeyError, TypeError):
+        return []
+    return [Path(p) for p in paths if isinstance(p, str) and Path(p).is_file()]
