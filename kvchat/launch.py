@@ -3,6 +3,7 @@ location, the conversation to resume. Any problem is one line and exit status 2;
 the weights then happens inside the UI, with progress shown."""
 from __future__ import annotations
 
+import os
 import sys
 
 from kvchat.engine.errors import KvchatError
@@ -24,6 +25,9 @@ def run_chat(args) -> int:
         app = prepare(args)
     except LaunchError as err:
         print(f"kvchat: {err}", file=sys.stderr)
+        return 2
+    if not all(f is not None and not f.closed and f.isatty() for f in (sys.stdin, sys.stdout)):
+        print("kvchat: kvchat needs a terminal; use kvchat ask \"...\" (or kvchat replay FILE)", file=sys.stderr)
         return 2
     app.run()
     if app.failure:
@@ -50,7 +54,7 @@ def _prepare(args):
     from .app import AppOptions, KvChatApp
     from .args import engine_config, sampling
     from .session import SessionOptions
-    from .store import last_conversation, restore
+    from .store import last_conversation, lock_holder, restore
 
     path = settings_mod.config_path()
     settings = settings_mod.load(path)
@@ -70,7 +74,13 @@ def _prepare(args):
         last = last_conversation()
         if last is None:
             raise KvchatError("--resume: no saved conversation yet; start one with plain `kvchat`")
+        holder = lock_holder(last)
+        if holder is not None and holder != os.getpid():
+            raise KvchatError(f"--resume: {last.name} is open in another kvchat (pid {holder}); close it there first")
         restored = restore(last)
+        if restored.skipped:
+            print(f"kvchat: {last.name}: skipped {restored.skipped} damaged record"
+                  f"{'s' if restored.skipped > 1 else ''}; the rest is restored", file=sys.stderr)
     if args.theme is not None and args.theme != settings.theme:
         settings.theme = args.theme
         settings_mod.save(settings, path)
