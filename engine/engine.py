@@ -92,6 +92,18 @@ def default_budget(geom: Geometry, kv_dtype: str, device: torch.device) -> int:
     return max(min(want, free // 4), 64 * 2**20)
 
 
+def check_memory(geom: Geometry, dtype: str, kv_dtype: str, kv_budget: int | None, device: torch.device) -> None:
+    """Refuse in one line, before allocating anything, a model whose weights and pool cannot
+    fit in the device's free memory (an 8B model in fp32 on a 24 GiB machine)."""
+    from .geometry import DTYPE_BYTES
+    from .sizing import memory_plan
+    pool = kv_budget or (0 if device.type == "cuda" else default_budget(geom, kv_dtype, device))
+    plan = memory_plan(geom, dtype, pool, available_memory(device), str(device))
+    if not plan.fits:
+        smaller = {d: geom.param_count() * DTYPE_BYTES[d] for d in ("bf16",) if DTYPE_BYTES[d] < DTYPE_BYTES[dtype]}
+        raise KvchatError(plan.refusal(smaller))
+
+
 class Engine:
     def __init__(self, config: EngineConfig | None = None, source: ModelSource | None = None) -> None:
         self.config = cfg = config or EngineConfig()
@@ -100,6 +112,7 @@ class Engine:
         self.device = pick_device(cfg.device)
         self.dtype_name, kv_dtype = pick_dtypes(cfg, self.device)
         self.dtype = TORCH_DTYPES[self.dtype_name]
+        check_memory(self.geometry, self.dtype_name, kv_dtype, cfg.kv_budget, self.device)
         self.tokenizer = load_tokenizer(self.source)
         self.model = load_model(self.source, self.device, self.dtype, cfg.seed)
         self.lock = threading.RLock()  # one turn at a time touches the pool

@@ -9,7 +9,8 @@ import json
 import sys
 from pathlib import Path
 
-from .args import Parser, UsageError, add_cap_args, add_model_args, add_sampling_args, engine_config, sampling
+from .args import (Parser, UsageError, add_cap_args, add_model_args, add_sampling_args, engine_config, positive_int,
+                   sampling)
 
 EXIT_USAGE = 2
 
@@ -39,8 +40,12 @@ def build_parser() -> Parser:
     replay.add_argument("--json", action="store_true")
     replay.set_defaults(func=cmd_replay)
 
-    info = sub.add_parser("info", help="model geometry and KV bytes per token; needs no weights")
+    info = sub.add_parser("info", help="model geometry, KV bytes per token, what-if sizing; needs no weights")
     add_model_args(info)
+    info.add_argument("--tokens", type=positive_int("--tokens"), default=None,
+                      help="what if a conversation holds N tokens: its cache, and its share of --kv-budget")
+    info.add_argument("--users", type=positive_int("--users"), default=1,
+                      help="with --tokens: that many such conversations at once (default 1)")
     info.add_argument("--json", action="store_true")
     info.set_defaults(func=cmd_info)
 
@@ -53,16 +58,18 @@ def build_parser() -> Parser:
 def load_backend(args, quiet: bool = False):
     """Validate everything that can be checked cheaply before saying "loading"."""
     from kvchat.engine import Engine
+    from kvchat.engine.engine import check_memory, pick_device, pick_dtypes
+    from kvchat.engine.pool_spec import plan_pool
+    from kvchat.engine.sources import resolve
 
     from .backends.local import LocalBackend
-    from kvchat.engine.sources import resolve
-    from kvchat.engine.engine import pick_device, pick_dtypes
-    from kvchat.engine.pool_spec import plan_pool
     cfg = engine_config(args)
     src = resolve(cfg.model, cfg.random_weights)
-    _, kv_dtype = pick_dtypes(cfg, pick_device(cfg.device))
+    device = pick_device(cfg.device)
+    dtype, kv_dtype = pick_dtypes(cfg, device)
     if cfg.kv_budget:
         plan_pool(src.geometry, kv_dtype, cfg.kv_budget, cfg.block_size)
+    check_memory(src.geometry, dtype, kv_dtype, cfg.kv_budget, device)
     if not quiet:
         print(f"loading {src.name} ...", file=sys.stderr, flush=True)
     return LocalBackend(Engine(cfg, source=src))
@@ -142,22 +149,31 @@ def cmd_replay(args) -> int:
 def cmd_info(args) -> int:
     from kvchat.engine.geometry import DTYPE_BYTES
     from kvchat.engine.pool_spec import plan_pool
-    from kvchat.engine.units import human_bytes, parse_bytes
+    from kvchat.engine.sizing import step_reads, what_if
     from kvchat.engine.sources import resolve
+    from kvchat.engine.units import human_bytes, parse_bytes
     src = resolve(args.model or "smollm2-135m", random_weights=True)  # geometry only: no weights read
     g = src.geometry
     dtype = args.dtype if args.dtype != "auto" else "bf16"  # the native dtype of every Llama in the table
     kv = args.kv_dtype if args.kv_dtype != "auto" else dtype
     per_token = g.kv_bytes_per_token(kv)
+    budget = parse_bytes(args.kv_budget) if args.kv_budget else None
+    reads = step_reads(g, dtype, kv, g.max_position)
     out = {"model": src.name, "n_layers": g.n_layers, "hidden": g.hidden, "n_heads": g.n_heads,
            "n_kv_heads": g.n_kv_heads, "head_dim": g.head_dim, "intermediate": g.intermediate,
            "vocab_size": g.vocab_size, "max_position": g.max_position, "kv_dtype": kv,
            "kv_bytes_per_token": per_token, "formula": g.formula(kv), "params": g.param_count(),
-           "weight_bytes": g.param_count() * DTYPE_BYTES[dtype], "dtype": dtype, "source": g.source}
-    if args.kv_budget:
-        spec = plan_pool(g, kv, parse_bytes(args.kv_budget), args.block_size)
-        out.update(kv_budget=parse_bytes(args.kv_budget), block_size=args.block_size, num_blocks=spec.num_blocks,
+           "weight_bytes": g.param_count() * DTYPE_BYTES[dtype], "dtype": dtype, "source": g.source,
+           "step_weight_bytes": reads.weight_bytes, "cache_equals_weights_at_tokens": reads.crossover_tokens}
+    if budget:
+        spec = plan_pool(g, kv, budget, args.block_size)
+        out.update(kv_budget=budget, block_size=args.block_size, num_blocks=spec.num_blocks,
                    tokens_that_fit=spec.capacity_tokens)
+    if args.tokens:
+        w = what_if(g, kv, args.tokens, args.users, budget, args.block_size)
+        out["what_if"] = {"tokens": w.tokens, "users": w.users, "bytes_needed": w.bytes_needed,
+                          "scale_bytes_per_token": w.scale_bytes_per_token, "budget": w.budget,
+                          "share_of_budget": w.share, "users_that_fit": w.users_that_fit}
     if args.json:
         print(json.dumps(out))
         return 0
@@ -168,10 +184,27 @@ def cmd_info(args) -> int:
     print(f"  in other KV dtypes: {others}")
     for s in sorted({1024, 8192, 32768, g.max_position}):
         print(f"  {s:>7,} tokens: {human_bytes(per_token * s)}")
+    print(f"Each decode step reads every weight ({human_bytes(reads.weight_bytes)}) and the whole cache: the cache "
+          f"read equals the weight read at {reads.crossover_tokens:,} tokens of context")
     if "tokens_that_fit" in out:
         print(f"--kv-budget {args.kv_budget}: {out['num_blocks']:,} blocks of {args.block_size} tokens = "
               f"{out['tokens_that_fit']:,} tokens")
+    if args.tokens:
+        print(what_if_line(w, human_bytes))
     return 0
+
+
+def what_if_line(w, human_bytes) -> str:
+    """One sentence: what `w.users` conversations of `w.tokens` tokens cost, and if they fit."""
+    who = f"{w.users:,} conversations of {w.tokens:,} tokens" if w.users > 1 else f"{w.tokens:,} tokens"
+    scales = f" + {w.scale_bytes_per_token:,} B of scales" if w.scale_bytes_per_token else ""
+    line = (f"What if: {who} x {w.bytes_per_token:,} B{scales} per token = {w.bytes_needed / 1e9:,.2f} GB "
+            f"({human_bytes(w.bytes_needed)}) in {w.kv_dtype}")
+    if w.budget is None:
+        return line + "; give --kv-budget to compare it with a budget"
+    fit = (f"{w.users_that_fit:,} such conversation{'s fit' if w.users_that_fit != 1 else ' fits'} at a time"
+           if w.users_that_fit else "not even one such conversation fits")
+    return line + f": {w.share:.0%} of the {w.budget / 1e9:,.2f} GB budget; {fit}"
 
 
 def cmd_chat(args) -> int:

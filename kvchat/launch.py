@@ -47,7 +47,7 @@ def prepare(args):
 
 def _prepare(args):
     from kvchat.engine import Engine
-    from kvchat.engine.engine import pick_device, pick_dtypes
+    from kvchat.engine.engine import check_memory, pick_device, pick_dtypes
     from kvchat.engine.policy import make_policy
     from kvchat.engine.sources import resolve
 
@@ -67,8 +67,10 @@ def _prepare(args):
     make_policy(args.policy)
     cfg = engine_config(args)
     sp = sampling(args, default_max=512)
-    pick_dtypes(cfg, pick_device(cfg.device))
+    device = pick_device(cfg.device)
+    dtype, kv_dtype = pick_dtypes(cfg, device)
     source = resolve(cfg.model, cfg.random_weights)
+    check_memory(source.geometry, dtype, kv_dtype, cfg.kv_budget, device)
     restored = None
     if args.resume:
         last = last_conversation()
