@@ -15,6 +15,8 @@ from typing import Any
 from kvchat.engine.engine import KV_DTYPES
 from kvchat.engine.policy import POLICIES
 
+from .files import FileRefused, read_text
+
 MAX_LOAD_BYTES = 1 << 20
 PANELS = ("cache", "cap", "blocks", "latency", "all")
 
@@ -153,20 +155,12 @@ def message_text(text: str) -> str:
 
 
 def read_message_file(path: Path) -> str:
-    """A /load file's text, or CommandError naming what is wrong with it."""
+    """A /load file's text, or CommandError naming what is wrong with it. Only a regular
+    file is read (a FIFO would freeze the UI, a device read without end), at most 1 MiB."""
     try:
-        size = path.stat().st_size
-        if path.is_dir():
-            raise CommandError(f"/load {path}: is a directory; give a text file")
-        if size > MAX_LOAD_BYTES:
-            raise CommandError(f"/load {path}: {size:,} bytes is over the {MAX_LOAD_BYTES:,}-byte limit")
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise CommandError(f"/load {path}: no such file") from None
-    except UnicodeDecodeError:
-        raise CommandError(f"/load {path}: not UTF-8 text") from None
-    except OSError as err:
-        raise CommandError(f"/load {path}: cannot read ({err.strerror or err})") from None
+        text = read_text(path, MAX_LOAD_BYTES)
+    except FileRefused as err:
+        raise CommandError(f"/load {path}: {err}; give a UTF-8 text file of at most 1 MiB") from None
     if not text.strip():
         raise CommandError(f"/load {path}: the file is empty")
     return text

@@ -9,6 +9,7 @@ import sys
 from kvchat.engine.errors import KvchatError
 
 from . import settings as settings_mod
+from .args import UsageError
 from . import theming
 from .settings import SettingsError
 from .store import StoreError
@@ -39,7 +40,7 @@ def run_chat(args) -> int:
 def prepare(args):
     try:
         return _prepare(args)
-    except (KvchatError, SettingsError, StoreError) as err:
+    except (KvchatError, SettingsError, StoreError, UsageError) as err:
         raise LaunchError(str(err)) from None
     except OSError as err:
         raise LaunchError(f"{err.filename or ''}: {err.strerror or err}".lstrip(": ")) from None
@@ -52,7 +53,7 @@ def _prepare(args):
     from kvchat.engine.sources import resolve
 
     from .app import AppOptions, KvChatApp
-    from .args import engine_config, sampling
+    from .args import check_start, engine_config, sampling
     from .session import SessionOptions
     from .store import last_conversation, lock_holder, restore
 
@@ -70,6 +71,7 @@ def _prepare(args):
     device = pick_device(cfg.device)
     dtype, kv_dtype = pick_dtypes(cfg, device)
     source = resolve(cfg.model, cfg.random_weights)
+    check_start(args, source, device, kv_dtype)
     check_memory(source.geometry, dtype, kv_dtype, cfg.kv_budget, device)
     restored = None
     if args.resume:
