@@ -78,6 +78,14 @@ async def test_resume_shows_the_saved_conversation_and_puts_an_unanswered_messag
     ('{"keys": {"reset": "ctrl+e"}}', "unknown key id 'reset'"),
     ('{"keys": {"reset_cache": "r"}}', "printable character"),
     ('{"theme": 3}', "'theme' must be a theme name"),
+    ('{"keys": {"reset_cache": "ctrl+q"}}', "already 'quit'"),             # would take quit's key
+    ('{"keys": {"reset_cache": "f5"}}', "already 'regenerate'"),
+    ('{"keys": {"reset_cache": "ctrl+frobnicate"}}', "not a key name"),
+    ('{"keys": {"reset_cache": "hyperctrl+e"}}', "not a key name"),
+    ('{"keys": {"reset_cache": "ctrl+"}}', "not a key name"),
+    ('{"keys": {"reset_cache": "enter"}}', "the message input's own key"),
+    ('{"keys": {"reset_cache": "ctrl+c"}}', "the message input's own key"),
+    ('{"keys": {"quit": ["ctrl+q"]}}', "must be a string"),
 ])
 def test_a_bad_settings_file_is_one_line_naming_the_file_and_the_problem(tmp_path, content, problem):
     path = tmp_path / "settings.json"
@@ -195,3 +203,31 @@ def test_a_log_that_cannot_be_written_keeps_every_record_and_says_so_once(tmp_pa
     log.turn(SUMMARY)
     assert log.unsaved == [] and log.error is None
     assert restore(log.path).messages[-1] == {"role": "assistant", "content": "hi"}
+
+
+def test_saving_the_theme_keeps_key_bindings_edited_in_the_file_meanwhile(tmp_path):
+    path = tmp_path / "settings.json"
+    running = settings_mod.load(path)                                        # the app starts
+    path.write_text(json.dumps({"keys": {"reset_cache": "ctrl+e"}}))         # the user edits the file
+    running.theme = "light"
+    settings_mod.save(running, path)                                         # the app remembers a theme
+    assert settings_mod.load(path) == Settings(theme="light", keys={"reset_cache": "ctrl+e"})
+    path.write_text("{half an edit")
+    with pytest.raises(OSError, match="not valid now"):
+        settings_mod.save(running, path)
+    assert path.read_text() == "{half an edit"
+
+
+def test_two_processes_saving_at_once_never_leave_a_broken_file_or_a_temp_file(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    path = tmp_path / "settings.json"
+    script = ("import sys\nfrom pathlib import Path\nfrom kvchat import settings as s\n"
+              "for i in range(60):\n    s.save(s.Settings(theme=sys.argv[1]), Path(sys.argv[2]))\n")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    procs = [subprocess.Popen([sys.executable, "-c", script, theme, str(path)], env=env) for theme in ("dark", "light")]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    assert settings_mod.load(path).theme in ("dark", "light")
+    assert [f.name for f in tmp_path.iterdir()] == ["settings.json"]
