@@ -126,9 +126,13 @@ def utf8_text(what: str, text: str | None) -> str | None:
     try:
         text.encode("utf-8")
     except UnicodeEncodeError as err:
-        bad = text[err.start].encode("utf-8", "surrogateescape") if err.start < len(text) else b""
-        raise UsageError(f"{what} is not valid UTF-8 text (byte {bad.hex() or '?'} at character {err.start}); "
-                         "give UTF-8 text") from None
+        ch = text[err.start]
+        try:
+            bad = f"byte 0x{ch.encode('utf-8', 'surrogateescape').hex()}"   # argv's undecodable bytes
+        except UnicodeEncodeError:
+            bad = f"lone surrogate U+{ord(ch):04X}"                         # a JSON \\ud800 escape
+        raise UsageError(f"{what} is not valid UTF-8 text ({bad} at character {err.start}); give UTF-8 text") \
+            from None
     return text
 
 

@@ -105,7 +105,19 @@ def _path(args, _themes) -> Path:
 def _optional_path(args, _themes) -> Path | None:
     if len(args) > 1:
         raise CommandError("usage: /save [FILE] (quote a name with spaces)")
-    return Path(args[0]).expanduser() if args else None
+    return _save_path("save", args[0]) if args else None
+
+
+def _overwrite_path(args, _themes) -> Path:
+    return _save_path("save!", _one("save!", "/save! FILE (overwrites FILE.md and FILE.jsonl)", args))
+
+
+def _save_path(name: str, text: str) -> Path:
+    """Where /save writes: FILE.md and FILE.jsonl. A name ending in / means a directory,
+    never a file beside it (so `/save /etc/` is not /etc.md)."""
+    if not text.strip() or text.endswith(("/", "/.", "/..")) or text in (".", ".."):
+        raise CommandError(f"/{name} {text!r}: give a file name (kvchat adds .md and .jsonl), e.g. /{name} notes/chat")
+    return Path(text).expanduser()
 
 
 COMMANDS: dict[str, Spec] = {s.name: s for s in (
@@ -115,7 +127,9 @@ COMMANDS: dict[str, Spec] = {s.name: s for s in (
     Spec("policy", f"/policy {'|'.join(POLICIES)}", "what happens when a turn would pass the cap",
          _choice("policy", tuple(POLICIES))),
     Spec("load", "/load FILE", "send a text file's content as a message", _path),
-    Spec("save", "/save [FILE]", "write FILE.md (transcript) and FILE.jsonl (telemetry)", _optional_path),
+    Spec("save", "/save [FILE]", "write FILE.md (transcript) and FILE.jsonl (telemetry); never overwrites",
+         _optional_path),
+    Spec("save!", "/save! FILE", "like /save, overwriting FILE.md and FILE.jsonl if they exist", _overwrite_path),
     Spec("theme", "/theme NAME", "switch theme (remembered)", _theme),
     Spec("cache", "/cache on|off", "keep the KV cache, or recompute everything each token",
          _choice("cache", ("on", "off"))),
