@@ -11,10 +11,12 @@ fsynced as it happens, so a crash or a quit loses nothing.
 """
 from __future__ import annotations
 
+import contextlib
 import errno
 import fcntl
 import json
 import os
+import tempfile
 import threading
 import time
 import uuid
@@ -363,9 +365,19 @@ def export(base: Path, messages: Messages, turns: list[dict[str, Any]], model: s
 
 
 def _write_private(path: Path, text: str, overwrite: bool) -> None:
-    """Create (or with overwrite, replace) a regular file readable by its owner only."""
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | (os.O_TRUNC if overwrite else os.O_EXCL)
-    fd = os.open(path, flags, 0o600)
-    with os.fdopen(fd, "w", encoding="utf-8") as fh:
-        os.fchmod(fd, 0o600)   # an overwritten file keeps its old mode otherwise
-        fh.write(text)
+    """Write a regular file readable by its owner only, all or nothing: the text goes to a
+    temporary file beside it first, so a full disk leaves neither a partial file nor, with
+    overwrite, a truncated old one. Without overwrite, os.link refuses an existing name."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")   # mode 0600
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if overwrite:
+            os.replace(tmp, path)   # replaces a name, never writes through a link
+        else:
+            os.link(tmp, path)      # FileExistsError if the name appeared meanwhile
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
