@@ -76,3 +76,24 @@ def test_the_tokenizer_loader_itself_refuses_remote_code_without_asking(tmp_path
     assert out.returncode == 2, out.stderr
     assert out.stdout == ""
     assert not marker.exists()
+
+
+def test_a_conversion_killed_mid_write_leaves_no_temp_dir_behind(tmp_path, monkeypatch):
+    """convert_gguf cleans .converting-<pid>-* dirs of dead processes when it starts; a live
+    process's own conversion is left alone."""
+    from kvchat.engine.sources import bundled_gguf, convert_gguf
+    real = bundled_dir() / "model.safetensors"
+    monkeypatch.setenv("KVCHAT_CACHE_DIR", str(tmp_path))
+    gguf = bundled_gguf()
+    done = tmp_path / "converted" / f"{gguf.stem}-{gguf.stat().st_size}"
+    done.mkdir(parents=True)
+    (done / "model.safetensors").symlink_to(real)                                   # already converted
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    stale = done.parent / f".converting-{dead.pid}-abc123"
+    live = done.parent / f".converting-{os.getppid()}-def456"
+    for d in (stale, live):
+        d.mkdir()
+        (d / "model.safetensors").write_bytes(b"half written")
+    assert convert_gguf(gguf) == done
+    assert not stale.exists() and live.exists()
