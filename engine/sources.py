@@ -64,7 +64,12 @@ def resolve(model: str | None, random_weights: bool = False) -> ModelSource:
             f"download {HF_REPOS[alias]} (huggingface-cli download {HF_REPOS[alias]}) or point --model at "
             f"its directory, or add --random-weights to run its geometry with random weights")
     path = Path(name).expanduser()
-    if not path.exists():
+    try:
+        exists = path.exists()
+    except OSError as err:   # a name too long, or a permission denied on the way
+        raise ModelLoadError(f"model {name[:200]!r}: {err.strerror}; give an existing directory or .gguf file, "
+                             f"or an alias ({', '.join(sorted(KNOWN))})") from None
+    if not exists:
         raise ModelLoadError(
             f"model {name!r} not found: give an existing directory or .gguf file, or an alias "
             f"({', '.join(sorted(KNOWN))})")

@@ -89,7 +89,8 @@ def run_turn(chat, text: str, sp, stream) -> dict:
 
 
 def cmd_ask(args) -> int:
-    utf8_text("the message", args.message)
+    if not utf8_text("the message", args.message).strip():
+        raise UsageError("empty message: give the text to send, e.g. kvchat ask \"What is a KV cache?\"")
     sp = sampling(args)
     backend = load_backend(args, quiet=args.json)
     chat = backend.open(system=args.system, cap=args.cap, mode="off" if args.no_cache else "cache")

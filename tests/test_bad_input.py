@@ -75,6 +75,13 @@ def replay_file(content: str | bytes):
     return setup
 
 
+def model_file(name: str, content: bytes):
+    def setup(tmp: Path) -> list[str]:
+        (tmp / name).write_bytes(content)
+        return ["ask", "--model", str(tmp / name), "hi"]
+    return setup
+
+
 def replay_special(kind: str):
     def setup(tmp: Path) -> list[str]:
         if kind == "fifo":
@@ -142,6 +149,7 @@ CASES = [
     ("prompt-not-utf8", ["ask", "caf\udce9"], "the message is not valid UTF-8"),
     ("system-not-utf8", ["ask", "--system", "\udcff", "hi"], "--system is not valid UTF-8"),
     ("replay-message-lone-surrogate", replay_file('["\\ud800 hi"]'), "message 1 is not valid UTF-8"),
+    ("prompt-empty", ["ask", "  "], "empty message"),
     ("prompt-longer-than-the-context", tiny(argv=("ask", "--json", "--model", "{dir}", LONG_PROMPT)),
      "the cap is 512"),
     ("cap-past-the-context", tiny(argv=("replay", "--cap", "100000", "--model", "{dir}", "x.json")),
@@ -164,6 +172,9 @@ CASES = [
     ("replay-device", replay_special("/dev/zero"), "not a regular file"),
     ("replay-directory", replay_special("dir"), "is a directory"),
     # model directories
+    ("model-path-too-long", ["ask", "--model", "m" * 5000, "hi"], "File name too long"),
+    ("model-a-gguf-that-is-not", model_file("fake.gguf", b"GGUF junk"), "cannot read this GGUF as a Llama model"),
+    ("model-a-pickle", model_file("model.bin", b"\x80\x04junk"), "pickled checkpoints are not loaded"),
     ("config-a-list", config_text("[1, 2]"), "must be a JSON object"),
     ("config-a-string", config_text('"llama"'), "must be a JSON object"),
     ("config-not-utf8", config_text(b"{\"model_type\": \"\xff\"}"), "unreadable config.json"),
