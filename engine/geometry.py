@@ -103,14 +103,14 @@ HF_REPOS: dict[str, str] = {
 ROPE_TYPES = ("default", "llama3")     # what model.rope_inv_freq implements
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 _NEEDED = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
-_MAX_DIM = 1 << 20                      # no Llama has a dimension near this; a bigger one is a typo
+_MAX_INT = 2**31 - 1                    # a size past int32 in a config is a typo, not a model
 
 
 def _int(cfg: dict[str, Any], key: str, name: str, default: int | None = None, lo: int = 1) -> int:
     value = cfg.get(key, default)
     if value is None:
         raise ModelLoadError(f"{name}: config.json lacks {key!r}; a Llama config needs {', '.join(_NEEDED)}")
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= _MAX_DIM * (1 << 10):
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= _MAX_INT:
         raise ModelLoadError(f"{name}: config.json {key} must be a whole number >= {lo}, got {value!r}")
     return value
 

@@ -113,7 +113,9 @@ def _replay_message(path: str, where: str, m) -> str:
     if not isinstance(m, str):
         raise UsageError(f"replay file {path!r}: {where} is {type(m).__name__}; accepted: a string or "
                          "{\"role\": \"user\", \"content\": \"...\"}")
-    return utf8_text(f"replay file {path!r}: {where}", m)
+    if not utf8_text(f"replay file {path!r}: {where}", m).strip():
+        raise UsageError(f"replay file {path!r}: {where} is empty; give the text to send")
+    return m
 
 
 def read_replay(path: str) -> list[list[str]]:

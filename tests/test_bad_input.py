@@ -162,6 +162,7 @@ CASES = [
      '"role": "user"'),
     ("replay-message-a-number", replay_file("[\"hi\", 3]"), "message 2 is int"),
     ("replay-empty-list", replay_file("[]"), "expected a non-empty JSON list"),
+    ("replay-empty-message", replay_file('["hi", "  "]'), "message 2 is empty"),
     ("replay-empty-conversation", replay_file("[[\"hi\"], []]"), "conversation 2 is empty"),
     ("replay-null", replay_file("null"), "expected a non-empty JSON list"),
     ("replay-object", replay_file('{"messages": ["hi"]}'), "expected a non-empty JSON list"),
