@@ -1,25 +1,29 @@
 """The kvchat app: the chat on the left, the KV cache's telemetry on the right.
 
-Threads: the UI thread owns every widget. Loading the engine, each turn, and each cache
-operation run in `@work(thread=True)` workers, one job at a time (a small queue), and
-report back only through post_message. A turn holds engine.lock from its prefill to its
-last token, so the UI thread never calls an engine method that takes the lock; cache
-snapshots are taken by the worker, at most a few times a second (see turn.py), of the
-conversation in focus at that moment (several share the pool: see conversations.py).
+Parts, one file each: a ChatView per conversation and the RunningTurn (chat_view.py), the
+open conversations and the focus (conversations.py), what keys and commands do
+(controls.py), the job queue and its workers (jobs.py), the relay of a turn's events
+(turn.py); host.py is the app as those parts see it. The app sees the model only
+through a Backend (backends/protocol.py) and the engine's telemetry types.
+
+Threads: the UI thread owns every widget. Loading the backend, each turn, and each
+operation that may block run in thread workers, one job at a time (JobQueue), and report
+back only through messages. A turn holds the backend from its prefill to its last token,
+so the UI thread calls only what never waits on it (`state()`, `info()`, set_cap);
+snapshots are taken by the worker, at most a few times a second (turn.py), of the
+conversation in focus at that moment.
 """
 from __future__ import annotations
 
-import threading
 import time
-from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
-from typing import Any
 
-from textual import work
 from textual.app import App, ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.message import Message
 from textual.widgets import ContentSwitcher, Footer, ProgressBar
 
 from kvchat.engine.errors import KvchatError
@@ -27,17 +31,16 @@ from kvchat.engine.sampler import SamplingParams
 from kvchat.engine.telemetry import CacheSnapshot
 
 from . import keys, theming
-from .actions import ChatActions
+from .backends.protocol import BLOCK_MAP, Backend
+from .chat_view import ChatOptions, ChatView, RunningTurn, TurnEnded, TurnProgress, open_chat
 from .commands import CommandError, message_text, parse
+from .controls import Controls
 from .conversations import Conversations
-from .jobs import Jobs, one_line
-from .messages import EngineFailed, EngineReady, TurnEnded, TurnProgress
-from .session import ChatSession, SessionOptions
+from .jobs import Busy, Job, JobQueue, Op, OpEnded, one_line, run_op, run_turn
 from .settings import Settings
 from .store import Restored
-from .turn import Governor, relay
-from .widgets import (BlockMap, CachePanel, CapGauge, ChatInput, ConversationBar, LatencyPanel, Reply, StatusBar,
-                      Transcript, UserMessage)
+from .turn import Governor
+from .widgets import BlockMap, CachePanel, CapGauge, ChatInput, ConversationBar, LatencyPanel, StatusBar
 
 NARROW = 90   # below this many columns the panels hide themselves (ctrl+b shows them)
 
@@ -46,46 +49,51 @@ NARROW = 90   # below this many columns the panels hide themselves (ctrl+b shows
 class AppOptions:
     model: str                                  # a label for the loading line
     sampling: SamplingParams
-    session: SessionOptions
+    chat: ChatOptions = field(default_factory=ChatOptions)
     theme: str = "dark"
     restored: Restored | None = None            # --resume
     data_root: Path | None = None               # None: the platform's user data dir
 
 
-class KvChatApp(ChatActions, Conversations, Jobs, App[int], inherit_bindings=False):
+class BackendReady(Message):
+    def __init__(self, backend: Backend, seconds: float) -> None:
+        super().__init__()
+        self.backend, self.seconds = backend, seconds
+
+
+class BackendFailed(Message):
+    def __init__(self, error: str) -> None:
+        super().__init__()
+        self.error = error
+
+
+class KvChatApp(App[int], inherit_bindings=False):
     """App's own ctrl+q / ctrl+c bindings are replaced by keys.KEYS (not inherited)."""
 
     TITLE = "kvchat"
     ENABLE_COMMAND_PALETTE = False
     BINDINGS = keys.bindings()
 
-    def __init__(self, engine_factory: Callable[[], Any], options: AppOptions,
+    def __init__(self, backend_factory: Callable[[], Backend], options: AppOptions,
                  settings: Settings | None = None, settings_path: Path | None = None) -> None:
         self.themes = theming.available()
         folder = theming.themes_dir()
         super().__init__(css_path=[folder / theming.BASE_CSS, *(t.path for t in self.themes.values())])
         self.register_theme(theming.HIGH_CONTRAST)
-        self.engine_factory = engine_factory
+        self.backend_factory = backend_factory
         self.options = options
         self.settings = settings or Settings()
         self.settings_path = settings_path
         self.theme_name = options.theme if options.theme in self.themes else next(iter(self.themes))
-        self.engine: Any = None
-        self.sessions: list[ChatSession] = []
-        self.session: ChatSession | None = None     # the conversation in focus
-        self.turn_session: ChatSession | None = None   # the one whose turn runs (or ran last)
-        self.waiting: set[ChatSession] = set()          # those with a turn in the job queue
-        self.next_number = 1
-        self.busy: str | None = "load"          # the running job: load, reply, or an op label
-        self.jobs: deque[tuple[str, Callable[[], Any]]] = deque()
-        self.cancel = threading.Event()
-        self.reply: Reply | None = None
-        self.turn_text: str | None = None
-        self.user_widget: Any = None
-        self.quitting = False
-        self.exiting = False
+        self.backend: Backend | None = None
+        self.conversations = Conversations(self, options.data_root)
+        self.controls = Controls(self, self.conversations)
+        self.jobs = JobQueue(self._start_job)
+        self.turn: RunningTurn | None = None        # the running turn (the last one, once idle)
         self.governor = Governor()
         self.panels_forced = False
+        self.quitting = False
+        self.exiting = False
         self.failure: str | None = None         # one line for stderr after exit
         self._load_started = time.perf_counter()
 
@@ -96,7 +104,7 @@ class KvChatApp(ChatActions, Conversations, Jobs, App[int], inherit_bindings=Fal
             with Vertical(id="chat"):
                 yield ConversationBar(id="conversations", classes="single")
                 with ContentSwitcher(id="transcripts", initial="transcript"):
-                    yield Transcript(id="transcript")
+                    yield ChatView(self.conversations.number(), id="transcript")
                 yield ChatInput(id="input")
             with VerticalScroll(id="panels"):
                 yield CachePanel(id="cache-panel")
@@ -109,11 +117,10 @@ class KvChatApp(ChatActions, Conversations, Jobs, App[int], inherit_bindings=Fal
         self.apply_theme(self.theme_name)
         self.set_keymap(self.settings.keys)
         self.part(StatusBar).info = f"kvchat · {self.options.model}"
-        bar = ProgressBar(total=None, show_eta=False, show_percentage=False, id="loading")
-        self.transcript.mount(bar)
+        self.transcript.mount(ProgressBar(total=None, show_eta=False, show_percentage=False, id="loading"))
         self._load_timer = self.set_interval(0.1, self._loading_tick)
         self.part(ChatInput).focus()
-        self._load()
+        self.run_worker(self._load, thread=True, group="load", exit_on_error=False)
 
     def on_resize(self, event) -> None:
         if not self.panels_forced:
@@ -135,90 +142,129 @@ class KvChatApp(ChatActions, Conversations, Jobs, App[int], inherit_bindings=Fal
         super().exit(*args, **kwargs)
 
     @property
+    def view(self) -> ChatView | None:
+        """The conversation in focus (None until the backend is loaded)."""
+        return self.conversations.focused
+
+    @property
+    def views(self) -> list[ChatView]:
+        return self.conversations.views
+
+    @property
+    def transcript(self) -> ChatView:
+        """The focused conversation's view (the first one while the model loads)."""
+        return self.view if self.view is not None else self.part("#transcript")
+
+    @property
+    def busy(self) -> Busy | None:
+        return self.jobs.busy
+
+    @property
     def snapshot(self) -> CacheSnapshot | None:
         """The focused conversation's latest cache snapshot."""
-        return self.session.snapshot if self.session is not None else None
+        return self.view.snapshot if self.view is not None else None
 
     def keymap(self) -> dict[str, str]:
         return {k.id: self.settings.keys.get(k.id, k.keys) for k in keys.KEYS}
 
     def check_action(self, action: str, parameters: tuple[object, ...]) -> bool | None:
-        """Chat keys are off while a dialog is open (its own keys win), and need a session."""
-        if action in {k.action for k in keys.KEYS}:
+        """Chat keys are off while a dialog is open (its own keys win), and need a conversation."""
+        if action == "key":
             if len(self.screen_stack) > 1:
                 return False
-            if self.session is None and action not in ("help", "quit", "theme", "toggle_panels"):
+            if self.view is None and parameters[0] not in ("help", "quit", "theme", "toggle_panels"):
                 return None
         return True
 
-    # ---- status ---------------------------------------------------------------------------------
+    # ---- status and panels ----------------------------------------------------------------------
     def status(self, state: str) -> None:
         self.part(StatusBar).state = state
 
     def update_status(self) -> None:
-        e, conv = self.engine, self.session.conv
-        cap = f"cap {conv.cap:,}" if conv.cap else "no cap"
-        chat = f"chat {self.session.number} of {len(self.sessions)} · " if len(self.sessions) > 1 else ""
+        info, s = self.backend.info(), self.view.state
+        cap = f"cap {s.cap:,}" if s.cap else "no cap"
+        chat = f"chat {self.view.number} of {len(self.views)} · " if len(self.views) > 1 else ""
         self.part(StatusBar).info = (
-            f"{chat}{e.source.name} · {e.device} · {e.dtype_name} · KV {e.kv_dtype} · "
-            f"cache {'on' if conv.mode == 'cache' else 'off'} · {cap} · {conv.policy.name}")
+            f"{chat}{info.model} · {info.device} · {info.dtype} · KV {info.kv_dtype} · "
+            f"cache {'on' if s.mode == 'cache' else 'off'} · {cap} · {s.policy}")
 
     def notice(self, text: str, error: bool = False) -> None:
         """A line in the focused conversation's transcript."""
         self.transcript.add_notice(text, error)
 
+    def take_snapshot(self, view: ChatView | None, snap: CacheSnapshot) -> None:
+        """Keep a conversation's snapshot; draw it if that one is in focus."""
+        if view is None:
+            return
+        view.snapshot = snap
+        if view is self.view:
+            self.show_snapshot(snap)
+
+    def show_snapshot(self, snap: CacheSnapshot) -> None:
+        self.part(CachePanel).show(snap, self.backend.info().geometry)
+        self.part(BlockMap).show(snap)
+        self.update_gauge()
+
+    def update_gauge(self) -> None:
+        view = self.view
+        s = view.refresh_state()
+        held = view.snapshot.tokens_held if view.snapshot is not None else 0
+        tokens = held if s.mode == "cache" else view.context_tokens
+        self.part(CapGauge).show(tokens, s.cap, s.policy, s.policy_description,
+                                 self.backend.info().max_position or 0, evicted=s.evicted_tokens)
+
+    # ---- loading --------------------------------------------------------------------------------
     def _loading_tick(self) -> None:
         self.status(f"loading {self.options.model} … {time.perf_counter() - self._load_started:.1f} s")
 
-    # ---- loading --------------------------------------------------------------------------------
-    @work(thread=True, group="load", exit_on_error=False)
     def _load(self) -> None:
+        """In a worker: build the backend (the model load takes seconds)."""
         t0 = time.perf_counter()
         try:
-            engine = self.engine_factory()
+            backend = self.backend_factory()
         except KvchatError as err:
-            self.post_message(EngineFailed(str(err)))
+            self.post_message(BackendFailed(str(err)))
         except Exception as err:  # torch and transformers raise many types; report, never hide
-            self.post_message(EngineFailed(f"cannot load the model: {one_line(err)}"))
+            self.post_message(BackendFailed(f"cannot load the model: {one_line(err)}"))
         else:
-            self.post_message(EngineReady(engine, time.perf_counter() - t0))
+            self.post_message(BackendReady(backend, time.perf_counter() - t0))
 
-    async def on_engine_ready(self, msg: EngineReady) -> None:
+    async def on_backend_ready(self, msg: BackendReady) -> None:
         if self.exiting:
             return
         self._load_timer.stop()
-        self.engine = msg.engine
+        self.backend = msg.backend
         restored = self.options.restored
         try:
-            session = ChatSession.start(self.engine, self.options.session, self.options.data_root, restored)
+            opened = open_chat(self.backend, self.options.chat, self.options.data_root, restored)
         except (KvchatError, OSError) as err:
             self.failure = f"cannot start the conversation: {err}"
             self.exit(return_code=2)
             return
-        session.number = self.next_number
-        self.next_number += 1
-        transcript = self.part("#transcript")
-        await self.add_session(session, transcript)
-        self.session = session
+        view: ChatView = self.part("#transcript")
+        view.attach(*opened)
+        await self.conversations.add(view)
+        self.conversations.focused = view
         await self.part("#loading").remove()
         if restored is not None:
-            await transcript.show_history(session.conv.messages, session.turns)
-            for summary in session.turns:
-                session.latency.add_turn(summary)
-            transcript.add_notice(f"resumed {restored.path.name}: {len(restored.turns)} turns; the cache "
-                                        "is empty, so the next turn prefills the whole history")
+            await view.show_history(list(view.state.messages), view.turns)
+            view.add_notice(f"resumed {restored.path.name}: {len(restored.turns)} turns; the cache "
+                            "is empty, so the next turn prefills the whole history")
             if restored.unanswered:
                 self.part(ChatInput).restore(restored.unanswered)
-                transcript.add_notice("your last message got no reply; it is back in the input")
-        transcript.add_notice(f"{self.engine.source.name} loaded in {msg.seconds:.0f} s; F1 shows the keys")
-        self.part(LatencyPanel).attach(session.latency)
-        self.part(CachePanel).geometry = self.engine.geometry
+                view.add_notice("your last message got no reply; it is back in the input")
+        info, caps = self.backend.info(), self.backend.capabilities
+        view.add_notice(f"{info.model} loaded in {msg.seconds:.0f} s; F1 shows the keys")
+        self.part(LatencyPanel).attach(view.latency)
+        self.part(CachePanel).geometry = info.geometry
+        self.part(BlockMap).unavailable(None if caps.block_map != "none" else caps.why_not(BLOCK_MAP) or
+                                        "this backend cannot say which block holds what")
         self.update_status()
-        self.refresh_bar()
+        self.conversations.refresh_bar()
         self.run_op("read the cache", lambda: None)   # first snapshot, taken off the UI thread
-        self._job_done()
+        self.job_done()
 
-    def on_engine_failed(self, msg: EngineFailed) -> None:
+    def on_backend_failed(self, msg: BackendFailed) -> None:
         self.failure = msg.error
         self.exit(return_code=2)
 
@@ -231,142 +277,141 @@ class KvChatApp(ChatActions, Conversations, Jobs, App[int], inherit_bindings=Fal
             return
         if cmd is None:
             self.send(message_text(event.text))
-        elif self.session is None and cmd.name not in ("help", "theme", "quit", "panel"):
+        elif self.view is None and cmd.name not in ("help", "theme", "quit", "panel"):
             self.notice(f"/{cmd.name} waits for the model to load", error=True)
         else:
-            self.run_command(cmd)
+            self.controls.run(cmd)
 
     def send(self, text: str, shown: str | None = None, typed: str | None = None) -> None:
         """Send a message, shown in the transcript as `shown` (a /load preview); `typed` is
         what goes back into the input if the turn cannot run."""
-        session = self.session
-        if (self.busy == "reply" and self.turn_session is session) or session in self.waiting or (
-                session is None and any(label == "reply" for label, _ in self.jobs)):
+        view = self.transcript
+        if self.replying(view) or self.queued(view):
             self.notice("still replying: press escape to stop it, then send", error=True)
             self.part(ChatInput).restore(typed or text)
             return
-        if self.busy == "load":
+        if self.busy is Busy.LOAD:
             self.notice("the model is still loading; your message will be sent when it is ready")
-        elif self.busy == "reply":
-            self.notice(f"queued: conversation {self.turn_session.number} is replying, and the engine runs one "
+        elif self.busy is Busy.REPLY:
+            self.notice(f"queued: conversation {self.turn.view.number} is replying, and the engine runs one "
                         "turn at a time; this one starts when it ends")
-        self.start_turn(text, shown, typed)
+        self.submit(view.ask(text, shown, typed))
 
-    def start_turn(self, text: str | None, shown: str | None = None, typed: str | None = None) -> None:
-        """Queue a turn of the focused conversation: text to send, or None to regenerate the
-        last reply."""
-        asked = self.session                       # None while the model loads: the first one
-        shown_now = None
-        if asked is not None:
-            self.waiting.add(asked)
-            if text is not None and self.busy is not None:   # shown while it waits its turn
-                shown_now = UserMessage(shown or text)
-                asked.transcript.mount(shown_now)
+    def replying(self, view: ChatView) -> bool:
+        return self.busy is Busy.REPLY and self.turn is not None and self.turn.view is view
 
-        async def start() -> None:
-            session = asked or self.session
-            self.waiting.discard(session)
-            if session not in self.sessions:       # closed while the turn waited in the queue
-                self._job_done()
-                return
-            transcript = session.transcript
-            if text is None:
-                last = transcript.last_reply()
-                if last is not None:
-                    await last.remove()
-            else:
-                self.user_widget = shown_now or await transcript.add_user(shown or text)
-            self.reply = await transcript.start_reply()
-            self.turn_text = typed or text
-            self.turn_session = session
-            self.cancel = threading.Event()
-            session.latency.begin_turn(session.conv.mode)
-            self.status("prefilling…")
-            self.refresh_bar()
-            self.governor.begin()
-            self._turn_worker(session, text, self.cancel)
-        self.submit("reply", start)
+    def queued(self, view: ChatView) -> bool:
+        return any(isinstance(job, RunningTurn) and job.view is view for job in self.jobs)
 
-    @work(thread=True, group="turn", exit_on_error=False)
-    def _turn_worker(self, session: ChatSession, text: str | None, cancel: threading.Event) -> None:
-        conv = session.conv
-        try:
-            events = (conv.send(text, self.options.sampling, cancel) if text is not None
-                      else conv.regenerate(self.options.sampling, cancel))
-        except Exception as err:
-            self.post_message(TurnEnded(None, one_line(err), accepted=False))
+    def submit(self, turn: RunningTurn) -> None:
+        self.jobs.submit(turn)
+
+    def _start_job(self, job: Job) -> None:
+        if isinstance(job, Op):
+            self.status(f"{job.label}…")
+            self.call_later(self.run_worker, partial(run_op, job, self.backend, lambda: self.view, self.post_message),
+                            thread=True, group="op", exit_on_error=False)
+        else:
+            self.call_later(self._start_turn, job)
+
+    async def _start_turn(self, turn: RunningTurn) -> None:
+        view = turn.view
+        if view not in self.views:       # closed while the turn waited in the queue
+            self.job_done()
             return
-        session.log.sync(conv.messages)
-        stats, error = None, None
-        focus, prefilled = [self.session], [False]
+        self.turn = turn
+        await view.begin(turn)
+        self.status("prefilling…")
+        self.conversations.refresh_bar()
+        self.governor.begin()
+        self.run_worker(partial(run_turn, turn, self.backend, self.options.sampling, lambda: self.view,
+                                lambda: self.governor.interval), thread=True, group="turn", exit_on_error=False)
 
-        def snapshot():
-            """Of the conversation in focus now: the user may have switched mid-reply."""
-            focus[0] = self.session
-            return self.engine.snapshot(focus[0].conv)
-
-        def emit(p) -> None:
-            prefilled[0] = prefilled[0] or p.prefill is not None
-            self.post_message(TurnProgress(p, focus[0]))
-        try:
-            stats = relay(events, snapshot, emit, interval=lambda: self.governor.interval)
-        except Exception as err:
-            error = one_line(err)
-        session.log.sync(conv.messages)
-        if stats is not None:
-            session.record_turn(stats.summary())
-        viewer = self.session
-        snap = stats.cache if stats is not None and viewer is session else self.engine.snapshot(viewer.conv)
-        # failing before its first token, the engine restores the messages: as if never sent
-        self.post_message(TurnEnded(stats, error, accepted=stats is not None or prefilled[0], snapshot=snap,
-                                    focus=viewer))
-
-    async def on_turn_progress(self, msg: TurnProgress) -> None:
+    def on_turn_progress(self, msg: TurnProgress) -> None:
+        """After the turn's ChatView drew the text: the panels and the status line."""
         if self.exiting:
             return
-        p, session = msg.progress, self.turn_session
-        if self.reply is not None:
-            await self.reply.append(p.text)
-        if session is self.session:
+        p, view = msg.progress, msg.turn.view
+        if view is self.view:
             self.part(LatencyPanel).add_points(p.points)
         else:
-            session.latency.add_points(p.points)
-        if p.prefill is not None:
-            session.prompt_tokens = p.prefill.prompt_tokens
-        session.context_tokens = session.prompt_tokens + p.generated
+            view.latency.add_points(p.points)
         if p.snapshot is not None:
             self.take_snapshot(msg.focus, p.snapshot)
         if p.prefill is not None:
-            self.note_preemptions(session)       # making room for the prompt may have preempted others
-        where = f"conversation {session.number} " if session is not self.session else ""
+            self.conversations.note_preemptions(view)   # making room for the prompt may have preempted others
+        where = f"conversation {view.number} " if view is not self.view else ""
         self.status(f"{where}replying · {p.generated} tokens")
         self.governor.tick()
 
-    async def on_turn_ended(self, msg: TurnEnded) -> None:
+    def on_turn_ended(self, msg: TurnEnded) -> None:
+        """After the turn's ChatView finished the reply (or showed the refusal)."""
         if self.exiting:
             return
-        session = self.turn_session
-        latency = self.part(LatencyPanel) if session is self.session else session.latency
-        if not msg.accepted:
-            if self.reply is not None:
-                await self.reply.remove()
-            if self.turn_text is not None:
-                self.user_widget.refuse(msg.error or "")
-                if not self.part(ChatInput).text and session is self.session:
-                    self.part(ChatInput).restore(self.turn_text)
-            session.transcript.add_notice(msg.error or "the turn was refused", error=True)
-            latency.end_turn(None)
-        else:
-            summary = msg.stats.summary() if msg.stats is not None else None
-            if self.reply is not None:
-                await self.reply.finish(summary, error=msg.error)
-            latency.end_turn(summary)
-            if summary is not None:
-                session.context_tokens = summary["prompt_tokens"] + summary["generated_tokens"]
-        if msg.stats is not None:
-            session.snapshot = msg.stats.cache
+        turn, view = msg.turn, msg.turn.view
+        (self.part(LatencyPanel) if view is self.view else view.latency).end_turn(msg.record)
+        if not msg.accepted and turn.text is not None and view is self.view and not self.part(ChatInput).text:
+            self.part(ChatInput).restore(turn.typed or turn.text)
         if msg.snapshot is not None:
             self.take_snapshot(msg.focus, msg.snapshot)
-        self.reply = None
-        self._job_done()
-        self.note_preemptions(session)
+        self.job_done()
+        self.conversations.note_preemptions(view)
+
+    # ---- operations -----------------------------------------------------------------------------
+    def run_op(self, label: str, run: Callable[[], str | None], then=None,
+               focus: Callable[[], ChatView] | None = None, interrupt: bool = True) -> None:
+        """Run a backend operation in a worker, after the current job; stops a reply first
+        unless interrupt is False (then it waits for the reply to end)."""
+        if self.busy is Busy.REPLY and interrupt:
+            self.turn.cancel.set()
+            self.notice(f"stopping the reply to {label}")
+        self.jobs.submit(Op(label, run, then, focus))
+
+    async def on_op_ended(self, msg: OpEnded) -> None:
+        if self.exiting:
+            return
+        if msg.then is not None:
+            result = msg.then()
+            if hasattr(result, "__await__"):
+                await result
+        for view in self.views:
+            view.refresh_state()
+        if msg.snapshot is not None:
+            self.take_snapshot(msg.focus, msg.snapshot)
+        self.update_status()
+        if msg.error:
+            self.notice(msg.error, error=True)
+        elif msg.note:
+            self.notice(msg.note)
+        self.job_done()
+
+    def job_done(self) -> None:
+        idle = not self.jobs
+        if idle:
+            self.status("quitting" if self.quitting else "ready")
+        self.jobs.done()
+        if idle and self.quitting:
+            self.exit()
+
+    def quit_when_idle(self) -> None:
+        """Let the reply in progress end (so it is saved), then exit."""
+        self.quitting = True
+        self.jobs.clear()
+        if self.busy in (None, Busy.LOAD):    # a load cannot be interrupted; the process ends after it
+            self.exit()
+            return
+        if self.turn is not None:
+            self.turn.cancel.set()
+        self.status("quitting…")
+        self.set_timer(10, lambda: self.exit())   # a stuck job must not keep the app open
+
+    # ---- keys ---------------------------------------------------------------------------------------
+    def action_key(self, name: str) -> None:
+        """Every key of keys.KEYS (bound as `key('name')`); controls.py does what it says."""
+        self.controls.key(name)
+
+    def action_switch_conversation(self, number: int) -> None:
+        """A click on the conversation bar."""
+        self.conversations.switch(number)
+
+

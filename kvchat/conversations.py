@@ -1,15 +1,14 @@
-"""Several conversations in the engine's one pool, like a server's users.
+"""Several conversations in the backend's one pool, like a server's users.
 
-A mixin of KvChatApp. Each conversation (a ChatSession) keeps its own transcript widget,
-latency history, cap, policy and log file; the panels draw the focused one, and the block
-map shows the others' blocks as "other chats" and blocks two conversations hold at once
-(the shared system prompt) as "shared". Switching is immediate and touches only widgets:
-the fresh snapshot comes from the job in progress (a turn snapshots whichever
-conversation is in focus) or from a snapshot job when idle. Opening and closing go
-through the job queue, since the engine's list of conversations is read under its lock;
-neither stops a reply in another conversation. The engine runs one turn at a time, so a
-message sent while another conversation replies waits in the job queue, as a server's
-request would.
+`Conversations` holds the open ChatViews (each keeps its own transcript, latency history,
+cap, policy and log), which one is in focus, and their numbers. The panels draw the
+focused one; the block map shows the others' blocks as "other chats" and blocks two
+conversations hold at once (the shared system prompt) as "shared". Switching is immediate
+and touches only widgets: the fresh snapshot comes from the job in progress (a turn
+snapshots whichever conversation is in focus) or from a snapshot job when idle. Opening
+and closing go through the job queue when the backend is busy; neither stops a reply in
+another conversation. The backend runs one turn at a time, so a message sent while another
+conversation replies waits in the job queue, as a server's request would.
 
 When the pool is full the engine preempts idle conversations (vLLM's rule: the most
 recently started first); after each turn `note_preemptions` tells each one so in its own
@@ -17,210 +16,176 @@ transcript, and its tab says "preempted" until its next turn recomputes the cach
 """
 from __future__ import annotations
 
+from pathlib import Path
+
 from textual.binding import Binding
+from textual.widgets import ContentSwitcher
 
 from kvchat.engine.errors import KvchatError
-from kvchat.engine.telemetry import CacheSnapshot
 
-from .session import ChatSession
-from .widgets import BlockMap, CachePanel, CapGauge, ConversationBar, LatencyPanel, Transcript
+from .chat_view import ChatOptions, ChatView, RunningTurn, open_chat
+from .host import Host
+from .jobs import Busy
+from .widgets import ConversationBar, LatencyPanel
 from .widgets.conversation_bar import Entry
 
 
 class Conversations:
-    sessions: list[ChatSession]
-    session: ChatSession | None
-    turn_session: ChatSession | None
-    waiting: set[ChatSession]                  # with a turn queued behind another's
-    next_number: int
+    def __init__(self, app: Host, data_root: Path | None = None) -> None:
+        self.app = app
+        self.data_root = data_root                 # None: the platform's user data dir
+        self.views: list[ChatView] = []
+        self.focused: ChatView | None = None
+        self.next_number = 1
 
-    @property
-    def transcript(self) -> Transcript:
-        """The focused conversation's transcript (the first one while the model loads)."""
-        return self.session.transcript if self.session is not None else self.part("#transcript")
+    def number(self) -> int:
+        n, self.next_number = self.next_number, self.next_number + 1
+        return n
 
-    def find_session(self, number: int) -> ChatSession | None:
-        found = next((s for s in self.sessions if s.number == number), None)
+    def find(self, number: int) -> ChatView | None:
+        found = next((v for v in self.views if v.number == number), None)
         if found is None:
-            self.notice(f"no conversation {number}; open: {', '.join(str(s.number) for s in self.sessions)}",
-                        error=True)
+            self.app.notice(f"no conversation {number}; open: {', '.join(str(v.number) for v in self.views)}",
+                            error=True)
         return found
 
-    async def add_session(self, session: ChatSession, transcript: Transcript | None = None) -> None:
-        """Give a new session its transcript (hidden until focused) and list it."""
-        if transcript is None:
-            transcript = Transcript(id=f"transcript-{session.number}")
-            transcript.display = False
-            await self.part("#transcripts").mount(transcript)
-        session.transcript = transcript
-        self.sessions.append(session)
+    async def add(self, view: ChatView) -> None:
+        """List a view, mounting it (hidden until focused) if it is new."""
+        if not view.is_attached:
+            view.display = False
+            await self.app.part(ContentSwitcher).mount(view)
+        self.views.append(view)
 
-    def switch_to(self, session: ChatSession, fresh: bool = True) -> None:
+    def switch_to(self, view: ChatView, fresh: bool = True) -> None:
         """Focus a conversation: its transcript, latency history and last snapshot at once,
         then (fresh, when idle) a new snapshot, as the others' blocks may have moved."""
-        if session is not self.session:
-            self.session = session
-            self.part("#transcripts").current = session.transcript.id
-            self.part(LatencyPanel).attach(session.latency)
-            if session.snapshot is not None:
-                self.show_snapshot(session.snapshot)
+        app = self.app
+        if view is not self.focused:
+            self.focused = view
+            app.part(ContentSwitcher).current = view.id
+            app.part(LatencyPanel).attach(view.latency)
+            view.refresh_state()
+            if view.snapshot is not None:
+                app.show_snapshot(view.snapshot)
             else:
-                self.update_gauge()
-            self.update_status()
+                app.update_gauge()
+            app.update_status()
         self.refresh_bar()
-        if fresh and self.busy is None:
-            self.run_op("read the cache", lambda: None, interrupt=False)
+        if fresh and app.jobs.busy is None:
+            app.run_op("read the cache", lambda: None, interrupt=False)
 
     def refresh_bar(self) -> None:
-        if self.session is None:
+        app = self.app
+        if self.focused is None:
             return
-        replying = self.turn_session if self.busy == "reply" else None
-        entries = [Entry(s.number, s.title, len(s.turns),
-                         "replying" if s is replying else "queued" if s in self.waiting
-                         else "preempted" if s.preempted_tokens else "")
-                   for s in self.sessions]
-        km = {k: self.get_key_display(Binding(v.split(",")[0].strip(), "")) for k, v in self.keymap().items()}
+        replying = app.turn.view if app.jobs.busy is Busy.REPLY and app.turn else None
+        queued = {job.view for job in app.jobs if isinstance(job, RunningTurn)}
+        entries = [Entry(v.number, v.title, len(v.turns),
+                         "replying" if v is replying else "queued" if v in queued
+                         else "preempted" if v.state.preempted_pending else "")
+                   for v in self.views]
+        km = {k: app.get_key_display(Binding(v.split(",")[0].strip(), "")) for k, v in app.keymap().items()}
         hint = (f"{km['previous_conversation']} {km['next_conversation']} switch · "
                 f"{km['new_conversation']} new · {km['close_conversation']} close")
-        self.part(ConversationBar).show(entries, self.session.number, hint)
-
-    # ---- the focused conversation's panels ------------------------------------------------------
-    def take_snapshot(self, session: ChatSession | None, snap: CacheSnapshot) -> None:
-        """Keep a session's snapshot; draw it if that session is in focus."""
-        if session is None:
-            return
-        session.snapshot = snap
-        if session is self.session:
-            self.show_snapshot(snap)
-
-    def show_snapshot(self, snap: CacheSnapshot) -> None:
-        self.part(CachePanel).show(snap, self.engine.geometry)
-        self.part(BlockMap).show(snap)
-        self.update_gauge()
-
-    def update_gauge(self) -> None:
-        session = self.session
-        conv = session.conv
-        held = session.snapshot.tokens_held if session.snapshot is not None else 0
-        tokens = held if conv.mode == "cache" else session.context_tokens
-        self.part(CapGauge).show(tokens, conv.cap, conv.policy.name, conv.policy.description,
-                                 self.engine.geometry.max_position, evicted=conv.evicted_tokens)
+        app.part(ConversationBar).show(entries, self.focused.number, hint)
 
     # ---- keys and commands -------------------------------------------------------------------
-    def action_new_conversation(self) -> None:
-        """Open one at once, even mid-reply: Engine.new_conversation takes no lock. Only a
-        conversation that starts with the cache off (set_mode takes the lock) or one asked
-        for during another operation (a pool rebuild) waits for the job in progress."""
-        options = self.session.options()
-        if self.busy is None or (self.busy == "reply" and options.mode == "cache"):
-            self.call_later(self._open, options)
+    def new(self) -> None:
+        """Open one at once, even mid-reply, when the backend can take it (opening takes no
+        lock); one that starts with the cache off, or one asked for during another operation
+        (a pool rebuild), waits for the job in progress."""
+        app = self.app
+        options = self.focused.options()
+        if app.jobs.busy is None or (app.jobs.busy is Busy.REPLY and options.mode == "cache"):
+            app.call_later(self._open, options)
         else:
-            self.run_op("open a new conversation", lambda: None, then=lambda: self._open(options), interrupt=False)
+            app.run_op("open a new conversation", lambda: None, then=lambda: self._open(options), interrupt=False)
 
-    async def _open(self, options) -> None:
+    async def _open(self, options: ChatOptions) -> None:
+        app = self.app
         try:
-            session = ChatSession.start(self.engine, options, self.options.data_root)
+            chat, log, turns = open_chat(app.backend, options, self.data_root)
         except (KvchatError, OSError) as err:
-            self.notice(f"cannot open a new conversation: {err}", error=True)
+            app.notice(f"cannot open a new conversation: {err}", error=True)
             return
-        session.number = self.next_number
-        self.next_number += 1
-        await self.add_session(session)
-        self.switch_to(session, fresh=False)
-        self.run_op("read the cache", lambda: None, interrupt=False)
-        self.notice(f"conversation {session.number}: new, in the same pool as {len(self.sessions) - 1} "
-                    "other(s), which stay open; their blocks show as other chats in the block map")
+        view = ChatView(self.number())
+        view.attach(chat, log, turns)
+        await self.add(view)
+        self.switch_to(view, fresh=False)
+        app.run_op("read the cache", lambda: None, interrupt=False)
+        app.notice(f"conversation {view.number}: new, in the same pool as {len(self.views) - 1} "
+                   "other(s), which stay open; their blocks show as other chats in the block map")
 
-    def action_next_conversation(self) -> None:
-        self._step(+1)
-
-    def action_previous_conversation(self) -> None:
-        self._step(-1)
-
-    def _step(self, delta: int) -> None:
-        if len(self.sessions) < 2:
-            self.notice(f"only one conversation is open; {self.keymap()['new_conversation']} opens another")
+    def step(self, delta: int) -> None:
+        if len(self.views) < 2:
+            self.app.notice(f"only one conversation is open; {self.app.keymap()['new_conversation']} opens another")
             return
-        i = self.sessions.index(self.session)
-        self.switch_to(self.sessions[(i + delta) % len(self.sessions)])
+        i = self.views.index(self.focused)
+        self.switch_to(self.views[(i + delta) % len(self.views)])
 
-    def action_switch_conversation(self, number: int) -> None:
-        """A click on the conversation bar, or /switch N."""
-        target = self.find_session(number)
+    def switch(self, number: int) -> None:
+        target = self.find(number)
         if target is not None:
             self.switch_to(target)
 
-    def action_close_conversation(self) -> None:
-        self.close_conversation(None)
-
-    def close_conversation(self, number: int | None) -> None:
+    def close(self, number: int | None) -> None:
         """Close one conversation (default: the focused one). Its log stays on disk and its
         full blocks stay cached for reuse; closing the last one opens a new one."""
-        target = self.session if number is None else self.find_session(number)
+        app = self.app
+        target = self.focused if number is None else self.find(number)
         if target is None:
             return
-        last = len(self.sessions) == 1
-        new_number = self.next_number
-        if last:
-            self.next_number += 1
-        after: list[ChatSession] = []
+        last = len(self.views) == 1
+        new = ChatView(self.number()) if last else None
+        after: list[ChatView] = []
 
         def run() -> str:
-            if last:
-                session = ChatSession.start(self.engine, target.options(), self.options.data_root)
-                session.number = new_number
-                after.append(session)
+            if new is not None:
+                new.attach(*open_chat(app.backend, target.options(), self.data_root))
+                after.append(new)
             else:
-                after.append(self.session if self.session is not target else self._neighbour(target))
-            self.engine.close_conversation(target.conv)
-            target.log.event("closed")
-            target.log.close()
-            note = f"closed conversation {target.number} (saved as {target.log.path.name}); its full blocks stay cached"
-            return note + (f"; conversation {new_number} is new" if last else "")
+                after.append(self.focused if self.focused is not target else self._neighbour(target))
+            app.backend.close(target.chat)
+            target.conversation_log.event("closed")
+            target.conversation_log.close()
+            saved = target.conversation_log.path.name
+            note = f"closed conversation {target.number} (saved as {saved}); its full blocks stay cached"
+            return note + (f"; conversation {new.number} is new" if new is not None else "")
 
         async def then() -> None:
-            if last:
-                await self.add_session(after[0])
-            elif target is self.session:     # the focus may have moved since the worker chose
+            if new is not None:
+                await self.add(new)
+            elif target is self.focused:     # the focus may have moved since the worker chose
                 after[0] = self._neighbour(target)
-            self.sessions.remove(target)
-            self.switch_to(after[0] if target is self.session else self.session, fresh=False)
-            await target.transcript.remove()
+            self.views.remove(target)
+            self.switch_to(after[0] if target is self.focused else self.focused, fresh=False)
+            await target.remove()
             self.refresh_bar()
-        replying = self.busy == "reply" and self.turn_session is target
-        self.run_op(f"close conversation {target.number}", run, then, focus=lambda: after[0], interrupt=replying)
+        replying = app.jobs.busy is Busy.REPLY and app.turn.view is target
+        app.run_op(f"close conversation {target.number}", run, then, focus=lambda: after[0], interrupt=replying)
 
-    def _neighbour(self, target: ChatSession) -> ChatSession:
+    def _neighbour(self, target: ChatView) -> ChatView:
         """The conversation that takes the focus when target closes: the next, else the previous."""
-        i = self.sessions.index(target)
-        return self.sessions[i + 1] if i + 1 < len(self.sessions) else self.sessions[i - 1]
+        i = self.views.index(target)
+        return self.views[i + 1] if i + 1 < len(self.views) else self.views[i - 1]
 
-    def list_conversations(self) -> None:
-        lines = [f"{len(self.sessions)} conversations share the pool (● is this one):"]
-        for s in self.sessions:
-            conv = s.conv
-            cap = f"cap {conv.cap:,}" if conv.cap else "no cap"
-            line = (f"{'●' if s is self.session else ' '} {s.number} {s.title} · {len(s.turns)} turns · "
-                    f"{conv.tokens_held:,} tokens cached · {cap} · {conv.policy.name}")
-            if conv.mode != "cache":
-                line += " · cache off"
-            if s.preempted_tokens:
-                line += f" · preempted: {s.preempted_tokens:,} tokens to recompute"
-            lines.append(line)
-        self.notice("\n".join(lines))
+    def list(self) -> None:
+        lines = [f"{len(self.views)} conversations share the pool (● is this one):"]
+        lines += [v.describe(v is self.focused) for v in self.views]
+        self.app.notice("\n".join(lines))
 
     # ---- preemption ----------------------------------------------------------------------------
-    def note_preemptions(self, by: ChatSession | None) -> None:
+    def note_preemptions(self, by: ChatView | None) -> None:
         """Tell each newly preempted conversation, in its own transcript, what happened."""
-        for s in self.sessions:
-            pending = s.preempted_tokens
-            if pending and not s.preempted_noted:
-                s.preempted_noted = True
+        for v in self.views:
+            pending = v.refresh_state().preempted_pending
+            if pending and not v.preempted_noted:
+                v.preempted_noted = True
                 who = f"conversation {by.number}" if by is not None else "another conversation"
-                notice = s.transcript.add_notice(
+                notice = v.add_notice(
                     f"preempted: {who} needed room in the pool, so this conversation's cache was freed; "
                     f"its next turn recomputes {pending:,} tokens")
                 notice.add_class("warning")
             elif not pending:
-                s.preempted_noted = False
+                v.preempted_noted = False
         self.refresh_bar()

@@ -1,114 +1,157 @@
-"""The job queue: engine work runs in thread workers one job at a time, in order.
+"""The job queue: backend work runs in thread workers one job at a time, in order.
 
-Jobs are the model load, turns, and cache operations (reset, cache mode, KV dtype, new and
-closed conversations, a fresh snapshot). A mixin of KvChatApp. An operation asked for
-during a reply stops the reply first (unless it can wait for it), then runs: a turn holds
-engine.lock from prefill to its last token, and running jobs in order means the UI thread
-never waits on that lock.
+Jobs are turns (a RunningTurn, chat_view.py) and operations (an Op: reset, cache mode, KV
+dtype, opening and closing conversations, a fresh snapshot); the model load runs before
+any. A turn holds the backend from its prefill to its last token, so running jobs in order
+means the UI thread never waits on it. The queue only orders and counts: whoever owns it
+(the app) starts each job, in a worker running `run_turn` or `run_op`, and says when it
+is done.
 """
 from __future__ import annotations
 
 import time
 import traceback
-from collections.abc import Callable
+from collections import deque
+from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from typing import Any
+from enum import Enum
+from typing import Union
 
-from textual import work
+from textual.message import Message
 
 from kvchat.engine.errors import KvchatError
+from kvchat.engine.sampler import SamplingParams
 from kvchat.engine.telemetry import CacheSnapshot
 
-from .messages import OpEnded
+from .backends.protocol import Backend
+from .chat_view import ChatView, RunningTurn, TurnEnded, TurnProgress
+from .records import TurnRecord
 from .store import data_dir
+from .turn import Progress, relay
+
+
+class Busy(str, Enum):
+    """What the backend is doing; None when idle. (A str, so `busy == "reply"` reads plainly.)"""
+    LOAD = "load"
+    REPLY = "reply"
+    OP = "op"
 
 
 @dataclass(slots=True)
 class Op:
-    label: str
-    run: Callable[[], str | None]               # in a worker; returns a note to show
-    then: Callable[[], Any] | None = None       # on the UI thread, after run
-    focus: Callable[[], Any] | None = None      # the session whose snapshot to take (default: focused)
+    label: str                                          # "reset the cache": shown while it runs
+    run: Callable[[], str | None]                       # in a worker; returns a note to show
+    then: Callable[[], Awaitable[None] | None] | None = None   # on the UI thread, after run
+    focus: Callable[[], ChatView] | None = None         # whose snapshot to take (default: the focused)
 
 
-class Jobs:
-    # ---- the job queue ------------------------------------------------------------------------
-    def submit(self, label: str, start: Callable[[], Any]) -> None:
-        self.jobs.append((label, start))
-        self._next_job()
+Job = Union[RunningTurn, Op]
 
-    def _next_job(self) -> None:
-        if self.busy is not None or not self.jobs:
-            return
-        self.busy, start = self.jobs.popleft()
-        if self.busy != "reply":
-            self.status(f"{self.busy}…")
-        self.call_later(start)
 
-    def _job_done(self) -> None:
+class OpEnded(Message):
+    """From an op's worker: a note to show, a fresh snapshot of `focus`, and an optional
+    follow-up to run on the UI thread."""
+
+    def __init__(self, note: str | None, snapshot: CacheSnapshot | None, focus: ChatView | None,
+                 error: str | None = None, then: Callable[[], Awaitable[None] | None] | None = None) -> None:
+        super().__init__()
+        self.note, self.snapshot, self.focus, self.error, self.then = note, snapshot, focus, error, then
+
+
+class JobQueue:
+    """`submit` a job; `start(job)` is called for each in order, when the one before is
+    `done()`. Starts busy loading: the first `done()` ends the load."""
+
+    def __init__(self, start: Callable[[Job], None]) -> None:
+        self._start = start
+        self._waiting: deque[Job] = deque()
+        self.busy: Busy | None = Busy.LOAD
+        self.current: Job | None = None     # the running job (the last one, once idle)
+
+    def __len__(self) -> int:
+        """Jobs waiting (not counting the running one)."""
+        return len(self._waiting)
+
+    def __iter__(self) -> Iterator[Job]:
+        return iter(self._waiting)
+
+    def submit(self, job: Job) -> None:
+        self._waiting.append(job)
+        self._next()
+
+    def done(self) -> None:
         self.busy = None
-        if not self.jobs:
-            self.status("quitting" if self.quitting else "ready")
-        if self.quitting and not self.jobs:
-            self.exit()
+        self._next()
+
+    def clear(self) -> None:
+        self._waiting.clear()
+
+    def _next(self) -> None:
+        if self.busy is not None or not self._waiting:
             return
-        self._next_job()
+        self.current = self._waiting.popleft()
+        self.busy = Busy.OP if isinstance(self.current, Op) else Busy.REPLY
+        self._start(self.current)
 
-    def quit_when_idle(self) -> None:
-        """Let the reply in progress end (so it is saved), then exit."""
-        self.quitting = True
-        self.jobs.clear()
-        if self.busy in (None, "load"):    # a load cannot be interrupted; the process ends after it
-            self.exit()
-            return
-        self.cancel.set()
-        self.status("quitting…")
-        self.set_timer(10, lambda: self.exit())   # a stuck job must not keep the app open
 
-    # ---- cache operations ---------------------------------------------------------------------------
-    def run_op(self, label: str, run: Callable[[], str | None], then: Callable[[], Any] | None = None,
-               focus: Callable[[], Any] | None = None, interrupt: bool = True) -> None:
-        """Run an engine operation in a worker, after the current job; stops a reply first
-        unless interrupt is False (then it waits for the reply to end)."""
-        if self.busy == "reply" and interrupt:
-            self.cancel.set()
-            self.notice(f"stopping the reply to {label}")
-        op = Op(label, run, then, focus)
-        self.submit(label, lambda: self._op_worker(op))
+def run_turn(turn: RunningTurn, backend: Backend, sampling: SamplingParams,
+             focus: Callable[[], ChatView], interval: Callable[[], float]) -> None:
+    """In a worker thread: run the turn, posting TurnProgress batches and then TurnEnded to
+    the turn's ChatView. Snapshots are of the conversation in focus when each is taken (the
+    user may switch mid-reply): `focus()` names it."""
+    view = turn.view
+    chat = view.chat
+    try:
+        events = (chat.send(turn.text, sampling, turn.cancel) if turn.text is not None
+                  else chat.regenerate(sampling, turn.cancel))
+    except Exception as err:
+        view.post_message(TurnEnded(turn, None, None, one_line(err), accepted=False))
+        return
+    view.conversation_log.sync(list(chat.state().messages))
+    shown = [focus()]
 
-    @work(thread=True, group="op", exit_on_error=False)
-    def _op_worker(self, op: Op) -> None:
-        try:
-            note = op.run()
-        except Exception as err:
-            focus = self.session
-            self.post_message(OpEnded(None, self._safe_snapshot(focus), error=one_line(err), focus=focus))
-            return
-        focus = op.focus() if op.focus is not None else self.session
-        self.post_message(OpEnded(note, self.engine.snapshot(focus.conv), then=op.then, focus=focus))
+    def snapshot() -> CacheSnapshot:
+        shown[0] = focus()
+        return backend.snapshot(shown[0].chat)
 
-    def _safe_snapshot(self, session) -> CacheSnapshot | None:
-        try:
-            return self.engine.snapshot(session.conv)
-        except Exception as err:  # the op's own error is what gets shown; this one is logged
-            one_line(err)
-            return None
+    def emit(p: Progress) -> None:
+        turn.prefilled = turn.prefilled or p.prefill is not None
+        view.post_message(TurnProgress(turn, p, shown[0]))
+    stats, error = None, None
+    try:
+        stats = relay(events, snapshot, emit, interval=interval)
+    except Exception as err:
+        error = one_line(err)
+    view.conversation_log.sync(list(chat.state().messages))
+    record = TurnRecord.from_stats(stats) if stats is not None else None
+    if record is not None:
+        view.conversation_log.turn(record)
+    viewer = focus()
+    snap = stats.cache if stats is not None and viewer is view else backend.snapshot(viewer.chat)
+    # failing before its first token, the backend restores the messages: as if never sent
+    view.post_message(TurnEnded(turn, stats, record, error, accepted=record is not None or turn.prefilled,
+                                snapshot=snap, focus=viewer))
 
-    async def on_op_ended(self, msg: OpEnded) -> None:
-        if self.exiting:
-            return
-        if msg.then is not None:
-            result = msg.then()
-            if hasattr(result, "__await__"):
-                await result
-        if msg.snapshot is not None:
-            self.take_snapshot(msg.focus, msg.snapshot)
-        self.update_status()
-        if msg.error:
-            self.notice(msg.error, error=True)
-        elif msg.note:
-            self.notice(msg.note)
-        self._job_done()
+
+def run_op(op: Op, backend: Backend, focus: Callable[[], ChatView], post: Callable[[OpEnded], object]) -> None:
+    """In a worker thread: run the op, then post OpEnded with its note (or its error) and a
+    fresh snapshot of op.focus() (default: the conversation in focus now)."""
+    try:
+        note = op.run()
+    except Exception as err:
+        view = focus()
+        post(OpEnded(None, _safe_snapshot(backend, view), view, error=one_line(err)))
+        return
+    view = op.focus() if op.focus is not None else focus()
+    post(OpEnded(note, backend.snapshot(view.chat), view, then=op.then))
+
+
+def _safe_snapshot(backend: Backend, view: ChatView) -> CacheSnapshot | None:
+    try:
+        return backend.snapshot(view.chat)
+    except Exception as err:  # the op's own error is what gets shown; this one is logged
+        one_line(err)
+        return None
 
 
 def one_line(err: Exception) -> str:

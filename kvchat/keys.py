@@ -50,6 +50,7 @@ KEY_IDS = tuple(k.id for k in KEYS)
 
 
 def bindings() -> list[Binding]:
-    """Priority bindings, so they work while the input has focus."""
-    return [Binding(k.keys, k.action, k.label, show=k.footer, priority=True, id=k.id, tooltip=k.help)
+    """Priority bindings, so they work while the input has focus. Each runs the app's one
+    `key` action with its own name (`key('reset_cache')`); controls.Controls.key does it."""
+    return [Binding(k.keys, f"key({k.action!r})", k.label, show=k.footer, priority=True, id=k.id, tooltip=k.help)
             for k in KEYS]

@@ -1,9 +1,9 @@
 """One conversation's latency history: decode ms per context position by cache mode, and
-the per-turn summaries. Plain data, so each conversation keeps its own while the one
+the per-turn records. Plain data, so each conversation keeps its own while the one
 LatencyPanel draws whichever is in focus."""
 from __future__ import annotations
 
-from typing import Any
+from .records import TurnRecord
 
 MIN_FIT_POINTS = 8
 MIN_FIT_SPAN = 256      # positions; a slope fitted over fewer is mostly timing noise scaled up to 1k tokens
@@ -26,11 +26,11 @@ def fit_slope(points: list[tuple[int, float]]) -> float | None:
 
 class LatencyData:
     """Points by cache mode; `add_points` during a turn, `end_turn` replaces that turn's live
-    points with the exact ones from its TurnStats summary."""
+    points with the exact ones from its TurnRecord."""
 
     def __init__(self) -> None:
         self.points: dict[str, list[tuple[int, float]]] = {m: [] for m in MODES}
-        self.turns: list[dict[str, Any]] = []
+        self.turns: list[TurnRecord] = []
         self._live: list[tuple[int, float]] = []
         self._live_mode = "cache"
 
@@ -46,14 +46,13 @@ class LatencyData:
         self._live.extend(points)
         self.points[self._live_mode].extend(points)
 
-    def end_turn(self, summary: dict[str, Any] | None) -> None:
+    def end_turn(self, record: TurnRecord | None) -> None:
         series = self.points[self._live_mode]
         del series[len(series) - len(self._live):]
         self._live = []
-        if summary is not None:
-            self.add_turn(summary)
+        if record is not None:
+            self.add_turn(record)
 
-    def add_turn(self, summary: dict[str, Any]) -> None:
-        mode = summary.get("mode", "cache")
-        self.points.setdefault(mode, []).extend(zip(summary.get("positions", ()), summary.get("decode_ms", ())))
-        self.turns.append(summary)
+    def add_turn(self, record: TurnRecord) -> None:
+        self.points.setdefault(record.mode, []).extend(zip(record.positions, record.decode_ms))
+        self.turns.append(record)

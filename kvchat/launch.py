@@ -1,6 +1,7 @@
-"""Everything `kvchat` checks before the UI starts: flags, settings, theme, the model's
-location, the conversation to resume. Any problem is one line and exit status 2; loading
-the weights then happens inside the UI, with progress shown."""
+"""`kvchat` (the chat): everything checked before the UI starts (flags, settings, theme, the
+model's location, the conversation to resume), then the app, given a factory that loads the
+backend. Any problem before the UI is one line and exit status 2; loading the weights then
+happens inside the UI, with progress shown."""
 from __future__ import annotations
 
 import os
@@ -11,8 +12,10 @@ from kvchat.engine.errors import KvchatError
 from . import settings as settings_mod
 from .args import UsageError
 from . import theming
+from .app import AppOptions, KvChatApp
+from .chat_view import ChatOptions
 from .settings import SettingsError
-from .store import StoreError
+from .store import StoreError, last_conversation, lock_holder, restore
 
 
 class LaunchError(Exception):
@@ -37,7 +40,7 @@ def run_chat(args) -> int:
     return app.return_code or 0
 
 
-def prepare(args):
+def prepare(args) -> KvChatApp:
     try:
         return _prepare(args)
     except (KvchatError, SettingsError, StoreError, UsageError) as err:
@@ -46,16 +49,13 @@ def prepare(args):
         raise LaunchError(f"{err.filename or ''}: {err.strerror or err}".lstrip(": ")) from None
 
 
-def _prepare(args):
-    from kvchat.engine import Engine
+def _prepare(args) -> KvChatApp:
     from kvchat.engine.engine import check_memory, pick_device, pick_dtypes
     from kvchat.engine.policy import make_policy
     from kvchat.engine.sources import resolve
 
-    from .app import AppOptions, KvChatApp
     from .args import check_start, engine_config, sampling
-    from .session import SessionOptions
-    from .store import last_conversation, lock_holder, restore
+    from .backends.local import LocalBackend
 
     path = settings_mod.config_path()
     settings = settings_mod.load(path)
@@ -90,6 +90,6 @@ def _prepare(args):
         settings_mod.save(settings, path)
     options = AppOptions(
         model=source.name, sampling=sp, theme=theme, restored=restored,
-        session=SessionOptions(system=args.system, cap=args.cap, policy=args.policy,
-                               mode="off" if args.no_cache else "cache"))
-    return KvChatApp(lambda: Engine(cfg, source=source), options, settings, path)
+        chat=ChatOptions(system=args.system, cap=args.cap, policy=args.policy,
+                         mode="off" if args.no_cache else "cache"))
+    return KvChatApp(lambda: LocalBackend.load(cfg, source), options, settings, path)

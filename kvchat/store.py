@@ -26,6 +26,8 @@ from typing import Any
 
 from kvchat.engine.policy import POLICIES
 
+from .records import TurnRecord, stats_line
+
 DATA_ENV = "KVCHAT_DATA_DIR"
 Messages = list[dict[str, str]]
 
@@ -56,7 +58,7 @@ class Restored:
     """A conversation read back from its log."""
     path: Path
     messages: Messages = field(default_factory=list)
-    turns: list[dict[str, Any]] = field(default_factory=list)
+    turns: list[TurnRecord] = field(default_factory=list)
     cap: int | None = None
     policy: str = "stop"
     mode: str = "cache"
@@ -229,8 +231,8 @@ class ConversationLog:
                 self._put({"type": "messages", "messages": messages})
             self.messages = [dict(m) for m in messages]
 
-    def turn(self, summary: dict[str, Any]) -> None:
-        self.write({"type": "turn", **summary})
+    def turn(self, record: TurnRecord) -> None:
+        self.write({"type": "turn", **record.to_dict()})
 
     def event(self, name: str, **fields: Any) -> None:
         self.write({"type": "event", "event": name, "time": time.time(), **fields})
@@ -287,7 +289,7 @@ def restore(path: Path) -> Restored:
             elif kind == "messages":
                 out.messages = [_message(m) for m in rec["messages"]]
             elif kind == "turn":
-                out.turns.append({k: v for k, v in rec.items() if k != "type"})
+                out.turns.append(TurnRecord.from_dict(rec))
             elif kind == "event" and rec.get("event") in SETTINGS:
                 value = rec.get("value")
                 if not SETTINGS[rec["event"]](value):
@@ -302,36 +304,8 @@ def restore(path: Path) -> Restored:
     return out
 
 
-STOP_WORDS = {None: "", "eos": "", "max_tokens": "max tokens reached", "cap": "stopped at the cap",
-              "cancelled": "stopped"}
-
-
 # ---- export -------------------------------------------------------------------------------------
-def stats_line(s: dict[str, Any]) -> str:
-    """The line under a reply: tokens, TTFT, speed, prompt reuse."""
-    decode = s.get("decode_ms") or []
-    tps = 1000.0 * len(decode) / sum(decode) if decode and sum(decode) > 0 else 0.0
-    line = (f"{s['generated_tokens']} tokens · TTFT {s['ttft_ms']:.0f} ms · {tps:.1f} tok/s · "
-            f"prompt {s['prompt_tokens']}: {s['reused_tokens']} reused, {s['computed_tokens']} computed")
-    if s.get("mode") == "off":
-        line += " · cache off"
-    if s.get("dropped_messages"):
-        line += f" · dropped {s['dropped_messages']} old messages"
-    if s.get("evicted_blocks"):
-        n = s["evicted_blocks"]
-        line += f" · evicted {n:,} block{'s' if n > 1 else ''}"
-    if s.get("preempted"):
-        n = s["preempted"]
-        line += f" · preempted {n} other conversation{'s' if n > 1 else ''}"
-    if s.get("recomputed_tokens"):
-        line += f" · recomputed {s['recomputed_tokens']:,} tokens lost to preemption"
-    reason = STOP_WORDS.get(s.get("stop_reason"), s.get("stop_reason"))
-    if reason:
-        line += f" · {reason}"
-    return line
-
-
-def export(base: Path, messages: Messages, turns: list[dict[str, Any]], model: str,
+def export(base: Path, messages: Messages, turns: list[TurnRecord], model: str,
            overwrite: bool = False) -> tuple[Path, Path]:
     """Write base.md (the transcript) and base.jsonl (one telemetry record per turn), mode
     0600. An existing file is kept unless `overwrite` (/save!); a symlink is never followed;
@@ -350,7 +324,7 @@ def export(base: Path, messages: Messages, turns: list[dict[str, Any]], model: s
         if f.exists() and not f.is_file():
             raise OSError(errno.EINVAL, f"{f} is not a regular file", str(f))
     md.parent.mkdir(parents=True, exist_ok=True)
-    by_reply = {t.get("reply"): t for t in turns}   # dropped or regenerated turns stay in the telemetry
+    by_reply = {t.reply: t for t in turns}   # dropped or regenerated turns stay in the telemetry
     parts = [f"# kvchat conversation\n\nmodel: {model} · saved {time.strftime('%Y-%m-%d %H:%M')}\n"]
     for m in messages:
         title = {"system": "System", "user": "You", "assistant": "Assistant"}.get(m["role"], m["role"])
@@ -360,7 +334,7 @@ def export(base: Path, messages: Messages, turns: list[dict[str, Any]], model: s
             if s is not None:
                 parts.append(f"*{stats_line(s)}*\n")
     _write_private(md, "\n".join(parts), overwrite)
-    _write_private(jl, "".join(json.dumps(s, ensure_ascii=False) + "\n" for s in turns), overwrite)
+    _write_private(jl, "".join(json.dumps(s.to_dict(), ensure_ascii=False) + "\n" for s in turns), overwrite)
     return md, jl
 
 

@@ -19,6 +19,7 @@ import pytest
 
 from cli_helpers import ROOT
 from kvchat.cli import main
+from kvchat.records import TurnRecord
 from kvchat.store import ConversationBusy, ConversationLog, export, restore
 
 START = {"model": "m", "system": None, "cap": None, "policy": "stop", "mode": "cache"}
@@ -62,7 +63,7 @@ def test_a_read_only_data_dir_keeps_the_conversation_in_memory_and_says_so_once(
     msgs = [{"role": "user", "content": "hello"}]
     log.sync(msgs)                                          # would raise into the reply worker before
     log.sync(msgs + [{"role": "assistant", "content": "hi"}])
-    log.turn({"turn": 1, "reply": "hi"})
+    log.turn(TurnRecord.from_dict({"turn": 1, "reply": "hi"}))
     assert len(said) == 1 and "Read-only file system" in said[0] and "/save FILE" in said[0]
     assert [r["type"] for r in log.unsaved] == ["start", "message", "message", "turn"]
     assert log.messages == msgs + [{"role": "assistant", "content": "hi"}]

@@ -53,6 +53,7 @@ class BlockMap(Widget):
         super().__init__(**kwargs)
         self.border_title = "blocks"
         self.snapshot: CacheSnapshot | None = None
+        self.why_not: str | None = None     # the backend cannot draw a block map: why
         self.ratio = 1
         self._grid_key: tuple | None = None
         self._grid_text = Text()
@@ -66,6 +67,12 @@ class BlockMap(Widget):
                 {c for c in LEGEND_LABELS if old.block_map.count(c)} ==
                 {c for c in LEGEND_LABELS if snapshot.block_map.count(c)})
             self.refresh(layout=not same_shape)
+
+    def unavailable(self, why: str | None) -> None:
+        """Say why there is no block map (None: there is one)."""
+        if why != self.why_not:
+            self.why_not = why
+            self.refresh(layout=True)
 
     def on_resize(self) -> None:
         self.refresh(layout=True)
@@ -96,6 +103,8 @@ class BlockMap(Widget):
 
     def render(self) -> Text:
         s = self.snapshot
+        if self.why_not:
+            return Text(f"no block map: {self.why_not}", style="dim")
         if s is None:
             return Text("no pool yet", style="dim")
         width = max(self.content_region.width or self.size.width, 8)

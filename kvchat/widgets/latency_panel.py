@@ -4,8 +4,6 @@ prompt was reused from the cache versus computed, and the KV dtype it ran with (
 from __future__ import annotations
 
 import time
-from typing import Any
-
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
@@ -14,6 +12,7 @@ from textual.widgets import Static
 from textual_plotext import PlotextPlot
 
 from ..latency import LatencyData, fit_slope
+from ..records import TurnRecord
 
 __all__ = ["LatencyPanel", "fit_slope"]
 
@@ -50,7 +49,7 @@ class LatencyPanel(Vertical):
         return self.data.points
 
     @property
-    def turns(self) -> list[dict[str, Any]]:
+    def turns(self) -> list[TurnRecord]:
         return self.data.turns
 
     @property
@@ -75,12 +74,12 @@ class LatencyPanel(Vertical):
             if time.monotonic() - self._drawn_at >= REDRAW_S:
                 self._redraw(table=False)
 
-    def end_turn(self, summary: dict[str, Any] | None) -> None:
-        self.data.end_turn(summary)
+    def end_turn(self, record: TurnRecord | None) -> None:
+        self.data.end_turn(record)
         self._redraw()
 
-    def add_turn(self, summary: dict[str, Any]) -> None:
-        self.data.add_turn(summary)
+    def add_turn(self, record: TurnRecord) -> None:
+        self.data.add_turn(record)
         self._redraw()
 
     def _redraw(self, table: bool = True) -> None:
@@ -125,11 +124,11 @@ class LatencyPanel(Vertical):
         t.add_column("KV", no_wrap=True)
         t.add_column("", no_wrap=True)
         for s in self.data.turns[-TURNS_SHOWN:]:
-            total = max(s["prompt_tokens"], 1)
+            total = max(s.prompt_tokens, 1)
             bar_w = 12
-            r = round(bar_w * s["reused_tokens"] / total)
+            r = round(bar_w * s.reused_tokens / total)
             bar = Text("█" * r, style="green") + Text("█" * (bar_w - r), style="yellow")
-            kv = "off" if s.get("mode") == "off" else s.get("kv_dtype", "")
-            t.add_row(str(s["turn"]), f"{s['ttft_ms']:.0f} ms", f"{s['reused_tokens']:,}",
-                      f"{s['computed_tokens']:,}", kv, bar)
+            kv = "off" if s.mode == "off" else s.kv_dtype
+            t.add_row(str(s.turn), f"{s.ttft_ms:.0f} ms", f"{s.reused_tokens:,}",
+                      f"{s.computed_tokens:,}", kv, bar)
         return t

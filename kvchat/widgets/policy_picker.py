@@ -1,4 +1,5 @@
-"""Choosing the cap policy from the registered ones (engine.policy.POLICIES)."""
+"""Choosing the cap policy from the registered ones (engine.policy.POLICIES); those the
+backend does not offer are listed, disabled, with the reason."""
 from __future__ import annotations
 
 from textual.app import ComposeResult
@@ -8,6 +9,8 @@ from textual.widgets import OptionList
 from textual.widgets.option_list import Option
 
 from kvchat.engine.policy import POLICIES
+
+from ..backends.protocol import SINK_WINDOW, Capabilities
 
 
 class PolicyPicker(ModalScreen[str | None]):
@@ -19,12 +22,17 @@ class PolicyPicker(ModalScreen[str | None]):
     """
     BINDINGS = [Binding("escape", "cancel", "cancel", priority=True)]
 
-    def __init__(self, current: str) -> None:
+    def __init__(self, current: str, capabilities: Capabilities | None = None) -> None:
         super().__init__()
         self.current = current
+        self.capabilities = capabilities or Capabilities()
 
     def compose(self) -> ComposeResult:
-        options = [Option(f"{name}: {cls.description}", id=name) for name, cls in POLICIES.items()]
+        caps = self.capabilities
+        options = [Option(f"{name}: {cls.description}", id=name) if name in caps.policies else
+                   Option(f"{name}: not with this backend: {caps.why_not(SINK_WINDOW) if cls.streaming else ''}"
+                          .rstrip(": "), id=name, disabled=True)
+                   for name, cls in POLICIES.items()]
         picker = OptionList(*options)
         picker.border_title = "cap policy (enter to choose, escape to cancel)"
         yield picker

@@ -2,14 +2,12 @@
 and one-line notices (command results and errors)."""
 from __future__ import annotations
 
-from typing import Any
-
 from rich.text import Text
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
-from ..store import stats_line
+from ..records import TurnRecord, stats_line
 
 
 class UserMessage(Static):
@@ -38,15 +36,15 @@ class Reply(Vertical):
     Reply > .stats.error { color: $error; }
     """
 
-    def __init__(self, text: str = "", summary: dict[str, Any] | None = None) -> None:
+    def __init__(self, text: str = "", record: TurnRecord | None = None) -> None:
         super().__init__()
         self.text = text
-        self.summary = summary
+        self.record = record
         self._stream: MarkdownStream | None = None
 
     def compose(self):
         yield Markdown(self.text)
-        yield Static(stats_line(self.summary) if self.summary else "…", classes="stats")
+        yield Static(stats_line(self.record) if self.record else "…", classes="stats")
 
     @property
     def markdown(self) -> Markdown:
@@ -60,19 +58,19 @@ class Reply(Vertical):
             self._stream = Markdown.get_stream(self.markdown)
         await self._stream.write(fragment)
 
-    async def finish(self, summary: dict[str, Any] | None, error: str | None = None) -> None:
+    async def finish(self, record: TurnRecord | None, error: str | None = None) -> None:
         if self._stream is not None:
             await self._stream.stop()
             self._stream = None
-        self.summary = summary
+        self.record = record
         stats = self.query_one(".stats", Static)
         if error:
             stats.update(Text(f"stopped by an error: {error}"))
             stats.add_class("error")
-        elif summary is not None:
-            stats.update(stats_line(summary))
-            if summary.get("reply") is not None and summary["reply"] != self.text:
-                self.text = summary["reply"]   # the detokenizer's final text wins
+        elif record is not None:
+            stats.update(stats_line(record))
+            if record.reply is not None and record.reply != self.text:
+                self.text = record.reply   # the detokenizer's final text wins
                 await self.markdown.update(self.text)
         else:
             stats.update("")
@@ -116,9 +114,9 @@ class Transcript(VerticalScroll):
         self.mount(notice)
         return notice
 
-    async def show_history(self, messages: list[dict[str, str]], turns: list[dict[str, Any]]) -> None:
+    async def show_history(self, messages: list[dict[str, str]], turns: list[TurnRecord]) -> None:
         """Replay a restored conversation: each reply with its stats line."""
-        by_reply = {t.get("reply"): t for t in turns}
+        by_reply = {t.reply: t for t in turns}
         widgets = []
         for m in messages:
             if m["role"] == "user":

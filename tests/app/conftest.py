@@ -1,20 +1,23 @@
 """Fixtures for the app tests: a private data and config dir per test, an app factory on
-the scripted FakeEngine, and `wait_until`, which polls instead of sleeping."""
+the scripted FakeBackend, `running_app` (an app loaded and ready, with its Pilot), and
+`wait_until`, which polls instead of sleeping."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 
 from kvchat.engine.sampler import SamplingParams
 from kvchat.app import AppOptions, KvChatApp
-from kvchat.session import SessionOptions
+from kvchat.chat_view import ChatOptions
 from kvchat.settings import Settings
 
-from .fake_engine import FakeEngine, FakeEngineConfig
+from .fake_backend import FakeBackend, FakeConfig
 
 SIZE = (140, 45)
 
@@ -47,24 +50,37 @@ async def wait_until(pilot, condition: Callable[[], bool], timeout: float = 10.0
         await pilot.pause(0.02)
 
 
-def make_app(engine: FakeEngine | None = None, *, cap: int | None = None, policy: str = "stop",
+def make_app(backend: FakeBackend | None = None, *, cap: int | None = None, policy: str = "stop",
              system: str | None = None, max_tokens: int = 64, settings: Settings | None = None,
-             restored=None, factory: Callable | None = None, tmp=None) -> KvChatApp:
-    engine = engine or FakeEngine()
+             restored=None, factory: Callable | None = None, settings_path: Path | None = None) -> KvChatApp:
+    backend = backend or FakeBackend()
     options = AppOptions(model="fake-smollm2", sampling=SamplingParams(max_tokens=max_tokens),
-                         session=SessionOptions(system=system, cap=cap, policy=policy), restored=restored)
-    return KvChatApp(factory or (lambda: engine), options, settings or Settings())
+                         chat=ChatOptions(system=system, cap=cap, policy=policy), restored=restored)
+    return KvChatApp(factory or (lambda: backend), options, settings or Settings(), settings_path)
 
 
 @pytest.fixture
-def fake() -> FakeEngine:
-    return FakeEngine()
+def fake() -> FakeBackend:
+    return FakeBackend()
 
 
 @pytest.fixture
-def slow_fake() -> FakeEngine:
+def slow_fake() -> FakeBackend:
     """Replies slowly enough to be stopped mid-way."""
-    return FakeEngine(FakeEngineConfig(token_delay_s=0.05, replies=(" ".join(f"w{i}" for i in range(200)),)))
+    return FakeBackend(FakeConfig(token_delay_s=0.05, replies=(" ".join(f"w{i}" for i in range(200)),)))
+
+
+@pytest.fixture
+def running_app(fake):
+    """`async with running_app() as (app, pilot):` an app on `fake` (or on the backend and
+    options given), at the test screen size, loaded and ready."""
+    @contextlib.asynccontextmanager
+    async def run(backend: FakeBackend | None = None, **options):
+        app = make_app(backend or fake, **options)
+        async with app.run_test(size=SIZE) as pilot:
+            await ready(pilot)
+            yield app, pilot
+    return run
 
 
 def screen_text(app) -> str:
@@ -74,15 +90,15 @@ def screen_text(app) -> str:
 
 
 async def ready(pilot) -> None:
-    await wait_until(pilot, lambda: pilot.app.session is not None and pilot.app.busy is None
-                     and pilot.app.snapshot is not None, what="the engine to load")
+    await wait_until(pilot, lambda: pilot.app.view is not None and pilot.app.busy is None
+                     and pilot.app.snapshot is not None, what="the backend to load")
 
 
 async def send(pilot, text: str, timeout: float = 60.0) -> None:
     """Type text and Enter, then wait for the reply to finish."""
     app = pilot.app
-    n = len(app.session.turns) if app.session else 0
+    n = len(app.view.turns) if app.view else 0
     app.query_one("#input").load_text(text)
     await pilot.press("enter")
-    await wait_until(pilot, lambda: app.session is not None and len(app.session.turns) > n and app.busy is None,
+    await wait_until(pilot, lambda: app.view is not None and len(app.view.turns) > n and app.busy is None,
                      timeout=timeout, what=f"the reply to {text!r}")

@@ -9,7 +9,7 @@ import pytest
 from kvchat.commands import Command, CommandError, parse, read_message_file
 from kvchat.widgets import CachePanel, CapGauge, Notice, UserMessage
 
-from .conftest import SIZE, make_app, ready, send, wait_until
+from .conftest import send, wait_until
 
 THEMES = ("dark", "high-contrast", "light")
 
@@ -73,10 +73,8 @@ def notices(app) -> list[Notice]:
     return list(app.query(Notice))
 
 
-async def test_an_unknown_command_shows_one_error_line_and_the_app_goes_on(fake):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_an_unknown_command_shows_one_error_line_and_the_app_goes_on(running_app):
+    async with running_app() as (app, pilot):
         app.query_one("#input").load_text("/frobnicate")
         await pilot.press("enter")
         await pilot.pause()
@@ -85,15 +83,13 @@ async def test_an_unknown_command_shows_one_error_line_and_the_app_goes_on(fake)
         await send(pilot, "still works")
 
 
-async def test_cap_command_takes_effect_at_once_and_stop_refuses_an_over_cap_turn(fake):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_cap_command_takes_effect_at_once_and_stop_refuses_an_over_cap_turn(running_app):
+    async with running_app() as (app, pilot):
         await send(pilot, "one two three")
         app.query_one("#input").load_text("/cap 12")
         await pilot.press("enter")
         await pilot.pause()
-        assert app.session.conv.cap == 12 and app.query_one(CapGauge).cap == 12
+        assert app.view.chat.state().cap == 12 and app.query_one(CapGauge).cap == 12
         assert "tokens over, so the next turn is refused" in notices(app)[-1].text
         app.query_one("#input").load_text("this turn is too long for the cap")
         await pilot.press("enter")
@@ -101,38 +97,32 @@ async def test_cap_command_takes_effect_at_once_and_stop_refuses_an_over_cap_tur
         assert "over" in notices(app)[-1].text and "cap is 12" in notices(app)[-1].text
         assert app.query(UserMessage).last().has_class("refused")
         assert app.query_one("#input").text == "this turn is too long for the cap"   # back for editing
-        assert len(app.session.turns) == 1 and app.session.conv.messages[-1]["role"] == "assistant"
+        assert len(app.view.turns) == 1 and app.view.chat.state().messages[-1]["role"] == "assistant"
 
 
-async def test_drop_oldest_drops_whole_turns_to_fit_the_cap(fake):
-    app = make_app(fake, policy="drop-oldest")
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_drop_oldest_drops_whole_turns_to_fit_the_cap(running_app):
+    async with running_app(policy="drop-oldest") as (app, pilot):
         await send(pilot, "first turn with some words")
         await send(pilot, "second turn")
         app.query_one("#input").load_text("/cap 40")
         await pilot.press("enter")
         await send(pilot, "third")
-        last = app.session.turns[-1]
-        assert last["dropped_messages"] >= 2 and "dropped" in app.query("Reply .stats").last().render().plain
-        assert app.session.conv.messages[0]["content"] != "first turn with some words"
+        last = app.view.turns[-1]
+        assert last.dropped_messages >= 2 and "dropped" in app.query("Reply .stats").last().render().plain
+        assert app.view.chat.state().messages[0]["content"] != "first turn with some words"
 
 
-async def test_load_sends_the_files_content(fake, tmp_path):
+async def test_load_sends_the_files_content(running_app, tmp_path):
     (tmp_path / "notes.txt").write_text("alpha beta gamma")
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    async with running_app() as (app, pilot):
         app.query_one("#input").load_text("/load notes.txt")
         await pilot.press("enter")
-        await wait_until(pilot, lambda: app.session.turns and app.busy is None, what="the reply")
-        assert app.session.conv.messages[0] == {"role": "user", "content": "alpha beta gamma"}
+        await wait_until(pilot, lambda: app.view.turns and app.busy is None, what="the reply")
+        assert app.view.chat.state().messages[0] == {"role": "user", "content": "alpha beta gamma"}
 
 
-async def test_save_writes_markdown_and_json_lines(fake, tmp_path):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_save_writes_markdown_and_json_lines(fake, tmp_path, running_app):
+    async with running_app() as (app, pilot):
         await send(pilot, "save me")
         app.query_one("#input").load_text("/save out/chat.md")
         await pilot.press("enter")
@@ -143,10 +133,8 @@ async def test_save_writes_markdown_and_json_lines(fake, tmp_path):
     assert records[0]["prompt_tokens"] > 0 and records[0]["kv_bytes_per_token"] == fake.bytes_per_token
 
 
-async def test_cache_off_and_kv_dtype_commands_change_the_panels(fake):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_cache_off_and_kv_dtype_commands_change_the_panels(running_app):
+    async with running_app() as (app, pilot):
         await send(pilot, "hello")
         before = app.query_one(CachePanel).snapshot.bytes_per_token
         app.query_one("#input").load_text("/kv bf16")
@@ -158,5 +146,5 @@ async def test_cache_off_and_kv_dtype_commands_change_the_panels(fake):
         await wait_until(pilot, lambda: app.query_one(CachePanel).snapshot.mode == "off", what="cache off")
         assert "cache off" in app.query_one(CachePanel).border_title
         await send(pilot, "no cache now")
-        assert app.session.turns[-1]["mode"] == "off" and app.query_one(CachePanel).snapshot.bytes_used == 0
+        assert app.view.turns[-1].mode == "off" and app.query_one(CachePanel).snapshot.bytes_used == 0
         assert app.query_one(CapGauge).tokens > 0     # the context still counts without a cache

@@ -6,8 +6,8 @@ import threading
 from kvchat.engine.errors import KvchatError, ModelLoadError
 from kvchat.widgets import Notice, Reply, UserMessage
 
-from .conftest import SIZE, make_app, ready, send, wait_until
-from .fake_engine import FakeEngine
+from .conftest import SIZE, make_app, send, wait_until
+from .fake_backend import FakeBackend
 
 
 async def test_a_model_that_fails_to_load_exits_with_status_2_and_one_line():
@@ -19,25 +19,21 @@ async def test_a_model_that_fails_to_load_exits_with_status_2_and_one_line():
     assert app.return_code == 2 and app.failure == "/models/x: no *.safetensors weights"
 
 
-async def test_an_engine_error_before_the_first_token_refuses_the_turn_and_gives_the_text_back(fake):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_an_engine_error_before_the_first_token_refuses_the_turn_and_gives_the_text_back(fake, running_app):
+    async with running_app() as (app, pilot):
         fake.fail_next = KvchatError("KV pool full: this turn needs 9 more blocks")
         app.query_one("#input").load_text("hello")
         await pilot.press("enter")
         await wait_until(pilot, lambda: app.busy is None and app.query(Notice), what="the refused turn")
         assert app.query(Notice).last().has_class("error") and "KV pool full" in app.query(Notice).last().text
         assert app.query_one(UserMessage).has_class("refused") and not app.query(Reply)
-        assert app.query_one("#input").text == "hello" and app.session.conv.messages == []
+        assert app.query_one("#input").text == "hello" and app.view.chat.state().messages == ()
         await send(pilot, "and again")
-        assert app.session.turns[-1]["generated_tokens"] > 0
+        assert app.view.turns[-1].generated_tokens > 0
 
 
-async def test_an_engine_error_mid_turn_is_shown_under_the_reply_and_the_app_goes_on(fake):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_an_engine_error_mid_turn_is_shown_under_the_reply_and_the_app_goes_on(fake, running_app):
+    async with running_app() as (app, pilot):
         fake.fail_mid_turn = KvchatError("KV pool full: this turn needs 9 more blocks")
         app.query_one("#input").load_text("hello")
         await pilot.press("enter")
@@ -45,13 +41,11 @@ async def test_an_engine_error_mid_turn_is_shown_under_the_reply_and_the_app_goe
         stats = app.query_one("Reply .stats")
         assert stats.has_class("error") and "KV pool full" in stats.render().plain
         await send(pilot, "and again")
-        assert app.session.turns[-1]["generated_tokens"] > 0
+        assert app.view.turns[-1].generated_tokens > 0
 
 
-async def test_a_bug_in_a_turn_is_reported_with_where_the_traceback_went(fake, private_dirs):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_a_bug_in_a_turn_is_reported_with_where_the_traceback_went(fake, private_dirs, running_app):
+    async with running_app() as (app, pilot):
         fake.fail_mid_turn = RuntimeError("boom")
         app.query_one("#input").load_text("hello")
         await pilot.press("enter")
@@ -61,10 +55,8 @@ async def test_a_bug_in_a_turn_is_reported_with_where_the_traceback_went(fake, p
     assert "RuntimeError: boom" in (private_dirs / "data" / "errors.log").read_text()
 
 
-async def test_sending_while_replying_says_so_and_keeps_the_text(slow_fake):
-    app = make_app(slow_fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_sending_while_replying_says_so_and_keeps_the_text(slow_fake, running_app):
+    async with running_app(slow_fake) as (app, pilot):
         app.query_one("#input").load_text("first")
         await pilot.press("enter")
         await wait_until(pilot, lambda: app.busy == "reply", what="the reply to start")
@@ -79,7 +71,7 @@ async def test_sending_while_replying_says_so_and_keeps_the_text(slow_fake):
 
 async def test_a_message_typed_while_the_model_loads_is_sent_once_it_is_ready():
     loaded = threading.Event()
-    engine = FakeEngine()
+    engine = FakeBackend()
 
     def factory():
         loaded.wait(10)
@@ -91,6 +83,6 @@ async def test_a_message_typed_while_the_model_loads_is_sent_once_it_is_ready():
         await pilot.pause()
         assert "loading" in app.query_one("StatusBar").state
         loaded.set()
-        await wait_until(pilot, lambda: app.session is not None and app.session.turns and app.busy is None,
+        await wait_until(pilot, lambda: app.view is not None and app.view.turns and app.busy is None,
                          what="the queued turn")
-        assert app.session.conv.messages[0]["content"] == "early bird"
+        assert app.view.chat.state().messages[0]["content"] == "early bird"

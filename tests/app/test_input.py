@@ -4,24 +4,20 @@ from __future__ import annotations
 
 from kvchat.widgets import ChatInput, UserMessage
 
-from .conftest import SIZE, make_app, ready, send, wait_until
+from .conftest import send, wait_until
 
 
-async def test_ctrl_j_adds_a_line_and_enter_sends_both_lines(fake):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_ctrl_j_adds_a_line_and_enter_sends_both_lines(running_app):
+    async with running_app() as (app, pilot):
         await pilot.press("o", "n", "e", "ctrl+j", "t", "w", "o")
         assert app.query_one(ChatInput).text == "one\ntwo"
         await pilot.press("enter")
-        await wait_until(pilot, lambda: app.session.turns and app.busy is None, what="the reply")
+        await wait_until(pilot, lambda: app.view.turns and app.busy is None, what="the reply")
         assert app.query_one(UserMessage).text == "one\ntwo" and app.query_one(ChatInput).text == ""
 
 
-async def test_up_and_down_walk_the_sent_messages_and_come_back_to_the_draft(fake):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_up_and_down_walk_the_sent_messages_and_come_back_to_the_draft(running_app):
+    async with running_app() as (app, pilot):
         await send(pilot, "first")
         await send(pilot, "second")
         box = app.query_one(ChatInput)
@@ -34,16 +30,14 @@ async def test_up_and_down_walk_the_sent_messages_and_come_back_to_the_draft(fak
         assert box.text == "draft"
 
 
-async def test_a_cap_set_while_a_reply_streams_stops_it_at_the_cap(slow_fake):
-    app = make_app(slow_fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_a_cap_set_while_a_reply_streams_stops_it_at_the_cap(slow_fake, running_app):
+    async with running_app(slow_fake) as (app, pilot):
         app.query_one("#input").load_text("a long one please")
         await pilot.press("enter")
         await wait_until(pilot, lambda: app.busy == "reply", what="the reply to start")
         app.query_one("#input").load_text("/cap 30")
         await pilot.press("enter")
-        await wait_until(pilot, lambda: app.busy is None and app.session.turns, what="the reply to stop")
-        turn = app.session.turns[-1]
-        assert turn["stop_reason"] == "cap" and turn["prompt_tokens"] + turn["generated_tokens"] <= 30
+        await wait_until(pilot, lambda: app.busy is None and app.view.turns, what="the reply to stop")
+        turn = app.view.turns[-1]
+        assert turn.stop_reason == "cap" and turn.prompt_tokens + turn.generated_tokens <= 30
         assert "stopped at the cap" in app.query("Reply .stats").last().render().plain

@@ -7,111 +7,96 @@ from kvchat import settings as settings_mod
 from kvchat.settings import Settings
 from kvchat.widgets import CachePanel, CapGauge, HelpScreen, Notice, PolicyPicker, Reply, UserMessage
 
-from .conftest import SIZE, make_app, ready, screen_text, send, wait_until
+from .conftest import screen_text, send, wait_until
 
 
 def notices(app) -> list[str]:
     return [n.text for n in app.query(Notice)]
 
 
-async def test_ctrl_r_frees_the_cache_and_the_next_turn_prefills_everything(fake):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_ctrl_r_frees_the_cache_and_the_next_turn_prefills_everything(running_app):
+    async with running_app() as (app, pilot):
         await send(pilot, "first message here")
         assert app.query_one(CachePanel).snapshot.bytes_used > 0
         await pilot.press("ctrl+r")
         await wait_until(pilot, lambda: app.query_one(CachePanel).snapshot.bytes_used == 0, what="bytes to drop")
         assert any(n.startswith("cache reset: freed") for n in notices(app))
         await send(pilot, "second message")
-        last = app.session.turns[-1]
-        assert last["reused_tokens"] == 0 and last["computed_tokens"] == last["prompt_tokens"]
+        last = app.view.turns[-1]
+        assert last.reused_tokens == 0 and last.computed_tokens == last.prompt_tokens
         assert app.query_one(CachePanel).snapshot.bytes_used > 0
 
 
-async def test_cap_keys_step_the_cap_by_powers_of_two_and_past_the_top_remove_it(fake):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_cap_keys_step_the_cap_by_powers_of_two_and_past_the_top_remove_it(running_app):
+    async with running_app() as (app, pilot):
         await pilot.press("f3")
-        assert app.session.conv.cap == 4096 and app.query_one(CapGauge).cap == 4096
+        assert app.view.chat.state().cap == 4096 and app.query_one(CapGauge).cap == 4096
         await pilot.press("f3", "f3")
-        assert app.session.conv.cap == 1024
+        assert app.view.chat.state().cap == 1024
         await pilot.press("f4", "f4")
-        assert app.session.conv.cap == 4096
+        assert app.view.chat.state().cap == 4096
         await pilot.press("f4")
-        assert app.session.conv.cap is None and app.query_one(CapGauge).cap is None
+        assert app.view.chat.state().cap is None and app.query_one(CapGauge).cap is None
 
 
-async def test_escape_stops_the_reply_and_keeps_what_was_generated(slow_fake):
-    app = make_app(slow_fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_escape_stops_the_reply_and_keeps_what_was_generated(slow_fake, running_app):
+    async with running_app(slow_fake) as (app, pilot):
         app.query_one("#input").load_text("tell me a long story")
         await pilot.press("enter")
         await wait_until(pilot, lambda: len(app.query_one(Reply).text.split()) >= 3, what="a few tokens")
         await pilot.press("escape")
-        await wait_until(pilot, lambda: app.busy is None and app.session.turns, what="the reply to stop")
-        turn = app.session.turns[-1]
-        assert turn["stop_reason"] == "cancelled"
-        assert 3 <= turn["generated_tokens"] < 200
-        assert app.session.conv.messages[-1] == {"role": "assistant", "content": turn["reply"]}
-        assert app.query_one(Reply).text.strip() == turn["reply"]
+        await wait_until(pilot, lambda: app.busy is None and app.view.turns, what="the reply to stop")
+        turn = app.view.turns[-1]
+        assert turn.stop_reason == "cancelled"
+        assert 3 <= turn.generated_tokens < 200
+        assert app.view.chat.state().messages[-1] == {"role": "assistant", "content": turn.reply}
+        assert app.query_one(Reply).text.strip() == turn.reply
 
 
-async def test_f2_chooses_the_cap_policy_from_a_list(fake):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_f2_chooses_the_cap_policy_from_a_list(running_app):
+    async with running_app() as (app, pilot):
         await pilot.press("f2")
         await wait_until(pilot, lambda: isinstance(app.screen, PolicyPicker), what="the picker")
         await pilot.press("down", "enter")
         await wait_until(pilot, lambda: not isinstance(app.screen, PolicyPicker), what="the picker to close")
-        assert app.session.conv.policy.name == "drop-oldest"
+        assert app.view.chat.state().policy == "drop-oldest"
         assert app.query_one(CapGauge).policy == "drop-oldest"
 
 
-async def test_ctrl_n_opens_another_conversation_with_the_same_settings_and_keeps_the_old_one(fake):
-    app = make_app(fake, cap=2048, system="be brief")
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_ctrl_n_opens_another_conversation_with_the_same_settings_and_keeps_the_old_one(fake, running_app):
+    async with running_app(cap=2048, system="be brief") as (app, pilot):
         await send(pilot, "hello")
-        old = app.session
+        old = app.view
         await pilot.press("ctrl+n")
-        await wait_until(pilot, lambda: app.session is not old and app.busy is None, what="the new conversation")
-        assert app.sessions == [old, app.session] and fake.conversations == [old.conv, app.session.conv]
+        await wait_until(pilot, lambda: app.view is not old and app.busy is None, what="the new conversation")
+        assert app.views == [old, app.view] and fake.chats == [old.chat, app.view.chat]
         assert not app.transcript.query(UserMessage) and not app.transcript.query(Reply)
-        assert old.transcript.query(UserMessage) and not old.transcript.display
-        assert app.session.conv.cap == 2048 and app.session.conv.messages == [{"role": "system", "content": "be brief"}]
-        assert old.log.path.exists() and old.log.path != app.session.log.path
+        assert old.query(UserMessage) and not old.display
+        state = app.view.chat.state()
+        assert state.cap == 2048 and state.messages == ({"role": "system", "content": "be brief"},)
+        assert old.conversation_log.path.exists() and old.conversation_log.path != app.view.conversation_log.path
         assert app.query_one(CachePanel).snapshot.bytes_used == 0
-        assert old.conv.tokens_held > 0              # its cache is still there
+        assert old.chat.state().tokens_held > 0              # its cache is still there
 
 
-async def test_f5_regenerates_the_last_reply(fake):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_f5_regenerates_the_last_reply(running_app):
+    async with running_app() as (app, pilot):
         await send(pilot, "hello")
         first = app.query_one(Reply).text
         await pilot.press("f5")
-        await wait_until(pilot, lambda: len(app.session.turns) == 2 and app.busy is None, what="the new reply")
+        await wait_until(pilot, lambda: len(app.view.turns) == 2 and app.busy is None, what="the new reply")
         assert len(app.query(Reply)) == 1 and app.query_one(Reply).text != first
-        assert [m["role"] for m in app.session.conv.messages] == ["user", "assistant"]
+        assert [m["role"] for m in app.view.chat.state().messages] == ["user", "assistant"]
 
 
-async def test_f5_with_no_reply_says_so(fake):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_f5_with_no_reply_says_so(running_app):
+    async with running_app() as (app, pilot):
         await pilot.press("f5")
         assert "nothing to regenerate" in notices(app)[-1]
 
 
-async def test_f1_shows_every_key_and_command_and_escape_closes_it(fake):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_f1_shows_every_key_and_command_and_escape_closes_it(running_app):
+    async with running_app() as (app, pilot):
         await pilot.press("f1")
         await wait_until(pilot, lambda: isinstance(app.screen, HelpScreen), what="help")
         await pilot.pause()
@@ -124,10 +109,8 @@ async def test_f1_shows_every_key_and_command_and_escape_closes_it(fake):
         assert app.busy is None   # escape closed the dialog, it did not reach "stop"
 
 
-async def test_keys_rebound_in_the_settings_file_replace_the_defaults(fake):
-    app = make_app(fake, settings=Settings(keys={"reset_cache": "ctrl+e"}))
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_keys_rebound_in_the_settings_file_replace_the_defaults(running_app):
+    async with running_app(settings=Settings(keys={"reset_cache": "ctrl+e"})) as (app, pilot):
         await send(pilot, "hello")
         await pilot.press("ctrl+r")
         await pilot.pause(0.1)
@@ -136,11 +119,8 @@ async def test_keys_rebound_in_the_settings_file_replace_the_defaults(fake):
         await wait_until(pilot, lambda: app.query_one(CachePanel).snapshot.bytes_used == 0, what="the reset")
 
 
-async def test_ctrl_t_switches_theme_and_remembers_it(fake):
-    app = make_app(fake)
-    app.settings_path = settings_mod.config_path()
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_ctrl_t_switches_theme_and_remembers_it(running_app):
+    async with running_app(settings_path=settings_mod.config_path()) as (app, pilot):
         assert app.has_class("theme-dark")
         await pilot.press("ctrl+t")
         assert app.has_class("theme-high-contrast") and not app.has_class("theme-dark")
@@ -148,17 +128,27 @@ async def test_ctrl_t_switches_theme_and_remembers_it(fake):
     assert json.loads(settings_mod.config_path().read_text())["theme"] == "high-contrast"
 
 
-async def test_ctrl_q_mid_reply_stops_saves_the_partial_reply_and_exits(slow_fake):
-    app = make_app(slow_fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_ctrl_q_mid_reply_stops_saves_the_partial_reply_and_exits(slow_fake, running_app):
+    async with running_app(slow_fake) as (app, pilot):
         app.query_one("#input").load_text("a long story please")
         await pilot.press("enter")
         await wait_until(pilot, lambda: len(app.query_one(Reply).text.split()) >= 2, what="tokens")
         await pilot.press("ctrl+q")
         await wait_until(pilot, lambda: not app.is_running, timeout=10, what="the app to exit")
     assert app.return_code == 0
-    records = [json.loads(line) for line in app.session.log.path.read_text().splitlines()]
+    records = [json.loads(line) for line in app.view.conversation_log.path.read_text().splitlines()]
     turn = next(r for r in records if r["type"] == "turn")
     assert turn["stop_reason"] == "cancelled" and turn["reply"]
     assert {"type": "message", "role": "assistant", "content": turn["reply"]} in records
+
+
+def test_every_key_in_the_table_has_a_handler():
+    from kvchat.controls import Controls
+    from kvchat.keys import KEYS
+    assert set(Controls(None, None).key_handlers()) == {k.action for k in KEYS}
+
+
+async def test_the_app_has_everything_its_parts_take_it_for(running_app):
+    from kvchat.host import Host
+    async with running_app() as (app, pilot):
+        assert isinstance(app, Host)

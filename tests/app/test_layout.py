@@ -5,8 +5,8 @@ from kvchat.engine.telemetry import CACHED, FREE, HELD, PARTIAL, REUSED
 from kvchat.widgets import BlockMap
 from kvchat.widgets.block_map import aggregate
 
-from .conftest import SIZE, make_app, ready, screen_text, send, wait_until
-from .fake_engine import FakeEngine, FakeEngineConfig
+from .conftest import screen_text, send, wait_until
+from .fake_backend import FakeBackend, FakeConfig
 
 
 def test_aggregation_keeps_one_cell_per_block_when_they_fit():
@@ -20,10 +20,8 @@ def test_aggregation_groups_blocks_and_shows_the_most_notable_state_of_each_grou
     assert ratio == 10 and cells == bytes([FREE, HELD, REUSED])
 
 
-async def test_a_narrow_terminal_hides_the_panels_and_ctrl_b_brings_them_back(fake):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_a_narrow_terminal_hides_the_panels_and_ctrl_b_brings_them_back(running_app):
+    async with running_app() as (app, pilot):
         panels = app.query_one("#panels")
         assert panels.display
         await pilot.resize_terminal(70, 30)
@@ -36,20 +34,16 @@ async def test_a_narrow_terminal_hides_the_panels_and_ctrl_b_brings_them_back(fa
         await send(pilot, "still chatting in a small window")
 
 
-async def test_panel_command_hides_one_panel(fake):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_panel_command_hides_one_panel(running_app):
+    async with running_app() as (app, pilot):
         app.query_one("#input").load_text("/panel blocks")
         await pilot.press("enter")
         await pilot.pause()
         assert not app.query_one(BlockMap).display and app.query_one("#cache-panel").display
 
 
-async def test_a_big_pool_is_drawn_aggregated_with_the_ratio_shown():
-    app = make_app(FakeEngine(FakeEngineConfig(num_blocks=5000)))
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_a_big_pool_is_drawn_aggregated_with_the_ratio_shown(running_app):
+    async with running_app(FakeBackend(FakeConfig(num_blocks=5000))) as (app, pilot):
         await send(pilot, "hello")
         await pilot.pause()
         bm = app.query_one(BlockMap)

@@ -4,20 +4,20 @@ from __future__ import annotations
 
 import pytest
 
+from kvchat.backends.local import LocalBackend
 from kvchat.engine.telemetry import OTHER, SHARED
 from kvchat.engine.units import human_bytes
 from kvchat.widgets import BlockMap, CachePanel, LatencyPanel
 
-from .conftest import SIZE, make_app, ready, screen_text, send, wait_until
+from .conftest import screen_text, send, wait_until
 
 pytestmark = pytest.mark.slow
 
 
-async def test_a_real_turn_grows_the_cache_panel_by_bytes_per_token_per_new_token(engine):
+async def test_a_real_turn_grows_the_cache_panel_by_bytes_per_token_per_new_token(engine, running_app):
     """`engine` is the session's real Engine (tests/conftest.py: bundled model, 64 MiB pool)."""
-    app = make_app(factory=lambda: engine, max_tokens=16)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    backend = LocalBackend(engine)
+    async with running_app(factory=lambda: backend, max_tokens=16) as (app, pilot):
         try:
             before = app.query_one(CachePanel).snapshot
             map_before = app.query_one(BlockMap).render().plain
@@ -25,7 +25,7 @@ async def test_a_real_turn_grows_the_cache_panel_by_bytes_per_token_per_new_toke
 
             await send(pilot, "Name three colours.")
             await pilot.pause()
-            stats = app.session.conv.history[-1]
+            stats = app.view.turns[-1]
             after = app.query_one(CachePanel).snapshot
             new_tokens = after.tokens_held - before.tokens_held
             # the prompt's computed tokens, plus one K/V row per decode step
@@ -40,23 +40,22 @@ async def test_a_real_turn_grows_the_cache_panel_by_bytes_per_token_per_new_toke
             points = app.query_one(LatencyPanel).point_count
             assert points == len(stats.decode_ms) == len(stats.positions) > 0
         finally:
-            engine.close_conversation(app.session.conv)
+            backend.close(app.view.chat)
 
 
-async def test_runtime_experiments_change_the_panels_two_conversations_fp8_and_cache_off(engine):
+async def test_runtime_experiments_change_the_panels_two_conversations_fp8_and_cache_off(engine, running_app):
     """Two conversations in the session engine's one pool: the second shares the first's
     system-prompt block (the bundled model's template adds a default one) and sees the
     first's other blocks; /kv fp8 rebuilds the pool at a quarter of fp32's bytes per token;
     /cache off makes the next turn hold nothing. The engine is left as it was found."""
-    app = make_app(factory=lambda: engine, max_tokens=6)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+    backend = LocalBackend(engine)
+    async with running_app(factory=lambda: backend, max_tokens=6) as (app, pilot):
         panel, blocks = app.query_one(CachePanel), app.query_one(BlockMap)
         try:
             await send(pilot, "Name a colour.")
             assert panel.snapshot.bytes_per_token == 46_080 and panel.snapshot.kv_dtype == "fp32"
             await pilot.press("ctrl+n")
-            await wait_until(pilot, lambda: len(app.sessions) == 2 and app.busy is None, what="conversation 2")
+            await wait_until(pilot, lambda: len(app.views) == 2 and app.busy is None, what="conversation 2")
             await send(pilot, "Name a fruit.")
             snap = blocks.snapshot
             assert snap.block_map.count(SHARED) >= 1 and snap.block_map.count(OTHER) >= 1
@@ -69,15 +68,15 @@ async def test_runtime_experiments_change_the_panels_two_conversations_fp8_and_c
             assert panel.snapshot.bytes_per_token == 11_520 == 46_080 // 4
             assert "fp8" in panel.border_title
             await send(pilot, "And a tree?")
-            assert app.session.turns[-1]["kv_dtype"] == "fp8" and panel.snapshot.tokens_held > 0
+            assert app.view.turns[-1].kv_dtype == "fp8" and panel.snapshot.tokens_held > 0
 
             app.query_one("#input").load_text("/cache off")
             await pilot.press("enter")
             await wait_until(pilot, lambda: panel.snapshot.mode == "off" and app.busy is None, what="cache off")
             await send(pilot, "And a bird?")
-            assert app.session.turns[-1]["mode"] == "off" and panel.snapshot.tokens_held == 0
+            assert app.view.turns[-1].mode == "off" and panel.snapshot.tokens_held == 0
             assert "cache off" in panel.border_title
         finally:
             engine.set_kv_dtype("fp32")
-            for session in app.sessions:
-                engine.close_conversation(session.conv)
+            for view in app.views:
+                backend.close(view.chat)

@@ -1,6 +1,6 @@
 """The whole screen after one scripted turn, compared with a committed SVG snapshot.
 
-The FakeEngine's telemetry is fixed (latencies, token counts, block map), so the picture is
+The FakeBackend's telemetry is fixed (latencies, token counts, block map), so the picture is
 deterministic. Update after an intended change with `pytest tests/app/test_snapshot.py
 --snapshot-update` and look at the new SVG before committing it.
 """

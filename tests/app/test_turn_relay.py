@@ -4,7 +4,7 @@ from __future__ import annotations
 from kvchat.engine.telemetry import PrefillEvent, TokenEvent
 from kvchat.turn import Governor, relay
 
-from .fake_engine import FakeEngine
+from .fake_backend import FakeBackend
 
 
 class Clock:
@@ -17,13 +17,12 @@ class Clock:
 
 def events(clock: Clock, n: int, step: float):
     """A turn: a prefill, n tokens `step` seconds apart, and its stats."""
-    engine = FakeEngine()
-    conv = engine.new_conversation()
+    chat = FakeBackend().open()
     yield PrefillEvent(10, 0, 10, 1.0)
     for i in range(n):
         clock.t += step
         yield TokenEvent(f"t{i} ", 100 + i, 10 + i, 5.0)
-    yield next(ev for ev in conv.send("hi") if not isinstance(ev, (PrefillEvent, TokenEvent)))
+    yield next(ev for ev in chat.send("hi") if not isinstance(ev, (PrefillEvent, TokenEvent)))
 
 
 def test_relay_batches_tokens_at_the_interval_and_loses_none():

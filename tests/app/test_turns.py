@@ -3,13 +3,11 @@ from __future__ import annotations
 
 from kvchat.widgets import BlockMap, CachePanel, CapGauge, LatencyPanel, Reply, UserMessage
 
-from .conftest import SIZE, make_app, ready, send, wait_until
+from .conftest import send, wait_until
 
 
-async def test_a_reply_streams_into_the_transcript_with_a_stats_line(fake):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_a_reply_streams_into_the_transcript_with_a_stats_line(running_app):
+    async with running_app() as (app, pilot):
         await send(pilot, "hello kv cache")
         reply = app.query_one(Reply)
         assert reply.text.startswith("Hello there!")
@@ -18,22 +16,18 @@ async def test_a_reply_streams_into_the_transcript_with_a_stats_line(fake):
         assert app.query_one(UserMessage).text == "hello kv cache"
 
 
-async def test_panels_show_the_turns_bytes_blocks_and_latency(fake):
-    app = make_app(fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_panels_show_the_turns_bytes_blocks_and_latency(fake, running_app):
+    async with running_app() as (app, pilot):
         await send(pilot, "hello kv cache")
         snap = app.query_one(CachePanel).snapshot
         assert snap.bytes_used == snap.tokens_held * fake.bytes_per_token > 0
         assert app.query_one(BlockMap).snapshot.blocks_used == -(-snap.tokens_held // 16)
-        assert app.query_one(LatencyPanel).point_count == app.session.turns[-1]["generated_tokens"]
+        assert app.query_one(LatencyPanel).point_count == app.view.turns[-1].generated_tokens
         assert app.query_one(CapGauge).tokens == snap.tokens_held
 
 
-async def test_a_reply_keeps_streaming_while_the_help_screen_is_open(slow_fake):
-    app = make_app(slow_fake)
-    async with app.run_test(size=SIZE) as pilot:
-        await ready(pilot)
+async def test_a_reply_keeps_streaming_while_the_help_screen_is_open(slow_fake, running_app):
+    async with running_app(slow_fake) as (app, pilot):
         app.query_one("#input").load_text("go on")
         await pilot.press("enter")
         await pilot.press("f1")
@@ -43,4 +37,4 @@ async def test_a_reply_keeps_streaming_while_the_help_screen_is_open(slow_fake):
         assert app.busy == "reply"
         await pilot.press("escape")            # stops the reply
         await wait_until(pilot, lambda: app.busy is None, what="the stop")
-        assert app.session.turns[-1]["stop_reason"] == "cancelled"
+        assert app.view.turns[-1].stop_reason == "cancelled"

@@ -1,0 +1,332 @@
+"""A scripted Backend (kvchat/backends/protocol.py) for fast UI tests only.
+
+Why a fake: loading the real model costs seconds per app, and UI tests of keys, commands,
+caps, resets, resizes and error messages need dozens of apps and exact, repeatable
+telemetry. FakeBackend and FakeChat implement the same Protocol as LocalBackend, so the app
+cannot tell them apart, and replay canned replies word by word ("one word = one token")
+with fixed latencies. What decides a turn is the engine's own code: `make_policy` and each
+policy's `fit` (stop refuses, drop-oldest drops whole turns), `check_window_cap` and
+`sink_blocks` for sink-window. The engine's turn loop itself cannot be reused here: it
+needs the model, the tokenizer and the pool's tensors; the fake's is a prefill and a word
+loop. Its bookkeeping follows the real engine's rules: bytes used =
+tokens held x bytes per token, blocks = ceil(tokens / block size), reused prompt tokens are
+the held whole blocks. Several conversations share its pool: another's blocks are OTHER in
+the block map, and when the pool is full whole idle conversations are preempted, the most
+recently opened first, and recompute their tokens next turn. Under sink-window with a cap
+it evicts whole blocks after the sink block to stay within the cap.
+
+It is not a model of the block manager: no prefix index, so blocks are never shared (no
+SHARED), a closed conversation's blocks are freed rather than kept cached, and LRU eviction
+never happens (snapshot.evictions stays 0). Those, and the real preemption, are tested on
+the real engine (tests/test_experiments.py; tests/app/test_real_engine.py drives the app on
+the bundled model). `FakeConfig(capabilities=SERVER_LIKE)` plays a backend that lacks what a
+vLLM server lacks, and refuses the calls it cannot serve, as a server would.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from kvchat.backends.protocol import (BLOCK_MAP, CACHE_TOGGLE, KV_DTYPE, RESET, SINK_WINDOW, BackendInfo,
+                                      Capabilities, ChatState, Event, Message)
+from kvchat.engine.errors import KvchatError
+from kvchat.engine.geometry import DTYPE_BYTES, KNOWN
+from kvchat.engine.policy import POLICIES, make_policy
+from kvchat.engine.sampler import SamplingParams
+from kvchat.engine.streaming import DEFAULT_SINK_TOKENS, check_window_cap, sink_blocks
+from kvchat.engine.telemetry import FREE, HELD, OTHER, PARTIAL, REUSED, CacheSnapshot, PrefillEvent, TokenEvent, TurnStats
+
+REPLIES = ("Hello there! The **KV cache** keeps keys and values.",
+           "Each new token adds one row per layer.",
+           "Reusing a prefix skips its prefill.")
+MESSAGE_OVERHEAD = 4    # "tokens" of chat template around each message
+GENERATION_PROMPT = 3
+LOCAL_LIKE = Capabilities(policies=tuple(POLICIES), kv_dtypes=("fp32", "bf16", "fp16", "fp8"), block_map="pool")
+SERVER_LIKE = Capabilities(
+    policies=("stop", "drop-oldest"), kv_dtypes=(), block_map="none",
+    missing=((RESET, "the server does not allow a cache reset (start it with --enable-reset)"),
+             (CACHE_TOGGLE, "a serving engine always keeps its KV cache"),
+             (KV_DTYPE, "the server's KV dtype is fixed when it starts (--kv-cache-dtype)"),
+             (SINK_WINDOW, "the server cannot evict from the middle of a sequence"),
+             (BLOCK_MAP, "the server reports block counts, not which block holds what")))
+
+
+def count_tokens(messages: list[dict[str, str]]) -> int:
+    return sum(len(m["content"].split()) + MESSAGE_OVERHEAD for m in messages) + GENERATION_PROMPT
+
+
+@dataclass
+class FakeConfig:
+    num_blocks: int = 64
+    block_size: int = 16
+    kv_dtype: str = "fp32"
+    token_delay_s: float = 0.0      # per token; tests of stopping set it > 0
+    replies: tuple[str, ...] = REPLIES
+    capabilities: Capabilities = LOCAL_LIKE
+    knows_geometry: bool = True     # False: like a server's model that matches no known geometry
+
+
+class FakeChat:
+    def __init__(self, backend: FakeBackend, system: str | None, cap: int | None, policy: str) -> None:
+        self.backend = backend
+        self.messages: list[Message] = [{"role": "system", "content": system}] if system else []
+        self.policy = make_policy(policy)
+        self.cap: int | None = None
+        self.set_cap(cap)
+        self.mode = "cache"
+        self.block_table: list[int] = []
+        self.tokens_held = 0
+        self.reused_blocks = 0
+        self.turns = 0
+        self.fed = 0                    # tokens fed since the cache was last empty (> tokens_held after evictions)
+        self.evicted_tokens = 0         # by sink-window, since start
+        self.preempted_pending = 0      # tokens lost to preemption, recomputed next turn
+        self.turn_preempted = 0         # conversations this turn preempted
+
+    # ---- the Chat protocol -------------------------------------------------------------------
+    def state(self) -> ChatState:
+        return ChatState(messages=tuple(dict(m) for m in self.messages), cap=self.cap, policy=self.policy.name,
+                         policy_description=self.policy.description, mode=self.mode, tokens_held=self.tokens_held,
+                         evicted_tokens=self.evicted_tokens, preempted_pending=self.preempted_pending,
+                         turns=self.turns)
+
+    def set_cap(self, cap: int | None) -> None:
+        if cap is not None and cap <= 0:
+            raise KvchatError(f"cap must be a positive number of tokens, got {cap!r}")
+        self._check(self.policy, cap)
+        self.cap = cap
+
+    def set_policy(self, name: str) -> None:
+        policy = make_policy(name)
+        if name not in self.backend.capabilities.policies:
+            raise KvchatError(f"policy {name} is not offered by this backend")
+        self._check(policy, self.cap)
+        self.policy = policy
+
+    def _check(self, policy, cap: int | None) -> None:
+        if policy.streaming and cap is not None:
+            check_window_cap(cap, DEFAULT_SINK_TOKENS, self.backend.cfg.block_size)
+
+    def set_mode(self, mode: str) -> None:
+        if mode not in ("cache", "off"):
+            raise KvchatError(f"unknown cache mode {mode!r}; accepted: on, off")
+        self.backend.refuse(CACHE_TOGGLE)
+        with self.backend.lock:
+            if mode == "off":
+                self._drop()
+            self.mode = mode
+
+    def reset_cache(self) -> int:
+        self.backend.refuse(RESET)
+        return self._drop()
+
+    def restore(self, messages: list[Message]) -> None:
+        self._drop()
+        self.messages = [dict(m) for m in messages]
+
+    def send(self, text: str, sampling: SamplingParams | None = None,
+             cancel: threading.Event | None = None) -> Iterator[Event]:
+        if not text.strip():
+            raise KvchatError("empty message: type something to send")
+        messages = self.messages + [{"role": "user", "content": text}]
+        kept = self.policy.fit(messages, count_tokens, self.cap) if self.cap else messages
+        before, self.messages = self.messages, kept
+        return self._turn(sampling or SamplingParams(), cancel, len(messages) - len(kept), before)
+
+    def regenerate(self, sampling: SamplingParams | None = None,
+                   cancel: threading.Event | None = None) -> Iterator[Event]:
+        if not self.messages or self.messages[-1]["role"] != "assistant":
+            raise KvchatError("nothing to regenerate: the conversation has no reply yet")
+        before = list(self.messages)
+        self.messages.pop()
+        return self._turn(sampling or SamplingParams(), cancel, 0, before)
+
+    # ---- the pool ----------------------------------------------------------------------------
+    def _drop(self) -> int:
+        with self.backend.lock:
+            n = len(self.block_table)
+            self.backend.free(self.block_table)
+            self.block_table, self.tokens_held, self.reused_blocks, self.fed = [], 0, 0, 0
+            return n
+
+    def preempt(self) -> None:
+        self.preempted_pending += self.tokens_held
+        self._drop()
+
+    @property
+    def streaming(self) -> bool:
+        return self.policy.streaming and self.cap is not None
+
+    def _hold(self, fed: int) -> None:
+        """The cache now holds `fed` tokens of text, less what sink-window evicted."""
+        bs = self.backend.cfg.block_size
+        tokens = self.tokens_held + fed - self.fed
+        if self.streaming and tokens > self.cap:
+            n = -(-(tokens - self.cap) // bs)          # whole blocks after the sink block
+            first = sink_blocks(DEFAULT_SINK_TOKENS, bs)
+            self.backend.free(self.block_table[first:first + n])
+            del self.block_table[first:first + n]
+            self.reused_blocks = min(self.reused_blocks, first)
+            tokens -= n * bs
+            self.evicted_tokens += n * bs
+        self.block_table += self.backend.allocate(-(-tokens // bs) - len(self.block_table), self)
+        self.tokens_held, self.fed = tokens, fed
+
+    # ---- a turn ------------------------------------------------------------------------------
+    def _prefill(self, dropped: int) -> PrefillEvent:
+        prompt = count_tokens(self.messages)
+        bs = self.backend.cfg.block_size
+        reused = 0
+        if self.mode == "cache":
+            if self.streaming:
+                reused, self.reused_blocks = min(self.fed, prompt - 1), 0
+            else:
+                if dropped:
+                    self._drop()
+                reused = min(self.tokens_held // bs * bs, (prompt - 1) // bs * bs)
+                self.reused_blocks = reused // bs
+            self._hold(prompt)
+        return PrefillEvent(prompt, reused, prompt - reused, 1.0)
+
+    def _turn(self, sp: SamplingParams, cancel, dropped: int, before: list[Message]) -> Iterator[Event]:
+        b = self.backend
+        with b.lock:
+            if b.fail_next is not None:      # before the first token: as if never sent, as the engine does
+                err, b.fail_next = b.fail_next, None
+                self.messages = before
+                raise err
+            recomputed, self.preempted_pending, self.turn_preempted = self.preempted_pending, 0, 0
+            evicted0 = self.evicted_tokens
+            prefill = self._prefill(dropped)
+            yield prefill
+            words = b.cfg.replies[b.replies_sent % len(b.cfg.replies)].split()
+            b.replies_sent += 1
+            out: list[str] = []
+            stop = "max_tokens" if len(words) > sp.max_tokens else "eos"
+            try:
+                for i, word in enumerate(words[:sp.max_tokens]):
+                    pos = prefill.prompt_tokens + i
+                    if self.cap is not None and not self.streaming and pos >= self.cap:
+                        stop = "cap"
+                        break
+                    if b.cfg.token_delay_s and cancel is not None:
+                        cancel.wait(b.cfg.token_delay_s)
+                    if self.mode == "cache":
+                        self._hold(pos + 1)
+                    out.append(word + " ")
+                    yield TokenEvent(word + " ", 1000 + i, pos, 10.0 + 0.01 * pos)
+                    if b.fail_mid_turn is not None:
+                        err, b.fail_mid_turn = b.fail_mid_turn, None
+                        raise err
+                    if cancel is not None and cancel.is_set():
+                        stop = "cancelled"
+                        break
+            finally:
+                reply = "".join(out).strip()
+                self.messages.append({"role": "assistant", "content": reply})
+                self.turns += 1
+            positions = tuple(range(prefill.prompt_tokens, prefill.prompt_tokens + len(out)))
+            yield TurnStats(
+                turn=self.turns, prompt_tokens=prefill.prompt_tokens, reused_tokens=prefill.reused_tokens,
+                computed_tokens=prefill.computed_tokens, generated_tokens=len(out),
+                ttft_ms=5.0 + 0.1 * prefill.computed_tokens, prefill_ms=1.0,
+                decode_ms=tuple(10.0 + 0.01 * p for p in positions), positions=positions, stop_reason=stop,
+                reply=reply, mode=self.mode, kv_dtype=b.kv_dtype, policy=self.policy.name, dropped_messages=dropped,
+                evicted_blocks=(self.evicted_tokens - evicted0) // b.cfg.block_size, preempted=self.turn_preempted,
+                recomputed_tokens=recomputed if self.mode == "cache" else 0, cache=b.snapshot(self))
+
+
+class FakeBackend:
+    def __init__(self, cfg: FakeConfig | None = None) -> None:
+        self.cfg = cfg or FakeConfig()
+        self.capabilities = self.cfg.capabilities
+        self.geometry = KNOWN["smollm2-135m"]
+        self.kv_dtype = self.cfg.kv_dtype
+        self.lock = threading.RLock()
+        self.chats: list[FakeChat] = []
+        self.owner: list[FakeChat | None] = [None] * self.cfg.num_blocks
+        self.replies_sent = 0
+        self.preemptions = 0
+        self.fail_next: Exception | None = None       # raised by the next turn before its first token, once
+        self.fail_mid_turn: Exception | None = None   # raised by the next turn after its first token, once
+
+    def refuse(self, capability: str) -> None:
+        """What a backend without `capability` does when asked anyway."""
+        if not self.capabilities.has(capability):
+            raise KvchatError(self.capabilities.why_not(capability))
+
+    @property
+    def bytes_per_token(self) -> int:
+        return self.geometry.kv_bytes_per_token(self.kv_dtype)
+
+    # ---- the Backend protocol ----------------------------------------------------------------
+    def info(self) -> BackendInfo:
+        known = self.cfg.knows_geometry
+        return BackendInfo(kind="fake", model="fake-smollm2", device="cpu", dtype="fp32", kv_dtype=self.kv_dtype,
+                           bytes_per_token=self.bytes_per_token, geometry=self.geometry if known else None,
+                           max_position=self.geometry.max_position if known else None, random_weights=True)
+
+    def open(self, system: str | None = None, cap: int | None = None, policy: str = "stop",
+             mode: str = "cache") -> FakeChat:
+        chat = FakeChat(self, system, cap, policy)
+        if mode != "cache":
+            chat.set_mode(mode)
+        self.chats.append(chat)
+        return chat
+
+    def close(self, chat: FakeChat) -> None:
+        with self.lock:
+            chat._drop()
+            self.chats.remove(chat)
+
+    def set_kv_dtype(self, kv_dtype: str) -> str:
+        self.refuse(KV_DTYPE)
+        if kv_dtype not in ("auto", *DTYPE_BYTES):
+            raise KvchatError(f"unknown KV dtype {kv_dtype!r}")
+        with self.lock:
+            for chat in self.chats:
+                chat._drop()
+            self.kv_dtype = "fp32" if kv_dtype == "auto" else kv_dtype
+        return self.kv_dtype
+
+    def shutdown(self) -> None:
+        pass
+
+    def snapshot(self, focus: FakeChat | None = None) -> CacheSnapshot:
+        with self.lock:
+            bs, bpt, n = self.cfg.block_size, self.bytes_per_token, self.cfg.num_blocks
+            codes = bytearray(FREE if o is None else OTHER for o in self.owner)
+            held = blocks = 0
+            if focus is not None:
+                held, blocks = focus.tokens_held, len(focus.block_table)
+                for i, b in enumerate(focus.block_table):
+                    codes[b] = REUSED if i < focus.reused_blocks else PARTIAL if (i + 1) * bs > held else HELD
+            used = sum(o is not None for o in self.owner)
+            return CacheSnapshot(
+                model="fake-smollm2", kv_dtype=self.kv_dtype, block_size=bs, num_blocks=n, bytes_per_token=bpt,
+                capacity_bytes=n * bs * bpt, tokens_held=held, bytes_used=held * bpt,
+                bytes_allocated=blocks * bs * bpt, blocks_used=blocks, wasted_slots=blocks * bs - held,
+                pool_free=n - used, pool_active=used, pool_cached=0, pool_shared=0, block_map=bytes(codes),
+                cap=focus.cap if focus else None, policy=focus.policy.name if focus else "",
+                mode=focus.mode if focus else "cache", evictions=0, preemptions=self.preemptions)
+
+    # ---- the pool ----------------------------------------------------------------------------
+    def allocate(self, n: int, requester: FakeChat) -> list[int]:
+        """n free blocks; when too few are free, preempt whole idle conversations, the most
+        recently opened first (the real engine's make_room, without its cached blocks)."""
+        while self.owner.count(None) < n:
+            victims = [c for c in reversed(self.chats) if c is not requester and c.block_table]
+            if not victims:
+                raise KvchatError(f"KV pool full: this turn needs {n} more blocks; raise --kv-budget or /reset")
+            victims[0].preempt()
+            requester.turn_preempted += 1
+            self.preemptions += 1
+        free = [i for i, o in enumerate(self.owner) if o is None][:max(n, 0)]
+        for i in free:
+            self.owner[i] = requester
+        return free
+
+    def free(self, blocks: list[int]) -> None:
+        for i in blocks:
+            self.owner[i] = None
