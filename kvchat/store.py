@@ -157,24 +157,30 @@ class ConversationLog:
 
     A record that cannot be written (read-only or full disk) never raises into the caller:
     it stays in `unsaved`, `error` holds one line saying why, `on_error` (if set) is called
-    with that line once, and every later write tries the file again, oldest record first."""
+    with that line once, and every later write tries the file again, oldest record first.
+    Only a file locked by another process raises (ConversationBusy), when it is opened."""
 
     def __init__(self, path: Path, messages: Messages | None = None) -> None:
         self.path = path
         self.messages: Messages = [dict(m) for m in messages or []]  # what the log says so far
         self._file: _LogFile | None = None
-        if path.exists():
-            self._file = _LogFile(path)
-            # the file's own view: a restored unanswered message is in it (restore() popped it
-            # for the input), so sending that message again appends nothing twice
-            on_file = restore(path)
-            orphan = [{"role": "user", "content": on_file.unanswered}] if on_file.unanswered else []
-            self.messages = on_file.messages + orphan
         self._held: list[dict[str, Any]] = []
         self.unsaved: list[dict[str, Any]] = []
         self.error: str | None = None
         self.on_error = None
         self._lock = threading.Lock()
+        if path.exists():
+            # the file's own view: a restored unanswered message is in it (restore() popped it
+            # for the input), so sending that message again appends nothing twice
+            on_file = restore(path)
+            orphan = [{"role": "user", "content": on_file.unanswered}] if on_file.unanswered else []
+            self.messages = on_file.messages + orphan
+            try:
+                self._file = _LogFile(path)
+            except ConversationBusy:
+                raise
+            except OSError as err:   # read-only now: keep going in memory, as a failed write does
+                self.error = self._failure(err)
 
     def _put(self, record: dict[str, Any]) -> None:
         """Write (the caller holds the lock); start and event records wait for a message."""
@@ -190,17 +196,19 @@ class ConversationLog:
                 self._file.write(self.unsaved[0])
                 self.unsaved.pop(0)
         except OSError as err:
-            if isinstance(err, ConversationBusy):
-                line = str(err)
-            else:
-                line = (f"cannot write the conversation log {self.path} ({err.strerror or err}); the conversation "
-                        "is kept in memory: /save FILE elsewhere to keep it")
+            line = self._failure(err)
             first = self.error is None
             self.error = line
             if first and self.on_error is not None:
                 self.on_error(line)
             return
         self.error = None
+
+    def _failure(self, err: OSError) -> str:
+        if isinstance(err, ConversationBusy):
+            return str(err)
+        return (f"cannot write the conversation log {self.path} ({err.strerror or err}); the conversation is "
+                "kept in memory: /save FILE elsewhere to keep it")
 
     @classmethod
     def create(cls, root: Path | None = None, **start: Any) -> ConversationLog:

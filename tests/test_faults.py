@@ -71,6 +71,26 @@ def test_a_read_only_data_dir_keeps_the_conversation_in_memory_and_says_so_once(
         export(read_only_dir / "chat", log.messages, [], "m")
 
 
+def test_a_conversation_resumed_on_a_disk_gone_read_only_opens_and_keeps_new_turns_in_memory(tmp_path):
+    disk = tmp_path / "disk"
+    mount_tmpfs(disk, "size=64k")
+    try:
+        log = ConversationLog.create(disk, **START)
+        log.sync([{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}])
+        log.close()
+        before = log.path.read_bytes()
+        if subprocess.run(["mount", "-o", "remount,ro", str(disk)], capture_output=True).returncode != 0:
+            pytest.skip("cannot remount the tmpfs read-only here")
+        r = restore(log.path)
+        again = ConversationLog(log.path, r.messages)           # opens: EROFS is a failed write, not a crash
+        assert again.error is not None and "Read-only file system" in again.error
+        again.sync(r.messages + [{"role": "user", "content": "still here?"}])
+        assert again.messages[-1]["content"] == "still here?" and again.unsaved
+        assert log.path.read_bytes() == before
+    finally:
+        subprocess.run(["umount", "-l", str(disk)], check=False)
+
+
 def test_an_internal_error_log_on_a_read_only_dir_still_gives_one_line(read_only_dir, monkeypatch, capsys):
     monkeypatch.setenv("KVCHAT_DATA_DIR", str(read_only_dir))
     monkeypatch.setattr("kvchat.cli.cmd_info", lambda args: 1 / 0)   # a bug, to reach the catch-all
