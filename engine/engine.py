@@ -259,6 +259,7 @@ def load_tokenizer(src: ModelSource):
         detail = " ".join(str(err).split())[:300]
         raise KvchatError(f"{src.tokenizer_path}: cannot load the tokenizer ({type(err).__name__}: {detail})") from None
     if len(tok) > src.geometry.vocab_size:
-        raise KvchatError(f"{src.tokenizer_path}: the tokenizer has {len(tok):,} tokens but config.json's vocab_size "
-                          f"is {src.geometry.vocab_size:,}; accepted: a tokenizer no larger than the model's vocabulary")
+        raise KvchatError(f"{src.tokenizer_path}: the tokenizer has {len(tok):,} tokens but config.json's "
+                          f"vocab_size is {src.geometry.vocab_size:,}; accepted: a tokenizer no larger than the "
+                          "model's vocabulary")
     return tok
