@@ -40,13 +40,13 @@ def engine_decode_ms(s: Setup, engine, ctx: int, fused: bool = True) -> float:
     conv = engine.new_conversation()
     try:
         ids = torch.randint(0, s.geom.vocab_size, (ctx,)).tolist()
-        conv._claim(ids)
+        conv.reserve(ctx)
         logits = conv._prefill(ids, 0)
         token, pos = int(logits.argmax()), ctx
         times = []
         for i in range(s.decode_steps + 3):
             t0 = time.perf_counter()
-            conv._make_room_for(pos)
+            conv.reserve(pos + 1)
             with kernels_on_cpu(s):
                 logits = conv._decode(token, pos)
             token = int(logits.argmax())
@@ -67,8 +67,7 @@ class ContiguousSDPA:
         import torch
         g = model.geom
         self.model = model
-        if model._cos.shape[0] < max_len:
-            model._extend_rope(max_len)  # the step indexes the table directly
+        model.rope_tables(max_len)  # the step indexes the table directly
         shape = (g.n_layers, 1, g.n_kv_heads, max_len, g.head_dim)
         self.k = torch.randn(shape, device=model.device, dtype=model.dtype)
         self.v = torch.randn(shape, device=model.device, dtype=model.dtype)
@@ -80,7 +79,7 @@ class ContiguousSDPA:
         m, g = self.model, self.model.geom
         hq, hk, d = g.n_heads, g.n_kv_heads, g.head_dim
         with torch.inference_mode():
-            cos, sin = m._cos[positions], m._sin[positions]
+            cos, sin = (t[positions] for t in m.rope_tables())
             x = m.embed[ids]                                                    # (1, hidden)
             for i, layer in enumerate(m.layers):
                 h = rms_norm(x, layer.attn_norm, g.norm_eps)

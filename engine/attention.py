@@ -43,6 +43,11 @@ def _use_triton(t: torch.Tensor) -> bool:
     return (t.is_cuda or _FORCE_TRITON) and _kernels() is not None
 
 
+def triton_kernels(t: torch.Tensor):
+    """The Triton kernels (engine.kernels) when they serve tensors like t, else None."""
+    return _kernels() if _use_triton(t) else None
+
+
 @contextmanager
 def force_triton() -> Iterator[None]:
     """Route CPU tensors through the Triton kernels too, for tests that run them under

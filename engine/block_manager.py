@@ -3,38 +3,48 @@
 Every block is in exactly one state:
 - free: on the free list, content meaningless;
 - active: referenced by one or more sequences (ref_count > 0);
-- cached: unreferenced but still indexed by its content hash, reusable by a later
-  prefix match, evicted least-recently-used first when the pool needs room.
+- cached: unreferenced but still indexed, reusable by a later prefix match, evicted
+  least-recently-used first when the pool needs room.
 
-The prefix index keys each *full* block by a hash chained from its parent block's key and
-its own token ids, so a key names the whole prefix up to that block. A hit is verified
-against the token ids stored with the block, so a hash collision can cost a reuse but never
-returns a block holding other tokens.
+The manager acts on sequences (engine/sequence.py), as nano-vllm's does: `match_prefix`
+starts one on the longest indexed prefix of its text, `allocate` adds fresh blocks,
+`append` records tokens written into them and indexes each block they fill, `evict` and
+`truncate` cut blocks out (sink-window), `free` drops them all.
+
+The prefix index keys each *full* block by a hash of its parent's chain id and its own
+token ids. A chain id names one exact prefix: a block gets its parent's chain id plus its
+tokens, and shares a chain id with another block only when both hold the same tokens after
+the same chain. A hit is verified against the tokens kept with the block and against its
+recorded parent (the chain id of the block just matched), so by induction the whole matched
+prefix is the text asked for: a hash collision can cost a reuse but never returns a block
+computed after other tokens.
 """
 from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence as Tokens
 from dataclasses import dataclass
 
 from .errors import PoolExhausted
+from .sequence import Sequence
 
-ROOT_KEY = 0
+ROOT = 0  # the chain id before the first block
 HashFn = Callable[[int, tuple[int, ...]], int]
 
 
-def chain_hash(parent_key: int, token_ids: tuple[int, ...]) -> int:
-    """Key of a full block: its parent's key and its own tokens."""
-    return hash((parent_key, token_ids))
+def chain_hash(parent: int, token_ids: tuple[int, ...]) -> int:
+    """Index key of a full block: its parent's chain id and its own tokens."""
+    return hash((parent, token_ids))
 
 
 @dataclass(slots=True)
 class Block:
     block_id: int
     ref_count: int = 0
-    key: int | None = None          # set once the block is full and indexed
-    parent_key: int = ROOT_KEY
+    key: int | None = None           # set once the block is full and committed
+    chain: int = ROOT                # the exact prefix up to this block (ROOT: none)
+    parent: int = ROOT               # the chain id of the block before it
     token_ids: tuple[int, ...] = ()  # kept with the key to verify hits
 
 
@@ -52,6 +62,7 @@ class BlockManager:
         self._free: list[int] = list(range(num_blocks))  # a heap
         self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced, indexed; oldest first
         self._index: dict[int, int] = {}  # key -> block id
+        self._next_chain = ROOT + 1
         self.evictions = 0  # cached blocks reclaimed for new content, since start
 
     # ---- queries -------------------------------------------------------------------
@@ -77,45 +88,41 @@ class BlockManager:
         return "cached" if block_id in self._cached else "free"
 
     def cached_ids(self):
-        """A view of the cached block ids (no copy)."""
+        """A view of the cached block ids, least recently used first (no copy)."""
         return self._cached.keys()
 
-    # ---- prefix reuse -----------------------------------------------------------------
-    def match_prefix(self, token_ids: Sequence[int]) -> list[int]:
-        """Take a reference on the longest chain of indexed full blocks that begins
-        `token_ids`, and return their ids. Only whole blocks match."""
-        bs = self.block_size
-        parent = ROOT_KEY
-        matched: list[int] = []
-        for start in range(0, len(token_ids) - bs + 1, bs):
-            chunk = tuple(token_ids[start:start + bs])
-            key = self.hash_fn(parent, chunk)
-            block_id = self._index.get(key)
-            if block_id is None:
-                break
-            b = self.blocks[block_id]
-            if b.token_ids != chunk or b.parent_key != parent:  # a collision: not our tokens
-                break
-            matched.append(block_id)
-            parent = key
+    def cached_prefix(self, token_ids: Tokens[int]) -> int:
+        """How many leading full blocks of `token_ids` a match would reuse; takes nothing."""
+        return len(self._longest_match(token_ids))
+
+    # ---- acting on sequences ----------------------------------------------------------
+    def match_prefix(self, seq: Sequence, token_ids: Tokens[int]) -> int:
+        """Start the empty `seq` on the longest verified chain of indexed full blocks that
+        begins `token_ids`, taking a reference on each. Returns the tokens matched."""
+        if seq.block_table:
+            raise ValueError("match_prefix starts an empty sequence; free it first")
+        matched = self._longest_match(token_ids)
         for block_id in matched:
             self._ref(block_id)
-        return matched
+        seq.block_table = matched
+        seq.chains = [self.blocks[b].chain for b in matched]
+        seq.tokens = list(token_ids[:len(matched) * self.block_size])
+        seq.logical = list(seq.tokens)
+        seq.reused_blocks = len(matched)
+        seq.private = False
+        seq.write_table()
+        return len(seq.tokens)
 
-    def key_of(self, block_id: int) -> int | None:
-        return self.blocks[block_id].key
-
-    # ---- allocation -------------------------------------------------------------------
-    def allocate(self, n: int) -> list[int]:
-        """n fresh blocks with one reference each: free ones first (lowest id), then the
-        least recently used cached ones, whose index entries are dropped."""
+    def allocate(self, seq: Sequence, n: int) -> None:
+        """Add n fresh blocks to the end of seq: free ones first (lowest id), then the least
+        recently used cached ones, whose index entries are dropped."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
         if not self.can_allocate(n):
             raise PoolExhausted(
                 f"KV pool exhausted: {n} blocks needed, {self.num_free} free and {self.num_cached} "
                 f"evictable of {self.num_blocks}")
-        out = []
+        start = len(seq.block_table)
         for _ in range(n):
             if self._free:
                 block_id = heapq.heappop(self._free)
@@ -124,27 +131,111 @@ class BlockManager:
                 self._unindex(block_id)
                 self.evictions += 1
             self.blocks[block_id].ref_count = 1
-            out.append(block_id)
-        return out
+            seq.block_table.append(block_id)
+        seq.write_table(start)
 
-    def commit(self, block_id: int, parent_key: int, token_ids: Sequence[int]) -> int:
-        """Index a block that just became full with `token_ids` after the prefix named by
-        `parent_key`. Returns the block's key, which is the parent key of the next block.
-        If another block already holds this prefix, the index keeps the older one."""
-        chunk = tuple(token_ids)
-        if len(chunk) != self.block_size:
-            raise ValueError(f"only full blocks are indexed: got {len(chunk)} of {self.block_size} tokens")
+    def append(self, seq: Sequence, token_ids: Tokens[int]) -> None:
+        """Record tokens just written after seq's last one, and index every block they
+        filled (a private sequence is never indexed)."""
+        if len(seq.tokens) + len(token_ids) > len(seq.block_table) * self.block_size:
+            raise ValueError(f"{len(token_ids)} more tokens do not fit the sequence's {len(seq.block_table)} blocks")
+        seq.tokens.extend(token_ids)
+        seq.logical.extend(token_ids)
+        if seq.private:
+            return
+        bs = self.block_size
+        while len(seq.chains) < len(seq.tokens) // bs:
+            i = len(seq.chains)
+            parent = seq.chains[-1] if seq.chains else ROOT
+            seq.chains.append(self._commit(seq.block_table[i], parent, seq.tokens[i * bs:(i + 1) * bs]))
+
+    def free(self, seq: Sequence, keep_index: bool = True) -> int:
+        """Drop every reference seq holds and empty it; returns how many blocks it held.
+        With keep_index, its full blocks stay cached for prefix reuse; without, they leave
+        the index too (a reset)."""
+        n = len(seq.block_table)
+        if keep_index:
+            self._release(seq.block_table)
+        else:
+            self._forget(seq.block_table)
+        seq.block_table, seq.chains, seq.tokens, seq.logical = [], [], [], []
+        seq.reused_blocks = 0
+        seq.private = False
+        return n
+
+    def evict(self, seq: Sequence, first: int, n: int) -> None:
+        """Cut n full blocks out of seq from block index `first`, with their tokens. The
+        blocks after them no longer sit at their text positions, so seq becomes private."""
+        bs = self.block_size
+        if first < 0 or n < 0 or (first + n) * bs > len(seq.tokens):
+            raise ValueError(f"cannot evict blocks {first}..{first + n - 1} of a sequence with "
+                             f"{len(seq.tokens) // bs} full blocks")
+        self._forget(seq.block_table[first:first + n])
+        del seq.block_table[first:first + n]
+        del seq.tokens[first * bs:(first + n) * bs]
+        seq.chains = []
+        seq.private = True
+        seq.write_table(first)
+
+    def truncate(self, seq: Sequence, n_tokens: int) -> None:
+        """Drop the last n_tokens tokens of a private seq, and the blocks left empty."""
+        if not seq.private:
+            raise ValueError("only a private sequence is cut in place: indexed blocks may be shared")
+        if not 0 <= n_tokens <= len(seq.tokens):
+            raise ValueError(f"cannot drop {n_tokens} of {len(seq.tokens)} tokens")
+        del seq.tokens[len(seq.tokens) - n_tokens:]
+        del seq.logical[len(seq.logical) - n_tokens:]
+        keep = -(-len(seq.tokens) // self.block_size)
+        self._forget(seq.block_table[keep:])
+        del seq.block_table[keep:]
+
+    def evict_all_cached(self) -> int:
+        n = len(self._cached)
+        while self._cached:
+            block_id, _ = self._cached.popitem(last=False)
+            self._unindex(block_id)
+            heapq.heappush(self._free, block_id)
+        return n
+
+    # ---- internals ----------------------------------------------------------------------
+    def _longest_match(self, token_ids: Tokens[int]) -> list[int]:
+        bs = self.block_size
+        parent = ROOT
+        matched: list[int] = []
+        for start in range(0, len(token_ids) - bs + 1, bs):
+            chunk = tuple(token_ids[start:start + bs])
+            block_id = self._index.get(self.hash_fn(parent, chunk))
+            if block_id is None or not self._holds(block_id, parent, chunk):
+                break  # a miss, or a collision: not our tokens after our prefix
+            matched.append(block_id)
+            parent = self.blocks[block_id].chain
+        return matched
+
+    def _holds(self, block_id: int, parent: int, chunk: tuple[int, ...]) -> bool:
         b = self.blocks[block_id]
-        if b.ref_count <= 0:
-            raise ValueError(f"block {block_id} is not held; commit it while a sequence references it")
-        key = self.hash_fn(parent_key, chunk)
+        return b.token_ids == chunk and b.parent == parent
+
+    def _commit(self, block_id: int, parent: int, token_ids: Tokens[int]) -> int:
+        """Index a held block that just became full with `token_ids` after the chain
+        `parent`; returns its chain id. If another block already holds this prefix, the
+        index keeps the older one and this block shares its chain id."""
+        chunk = tuple(token_ids)
+        b = self.blocks[block_id]
+        if len(chunk) != self.block_size or b.ref_count <= 0:
+            raise ValueError(f"block {block_id}: only a held, full block is committed")
         if b.key is not None:
             self._unindex(block_id)
-        b.key, b.parent_key, b.token_ids = key, parent_key, chunk
+        key = self.hash_fn(parent, chunk)
+        same = self._index.get(key)
+        if same is not None and self._holds(same, parent, chunk):
+            chain = self.blocks[same].chain
+        else:
+            chain, self._next_chain = self._next_chain, self._next_chain + 1
+        b.key, b.chain, b.parent, b.token_ids = key, chain, parent, chunk
         self._index.setdefault(key, block_id)
-        return key
+        return chain
 
-    def release(self, block_ids: Sequence[int]) -> None:
+    def _release(self, block_ids: Tokens[int]) -> None:
         """Drop one reference from each block. An unreferenced indexed block becomes cached
         (most recently used); an unindexed one goes back on the free list."""
         for block_id in block_ids:
@@ -159,25 +250,15 @@ class BlockManager:
                     self._clear(block_id)
                     heapq.heappush(self._free, block_id)
 
-    def forget(self, block_ids: Sequence[int]) -> None:
-        """Release blocks and also drop them from the prefix index, so their content is not
-        reused (a cache reset)."""
+    def _forget(self, block_ids: Tokens[int]) -> None:
+        """Release blocks and drop the unreferenced ones from the prefix index too."""
         for block_id in block_ids:
-            self.release([block_id])
+            self._release([block_id])
             if block_id in self._cached:
                 del self._cached[block_id]
                 self._unindex(block_id)
                 heapq.heappush(self._free, block_id)
 
-    def evict_all_cached(self) -> int:
-        n = len(self._cached)
-        while self._cached:
-            block_id, _ = self._cached.popitem(last=False)
-            self._unindex(block_id)
-            heapq.heappush(self._free, block_id)
-        return n
-
-    # ---- internals ----------------------------------------------------------------------
     def _ref(self, block_id: int) -> None:
         b = self.blocks[block_id]
         if b.ref_count == 0:
@@ -192,4 +273,4 @@ class BlockManager:
 
     def _clear(self, block_id: int) -> None:
         b = self.blocks[block_id]
-        b.key, b.parent_key, b.token_ids = None, ROOT_KEY, ()
+        b.key, b.chain, b.parent, b.token_ids = None, ROOT, ROOT, ()

@@ -1,30 +1,55 @@
-"""A conversation: its messages, the blocks holding its cached tokens, and one turn's loop.
+"""A conversation: its messages, the sequence of blocks holding its cached tokens, and one
+turn's loop.
 
-Each turn renders the whole conversation with the chat template, takes a reference on the
-longest indexed block-aligned prefix of it (`match_prefix`), prefills only the rest, then
-decodes one token per step, writing one K and V row per layer each step.
+Each turn renders the whole conversation with the chat template, starts its sequence on the
+longest indexed block-aligned prefix of it (`BlockManager.match_prefix`), prefills only the
+rest, then decodes one token per step, writing one K and V row per layer each step. Every
+block a conversation gains comes through `reserve` (make room, then allocate).
 """
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 
-from .block_manager import ROOT_KEY
 from .cuda_graph import decoder_for
 from .detokenizer import Detokenizer
 from .errors import KvchatError
-from .kv_cache import blocks_for
 from .model import Step
 from .policy import make_policy
 from .sampler import Sampler, SamplingParams
+from .sequence import Sequence
 from .streaming import DEFAULT_SINK_TOKENS, check_window_cap, claim_window, evict_middle, prefill_window
 from .telemetry import PrefillEvent, TokenEvent, TurnStats
 
 PREFILL_CHUNK = 8192  # a cold prefill in one causal call takes the flash kernel; a masked chunk does not
 MODES = ("cache", "off")
+
+
+@dataclass(slots=True)
+class Turn:
+    """One turn's running figures, from its prefill to its TurnStats."""
+    ids: list[int]                 # the rendered prompt
+    tokens: list[int]              # the prompt, then each reply token as it is sampled
+    t0: float                      # perf_counter at the start
+    recomputed: int                # tokens lost to preemption since the last turn
+    evictions0: int                # the counters at the start: the turn's share is the difference
+    preemptions0: int
+    evicted0: int
+    reused: int = 0                # prompt tokens whose K/V came from the cache
+    logits: torch.Tensor | None = None  # (vocab,) fp32: the first reply token's
+    prefill_ms: float = 0.0
+    ttft_ms: float = 0.0
+    decode_ms: list[float] = field(default_factory=list)
+    positions: list[int] = field(default_factory=list)
+    stop_reason: str = "max_tokens"
+
+    @property
+    def last_ms(self) -> float:
+        return self.decode_ms[-1] if self.decode_ms else self.ttft_ms
 
 
 class Conversation:
@@ -34,15 +59,9 @@ class Conversation:
         self.messages: list[dict[str, str]] = []
         if system_prompt:
             self.messages.append({"role": "system", "content": system_prompt})
-        self.tokens: list[int] = []        # tokens whose K/V this conversation's blocks hold, in cache order
-        self.logical: list[int] = []       # every token fed since the cache was last empty, in text order
-                                           # (equal to tokens unless sink-window evicted some)
+        self.seq = Sequence(engine.spec.block_size, self._new_table())
         self.sink_tokens = DEFAULT_SINK_TOKENS
         self.evicted_tokens = 0            # by sink-window, since start
-        self._private = False              # blocks unshared and unindexed (sink-window rewrites keys)
-        self.block_table: list[int] = []
-        self.block_keys: list[int] = []    # keys of the indexed full blocks, in order
-        self.reused_blocks = 0             # leading blocks that came from the prefix index this turn
         self.turns = 0
         self.mode = "cache"
         self.cap: int | None = None
@@ -51,11 +70,10 @@ class Conversation:
         self.preempted_pending = 0          # tokens lost to preemption, recomputed next turn
         self.history: list[TurnStats] = []
         self.last_logits: torch.Tensor | None = None  # (vocab,) fp32: the first token's logits, last turn
-        self._table = torch.zeros(self._max_blocks(), dtype=torch.int32, device=engine.device)
 
     # ---- settings --------------------------------------------------------------------------
-    def _max_blocks(self) -> int:
-        return self.engine.spec.num_blocks
+    def _new_table(self) -> torch.Tensor:
+        return torch.zeros(self.engine.spec.num_blocks, dtype=torch.int32, device=self.engine.device)
 
     def set_cap(self, cap: int | None) -> None:
         if cap is not None and (not isinstance(cap, int) or cap <= 0):
@@ -69,7 +87,7 @@ class Conversation:
         if policy.streaming and self.cap is not None:
             self._check_window(self.cap)
         with self.engine.lock:
-            if self._private and not policy.streaming:
+            if self.seq.private and not policy.streaming:
                 self.drop_cache()  # shifted windows are no text's prefix: recompute, then index again
             self.policy = policy
 
@@ -86,26 +104,26 @@ class Conversation:
 
     @property
     def tokens_held(self) -> int:
-        return len(self.tokens)
+        return len(self.seq)
+
+    @property
+    def block_table(self) -> list[int]:
+        return self.seq.block_table
+
+    @property
+    def streaming(self) -> bool:
+        return self.policy.streaming and self.cap is not None
 
     # ---- cache ownership ---------------------------------------------------------------------
     def drop_cache(self, keep_index: bool = False) -> int:
         """Free every block of this conversation. With keep_index, full blocks stay cached for
         prefix reuse; without, they are dropped from the index too (a real reset)."""
         with self.engine.lock:
-            n = len(self.block_table)
-            if keep_index:
-                self.engine.blocks.release(self.block_table)
-            else:
-                self.engine.blocks.forget(self.block_table)
-            self.block_table, self.block_keys, self.tokens, self.logical = [], [], [], []
-            self.reused_blocks = 0
-            self._private = False
-            return n
+            return self.engine.blocks.free(self.seq, keep_index)
 
     def resize_table(self) -> None:
         """After the pool was rebuilt with another block count (the cache is empty)."""
-        self._table = torch.zeros(self._max_blocks(), dtype=torch.int32, device=self.engine.device)
+        self.seq.table = self._new_table()
 
     def reset_cache(self) -> int:
         """Forget the cache: the next turn prefills the whole history again."""
@@ -113,8 +131,17 @@ class Conversation:
 
     def preempt(self) -> None:
         """Freed for another conversation (vLLM-style): its cache is recomputed next turn."""
-        self.preempted_pending += len(self.tokens)
+        self.preempted_pending += len(self.seq)
         self.drop_cache(keep_index=False)
+
+    def reserve(self, n_tokens: int) -> None:
+        """Give the cache blocks for n_tokens: the one path by which a conversation gains
+        blocks. Room comes from cached blocks first, then from preempting idle conversations
+        (counted once, in engine.preemptions)."""
+        need = self.seq.blocks_needed(n_tokens)
+        if need:
+            self.engine.make_room(need, self)
+            self.engine.blocks.allocate(self.seq, need)
 
     # ---- rendering ---------------------------------------------------------------------------
     def render(self, messages: list[dict[str, str]]) -> list[int]:
@@ -171,194 +198,150 @@ class Conversation:
         eng = self.engine
         with eng.lock:
             try:
-                prefill = self._prefill_turn()
+                turn = self._prefill_turn()
             except BaseException:
                 self.messages = before  # nothing was generated: as if the message was never sent
                 raise
-            ids, reused, preempted, recomputed, evictions0, evicted0, logits, prefill_ms, t0 = prefill
-            sampler = Sampler(sp, eng.device, vocab_limit=len(eng.tokenizer))
-            stops = self.stop_ids()
             detok = Detokenizer(eng.tokenizer)
-            seq = list(ids)                     # every token of this turn's sequence
-            decode_ms: list[float] = []
-            positions: list[int] = []
-            ttft_ms = 0.0
-            stop_reason = "max_tokens"
+            sampler = Sampler(sp, eng.device, vocab_limit=len(eng.tokenizer))
             try:
-                token = int(sampler(logits))
-                ttft_ms = (time.perf_counter() - t0) * 1000
-                yield PrefillEvent(len(ids), reused, len(ids) - reused, prefill_ms)
-                for i in range(sp.max_tokens):
-                    if token in stops:
-                        stop_reason = "eos"
-                        break
-                    delta = detok.add(token)
-                    pos = len(seq)
-                    seq.append(token)
-                    if i == sp.max_tokens - 1:
-                        yield TokenEvent(delta, token, pos, decode_ms[-1] if decode_ms else ttft_ms)
-                        break
-                    if self.cap is not None and not self.streaming and len(seq) >= self.cap:
-                        stop_reason = "cap"
-                        yield TokenEvent(delta, token, pos, decode_ms[-1] if decode_ms else ttft_ms)
-                        break
-                    if cancel is not None and cancel.is_set():
-                        stop_reason = "cancelled"
-                        yield TokenEvent(delta, token, pos, decode_ms[-1] if decode_ms else ttft_ms)
-                        break
-                    ts = time.perf_counter()
-                    if self.mode == "cache":
-                        if self.streaming and self.tokens_held + 1 > self.cap:
-                            evict_middle(self, 1)
-                        cpos = self.tokens_held  # the position in the cache (= pos unless sink-window evicted)
-                        preempted += self._make_room_for(cpos)
-                        logits = self._decode(token, cpos)
-                    else:
-                        logits = eng.model.forward_dense(torch.tensor(seq, device=eng.device))[0]
-                    token = int(sampler(logits))  # reading the token synchronises the device
-                    ms = (time.perf_counter() - ts) * 1000
-                    decode_ms.append(ms)
-                    positions.append(pos)
-                    yield TokenEvent(delta, seq[-1], pos, ms)
-                    if cancel is not None and cancel.is_set():
-                        stop_reason = "cancelled"
-                        break
+                yield from self._generate(turn, sampler, detok, sp.max_tokens, cancel)
             finally:
                 # runs on normal exit, on cancellation and if the consumer closes the
-                # generator: the cache stays consistent with self.tokens either way
+                # generator: the cache stays consistent with self.seq either way
                 tail = detok.flush()
-                reply = detok.text
-                self.messages.append({"role": "assistant", "content": reply})
+                self.messages.append({"role": "assistant", "content": detok.text})
                 self.turns += 1
-            stats = TurnStats(
-                turn=self.turns, prompt_tokens=len(ids), reused_tokens=reused,
-                computed_tokens=len(ids) - reused, generated_tokens=len(seq) - len(ids), ttft_ms=ttft_ms,
-                prefill_ms=prefill_ms, decode_ms=tuple(decode_ms), positions=tuple(positions),
-                stop_reason=stop_reason, reply=reply, mode=self.mode, kv_dtype=eng.kv_dtype,
-                policy=self.policy.name, dropped_messages=dropped,
-                evicted_blocks=eng.blocks.evictions - evictions0 + (self.evicted_tokens - evicted0) // eng.spec.block_size,
-                preempted=preempted,
-                recomputed_tokens=recomputed if self.mode == "cache" else 0,
-                cache=eng.snapshot(self))
+            stats = self._stats(turn, detok.text, dropped)
             self.history.append(stats)
             if tail:
-                yield TokenEvent(tail, -1, len(seq) - 1, 0.0)
+                yield TokenEvent(tail, -1, len(turn.tokens) - 1, 0.0)
             yield stats
 
-    def _prefill_turn(self):
+    def _prefill_turn(self) -> Turn:
         """Render, claim blocks and prefill; the first half of a turn."""
         eng = self.engine
         t0 = time.perf_counter()
         ids = self.render(self.messages)
-        evictions0 = eng.blocks.evictions
-        recomputed = self.preempted_pending
-        preempted = 0
-        evicted0 = self.evicted_tokens
+        turn = Turn(ids, list(ids), t0, recomputed=self.preempted_pending, evictions0=eng.blocks.evictions,
+                    preemptions0=eng.preemptions, evicted0=self.evicted_tokens)
         if self.mode == "cache" and self.streaming:
-            reused, preempted = claim_window(self, ids), 0
-            logits = prefill_window(self, ids[reused:])
+            turn.reused = claim_window(self, ids)
+            turn.logits = prefill_window(self, ids[turn.reused:])
         elif self.mode == "cache":
-            preempted = self._claim(ids)
-            reused = len(self.tokens)
-            logits = self._prefill(ids[reused:], reused)
+            turn.reused = self._claim(ids)
+            turn.logits = self._prefill(ids[turn.reused:], turn.reused)
         else:
-            reused = 0
-            logits = eng.model.forward_dense(torch.tensor(ids, device=eng.device))[0]
+            turn.logits = eng.model.forward_dense(torch.tensor(ids, device=eng.device))[0]
         self._sync()
         self.preempted_pending = 0
-        self.last_logits = logits
-        prefill_ms = (time.perf_counter() - t0) * 1000
-        return ids, reused, preempted, recomputed, evictions0, evicted0, logits, prefill_ms, t0
+        self.last_logits = turn.logits
+        turn.prefill_ms = (time.perf_counter() - t0) * 1000
+        return turn
+
+    def _generate(self, turn: Turn, sampler: Sampler, detok: Detokenizer, max_tokens: int,
+                  cancel: threading.Event | None) -> Iterator[PrefillEvent | TokenEvent]:
+        """The decode loop: a PrefillEvent, then one TokenEvent per token; sets turn.stop_reason."""
+        stops = self.stop_ids()
+        token = int(sampler(turn.logits))
+        turn.ttft_ms = (time.perf_counter() - turn.t0) * 1000
+        yield PrefillEvent(len(turn.ids), turn.reused, len(turn.ids) - turn.reused, turn.prefill_ms)
+        for i in range(max_tokens):
+            if token in stops:
+                turn.stop_reason = "eos"
+                return
+            delta = detok.add(token)
+            pos = len(turn.tokens)
+            turn.tokens.append(token)
+            stop = self._stop_before_step(i == max_tokens - 1, len(turn.tokens), cancel)
+            ms = turn.last_ms
+            if stop is None:
+                ts = time.perf_counter()
+                token = int(sampler(self._step(turn.tokens)))  # reading the token synchronises the device
+                ms = (time.perf_counter() - ts) * 1000
+                turn.decode_ms.append(ms)
+                turn.positions.append(pos)
+            yield TokenEvent(delta, turn.tokens[-1], pos, ms)
+            if stop is None and cancel is not None and cancel.is_set():
+                stop = "cancelled"
+            if stop is not None:
+                turn.stop_reason = stop
+                return
+
+    def _stop_before_step(self, last: bool, n_tokens: int, cancel: threading.Event | None) -> str | None:
+        if last:
+            return "max_tokens"
+        if self.cap is not None and not self.streaming and n_tokens >= self.cap:
+            return "cap"
+        if cancel is not None and cancel.is_set():
+            return "cancelled"
+        return None
+
+    def _step(self, tokens: list[int]) -> torch.Tensor:
+        """Feed the turn's newest token; returns the next token's logits (vocab,) fp32."""
+        eng = self.engine
+        if self.mode != "cache":
+            return eng.model.forward_dense(torch.tensor(tokens, device=eng.device))[0]
+        if self.streaming and len(self.seq) + 1 > self.cap:
+            evict_middle(self, 1)
+        pos = len(self.seq)  # the position in the cache (= in the text unless sink-window evicted)
+        self.reserve(pos + 1)
+        return self._decode(tokens[-1], pos)
+
+    def _stats(self, turn: Turn, reply: str, dropped: int) -> TurnStats:
+        eng, ids = self.engine, turn.ids
+        evicted = eng.blocks.evictions - turn.evictions0 + (self.evicted_tokens - turn.evicted0) // eng.spec.block_size
+        return TurnStats(
+            turn=self.turns, prompt_tokens=len(ids), reused_tokens=turn.reused,
+            computed_tokens=len(ids) - turn.reused, generated_tokens=len(turn.tokens) - len(ids),
+            ttft_ms=turn.ttft_ms, prefill_ms=turn.prefill_ms, decode_ms=tuple(turn.decode_ms),
+            positions=tuple(turn.positions), stop_reason=turn.stop_reason, reply=reply, mode=self.mode,
+            kv_dtype=eng.kv_dtype, policy=self.policy.name, dropped_messages=dropped, evicted_blocks=evicted,
+            preempted=eng.preemptions - turn.preemptions0,
+            recomputed_tokens=turn.recomputed if self.mode == "cache" else 0, cache=eng.snapshot(self))
 
     # ---- cache mechanics ----------------------------------------------------------------------
     def _claim(self, ids: list[int]) -> int:
         """Swap last turn's blocks for this turn's: release ours (full blocks stay indexed),
-        take the longest indexed prefix of `ids` (at least one token left to compute), and
-        allocate blocks for the rest. Returns conversations preempted to make room."""
+        start on the longest indexed prefix of `ids` (at least one token left to compute),
+        and reserve blocks for the rest. Returns the tokens reused."""
         bm = self.engine.blocks
-        bm.release(self.block_table)
-        matched = bm.match_prefix(ids[:-1])
-        bs = bm.block_size
-        self.block_table = list(matched)
-        self.block_keys = [bm.key_of(b) for b in matched]
-        self.reused_blocks = len(matched)
-        self.tokens = list(ids[: len(matched) * bs])
-        self.logical = list(self.tokens)
-        self._private = False
-        need = blocks_for(len(ids), bs) - len(matched)
-        preempted = self.engine.make_room(need, self)
-        self.block_table += bm.allocate(need)
-        self._table[: len(self.block_table)] = torch.tensor(self.block_table, dtype=torch.int32)
-        return preempted
-
-    @property
-    def streaming(self) -> bool:
-        return self.policy.streaming and self.cap is not None
-
-    def _make_room_for(self, pos: int) -> int:
-        """Before writing position pos: add a block when pos starts a new one."""
-        bs = self.engine.blocks.block_size
-        if pos // bs < len(self.block_table):
-            return 0
-        preempted = self.engine.make_room(1, self)
-        (block_id,) = self.engine.blocks.allocate(1)
-        self._table[len(self.block_table)] = block_id
-        self.block_table.append(block_id)
-        return preempted
-
-    def _run_start(self) -> int | None:
-        """The first block id if this conversation's blocks are one ascending run."""
-        bt = self.block_table
-        if bt and bt[-1] - bt[0] == len(bt) - 1 and bt == list(range(bt[0], bt[0] + len(bt))):
-            return bt[0]
-        return None
-
-    def _slots(self, start: int, end: int) -> torch.Tensor:
-        bs = self.engine.blocks.block_size
-        pos = torch.arange(start, end)
-        table = torch.tensor(self.block_table, dtype=torch.int64)
-        return (table[pos // bs] * bs + pos % bs).to(self.engine.device)
+        bm.free(self.seq)
+        reused = bm.match_prefix(self.seq, ids[:-1])
+        self.reserve(len(ids))
+        return reused
 
     def _prefill(self, new_ids: list[int], start: int) -> torch.Tensor:
-        eng = self.engine
         logits = None
         for c0 in range(0, len(new_ids), PREFILL_CHUNK):
-            chunk = new_ids[c0:c0 + PREFILL_CHUNK]
-            p0 = start + c0
-            step = Step(self._table, self._slots(p0, p0 + len(chunk)), p0, decode=False,
-                        first_block=self._run_start())
-            logits = eng.model.forward(torch.tensor(chunk, device=eng.device),
-                                       torch.arange(p0, p0 + len(chunk), device=eng.device), step, eng.pool)
-            self._wrote(chunk)
+            logits = self.prefill_chunk(new_ids[c0:c0 + PREFILL_CHUNK], start + c0)
         return logits[0]
+
+    def prefill_chunk(self, chunk: list[int], p0: int, last_only: bool = True) -> torch.Tensor:
+        """Feed `chunk` at cache positions p0.. (its blocks reserved): its K/V are written and
+        recorded in the sequence. Returns logits (1, vocab), or (T, vocab) without last_only."""
+        eng, seq = self.engine, self.seq
+        step = Step(seq.table, torch.tensor(seq.slots(p0, p0 + len(chunk)), device=eng.device), p0,
+                    decode=False, first_block=seq.first_block)
+        logits = eng.model.forward(torch.tensor(chunk, device=eng.device),
+                                   torch.arange(p0, p0 + len(chunk), device=eng.device), step, eng.pool,
+                                   last_only=last_only)
+        eng.blocks.append(seq, chunk)
+        return logits
 
     def _decode(self, token: int, pos: int) -> torch.Tensor:
-        eng = self.engine
-        bs = eng.blocks.block_size
-        slot = self.block_table[pos // bs] * bs + pos % bs
+        """One token at cache position pos (its block reserved); logits (vocab,) fp32."""
+        eng, seq = self.engine, self.seq
+        slot = seq.slot(pos)
         if eng.device.type == "cuda":  # static shapes, replayed from a CUDA graph
-            logits = decoder_for(eng.model, eng.pool)(token, pos, slot, self._table, pos // bs + 1)
-            self._wrote([token])
-            return logits
-        step = Step(self._table, torch.tensor([slot], device=eng.device), pos, decode=True,
-                    first_block=self._run_start())
-        logits = eng.model.forward(torch.tensor([token], device=eng.device),
-                                   torch.tensor([pos], device=eng.device), step, eng.pool)
-        self._wrote([token])
-        return logits[0]
-
-    def _wrote(self, new_tokens: list[int]) -> None:
-        """Record tokens now in the cache and index every block they filled."""
-        bm = self.engine.blocks
-        bs = bm.block_size
-        self.tokens.extend(new_tokens)
-        self.logical.extend(new_tokens)
-        if self._private:
-            return
-        while len(self.block_keys) < len(self.tokens) // bs:
-            i = len(self.block_keys)
-            parent = self.block_keys[-1] if self.block_keys else ROOT_KEY
-            self.block_keys.append(bm.commit(self.block_table[i], parent, self.tokens[i * bs:(i + 1) * bs]))
+            logits = decoder_for(eng.model, eng.pool)(token, pos, slot, seq.table, pos // seq.block_size + 1)
+        else:
+            step = Step(seq.table, torch.tensor([slot], device=eng.device), pos, decode=True,
+                        first_block=seq.first_block)
+            logits = eng.model.forward(torch.tensor([token], device=eng.device),
+                                       torch.tensor([pos], device=eng.device), step, eng.pool)[0]
+        eng.blocks.append(seq, [token])
+        return logits
 
     def _sync(self) -> None:
         if self.engine.device.type == "cuda":

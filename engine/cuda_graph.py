@@ -68,7 +68,7 @@ class TorchOps:
 
 def ops_for(t: torch.Tensor):
     """The fused Triton kernels where attention would use Triton for t, else TorchOps."""
-    return attention._kernels() if attention._use_triton(t) else TorchOps
+    return attention.triton_kernels(t) or TorchOps
 
 
 @torch.inference_mode()
@@ -81,11 +81,12 @@ def decode_step(model: Llama, pool: KVPool, ids: torch.Tensor, positions: torch.
     g = model.geom
     hq, d = g.n_heads, g.head_dim
     layers = model.layers
+    cos, sin = model.rope_tables()                                             # (max_pos, 1, d) each
     x = model.embed[ids]                                                       # (1, hidden) residual stream
     h = ops.add_rms_norm(x, None, layers[0].attn_norm, g.norm_eps)
     for i, layer in enumerate(layers):
         k_cache, v_cache, k_scale, v_scale = pool.layer(i)
-        q = ops.rope_write(h @ layer.wqkv.T, model._cos, model._sin, positions, k_cache, v_cache,
+        q = ops.rope_write(h @ layer.wqkv.T, cos, sin, positions, k_cache, v_cache,
                            step.slots, k_scale, v_scale, hq)                    # (1, hq, d)
         o = paged_decode(q, k_cache, v_cache, step.block_table[None], step.context_lens, model.scale,
                          k_scale, v_scale)                                      # (1, hq, d)
@@ -109,12 +110,12 @@ class GraphDecoder:
         self._model = weakref.ref(model)
         self._pool = weakref.ref(pool)
         dev = model.device
+        self.inputs = torch.zeros(4, dtype=torch.int64, device=dev)  # token, position, slot, context length
         if use_graph is None:  # the torch paths read context lengths back to the host: no graph
-            use_graph = dev.type == "cuda" and attention._kernels() is not None
+            use_graph = dev.type == "cuda" and attention.triton_kernels(self.inputs) is not None
         self.use_graph = use_graph
         self.fused = fused
         self.fallback: str | None = None
-        self.inputs = torch.zeros(4, dtype=torch.int64, device=dev)  # token, position, slot, context length
         self._staging = torch.zeros(4, dtype=torch.int64, pin_memory=dev.type == "cuda")  # host side of inputs
         self._host = self._staging.numpy()
         self.table = torch.zeros(pool.spec.num_blocks, dtype=torch.int32, device=dev)  # (max_blocks,)
@@ -136,8 +137,8 @@ class GraphDecoder:
         model, pool = self._model(), self._pool()
         if model is None or pool is None:
             raise RuntimeError("GraphDecoder: its model or pool is gone; make a new one with decoder_for")
-        if pos >= model._cos.shape[0]:
-            model._extend_rope(pos + 1 + ROPE_MARGIN)
+        if pos >= model.rope_tables()[0].shape[0]:
+            model.rope_tables(pos + 1 + ROPE_MARGIN)
         if self._rope is not None and pos >= self._rope[0].shape[0]:
             self.graph = None  # captured with a table too short for this position
         if self._copied is not None:
@@ -164,9 +165,7 @@ class GraphDecoder:
         # Every position the pool can hold, up to the model's trained context, so that a
         # conversation rarely outgrows the captured table (its tensors are kept alive in
         # self._rope: the graph reads their memory even after the model replaces them).
-        reach = min(model.geom.max_position, pool.spec.capacity_tokens)
-        if reach > model._cos.shape[0]:
-            model._extend_rope(reach)
+        model.rope_tables(min(model.geom.max_position, pool.spec.capacity_tokens))
         # Warm up on a side stream first (Triton compiles, cuBLAS picks its kernels and
         # workspace), as torch.cuda.graphs asks. The warm-up runs this very step: writing
         # the same K/V row twice is harmless.
@@ -189,7 +188,7 @@ class GraphDecoder:
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
             self.logits = self._forward(model, pool)
         self.graph = graph
-        self._rope = (model._cos, model._sin)
+        self._rope = model.rope_tables()
 
 
 _DECODERS: weakref.WeakKeyDictionary[Llama, GraphDecoder] = weakref.WeakKeyDictionary()

@@ -169,11 +169,10 @@ class Engine:
             if conv in self.conversations:
                 self.conversations.remove(conv)
 
-    def make_room(self, n_blocks: int, requester) -> int:
+    def make_room(self, n_blocks: int, requester) -> None:
         """Ensure n_blocks can be allocated: cached blocks go first (LRU, inside allocate);
         then whole idle conversations are preempted, the most recently started first, as
-        vLLM does. Returns how many conversations were preempted."""
-        preempted = 0
+        vLLM does, each counted in self.preemptions."""
         others = [c for c in self.conversations if c is not requester]
         if not self.blocks.can_allocate(n_blocks) and n_blocks > (
                 self.blocks.num_free + self.blocks.num_cached + sum(len(c.block_table) for c in others)):
@@ -189,9 +188,7 @@ class Engine:
                     f"KV pool full: this turn needs {need} more blocks of {self.spec.block_size} tokens and "
                     f"only {have} can be freed; raise --kv-budget, lower the cap, or /reset")
             victims[0].preempt()
-            preempted += 1
-        self.preemptions += preempted
-        return preempted
+            self.preemptions += 1  # counted as it happens: a later failure does not lose it
 
     # ---- telemetry ---------------------------------------------------------------------------
     def snapshot(self, focus=None) -> CacheSnapshot:
@@ -211,13 +208,14 @@ class Engine:
                         codes[block_id] = OTHER
             held = blocks = wasted = 0
             if focus is not None:
-                held = focus.tokens_held
-                blocks = len(focus.block_table)
+                seq = focus.seq
+                held = len(seq)
+                blocks = seq.num_blocks
                 wasted = blocks * spec.block_size - held
-                for i, block_id in enumerate(focus.block_table):
+                for i, block_id in enumerate(seq.block_table):
                     if codes[block_id] == SHARED:
                         continue
-                    if i < focus.reused_blocks:
+                    if i < seq.reused_blocks:
                         codes[block_id] = REUSED
                     elif (i + 1) * spec.block_size > held:
                         codes[block_id] = PARTIAL

@@ -117,6 +117,13 @@ class Llama:
         self._cos = emb.cos().to(self.dtype)[:, None, :]            # (n, 1, d)
         self._sin = emb.sin().to(self.dtype)[:, None, :]
 
+    def rope_tables(self, n: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole (cos, sin) tables, (positions, 1, head_dim) each, extended to n positions
+        first if they cover fewer. A CUDA graph keeps reading the tensors it captured."""
+        if n > self._cos.shape[0]:
+            self._extend_rope(n)
+        return self._cos, self._sin
+
     def rope(self, positions: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
         if max_pos >= self._cos.shape[0]:
             self._extend_rope(max(2 * self._cos.shape[0], max_pos + 1))

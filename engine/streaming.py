@@ -16,8 +16,7 @@ import torch
 
 from .attention import bits, quantize_fp8
 from .errors import KvchatError
-from .kv_cache import blocks_for
-from .model import Step, apply_rope
+from .model import apply_rope
 
 DEFAULT_SINK_TOKENS = 4
 CHUNK = 2048
@@ -66,76 +65,53 @@ def rerotate_keys(model, pool, block_ids: list[int], delta: int) -> None:
 def evict_middle(conv, n_blocks: int) -> int:
     """Evict the n oldest blocks after the sinks from `conv`, re-rotating the rest. Returns
     the number of tokens evicted."""
-    eng = conv.engine
-    bs = eng.spec.block_size
+    eng, seq = conv.engine, conv.seq
+    bs = seq.block_size
     first = sink_blocks(conv.sink_tokens, bs)
-    full = len(conv.tokens) // bs
-    n_blocks = min(n_blocks, max(full - first, 0))
+    n_blocks = min(n_blocks, max(len(seq) // bs - first, 0))
     if n_blocks <= 0:
         return 0
-    gone = conv.block_table[first:first + n_blocks]
-    kept_after = conv.block_table[first + n_blocks:]
-    rerotate_keys(eng.model, eng.pool, kept_after, -n_blocks * bs)  # first: if it fails, nothing is freed
-    conv.block_table = conv.block_table[:first] + kept_after
-    eng.blocks.forget(gone)
-    del conv.tokens[first * bs:(first + n_blocks) * bs]
-    conv.block_keys = []   # a shifted window is not a prefix of any text: never indexed
+    # re-rotate first: if it fails, nothing is freed
+    rerotate_keys(eng.model, eng.pool, seq.block_table[first + n_blocks:], -n_blocks * bs)
+    eng.blocks.evict(seq, first, n_blocks)
     conv.evicted_tokens += n_blocks * bs
-    n = len(conv.block_table)
-    if n:
-        conv._table[:n] = torch.tensor(conv.block_table, dtype=torch.int32)
     return n_blocks * bs
-
 
 
 def claim_window(conv, ids: list[int]) -> int:
     """Start a sink-window turn: keep what the cache holds of the text `ids` still begins
     with, drop any tail the new rendering changed, and return how many tokens are kept."""
-    bm = conv.engine.blocks
-    bs = bm.block_size
-    if not conv._private:  # start from private, unindexed blocks: their keys will be rewritten
-        conv.drop_cache(keep_index=True)
-        conv._private = True
+    seq, bm = conv.seq, conv.engine.blocks
+    if not seq.private:  # start from private, unindexed blocks: their keys will be rewritten
+        bm.free(seq)
+        seq.private = True
     common = 0
-    for x, y in zip(conv.logical, ids[:-1]):
+    for x, y in zip(seq.logical, ids[:-1]):
         if x != y:
             break
         common += 1
-    drop = len(conv.logical) - common
-    if drop > len(conv.tokens) - sink_blocks(conv.sink_tokens, bs) * bs:
-        conv.drop_cache()  # the change reaches evicted text: start over
-        conv._private, common = True, 0
+    drop = len(seq.logical) - common
+    if drop > len(seq) - sink_blocks(conv.sink_tokens, seq.block_size) * seq.block_size:
+        bm.free(seq, keep_index=False)  # the change reaches evicted text: start over
+        seq.private, common = True, 0
     elif drop:
-        del conv.tokens[len(conv.tokens) - drop:]
-        del conv.logical[common:]
-        keep = blocks_for(len(conv.tokens), bs)
-        bm.forget(conv.block_table[keep:])
-        del conv.block_table[keep:]
+        bm.truncate(seq, drop)
     return common
 
 
 def prefill_window(conv, new_ids: list[int], chunk_size: int = CHUNK, all_logits: bool = False) -> torch.Tensor:
     """Prefill in chunks that fit the window, evicting middle blocks before each. Returns
     the last token's logits (vocab,), or every token's (T, vocab)."""
-    eng = conv.engine
-    bs = eng.spec.block_size
+    seq = conv.seq
+    bs = seq.block_size
     size = min(conv.cap - (sink_blocks(conv.sink_tokens, bs) + 1) * bs, chunk_size)
     outs = []
     for c0 in range(0, len(new_ids), size):
         chunk = new_ids[c0:c0 + size]
-        over = conv.tokens_held + len(chunk) - conv.cap
+        over = len(seq) + len(chunk) - conv.cap
         if over > 0:
             evict_middle(conv, -(-over // bs))
-        p0 = conv.tokens_held
-        need = blocks_for(p0 + len(chunk), bs) - len(conv.block_table)
-        eng.make_room(need, conv)
-        new = eng.blocks.allocate(need)
-        n = len(conv.block_table)
-        conv._table[n:n + need] = torch.tensor(new, dtype=torch.int32)
-        conv.block_table += new
-        step = Step(conv._table, conv._slots(p0, p0 + len(chunk)), p0, decode=False)
-        outs.append(eng.model.forward(torch.tensor(chunk, device=eng.device),
-                                      torch.arange(p0, p0 + len(chunk), device=eng.device), step, eng.pool,
-                                      last_only=not all_logits))
-        conv._wrote(chunk)
+        p0 = len(seq)
+        conv.reserve(p0 + len(chunk))
+        outs.append(conv.prefill_chunk(chunk, p0, last_only=not all_logits))
     return torch.cat(outs) if all_logits else outs[-1][0]

@@ -37,6 +37,7 @@ from .commands import CommandError, message_text, parse
 from .controls import Controls
 from .conversations import Conversations
 from .jobs import Busy, Job, JobQueue, Op, OpEnded, one_line, run_op, run_turn
+from .records import plural
 from .settings import Settings
 from .store import Restored
 from .turn import Governor
@@ -201,7 +202,8 @@ class KvChatApp(App[int], inherit_bindings=False):
             self.show_snapshot(snap)
 
     def show_snapshot(self, snap: CacheSnapshot) -> None:
-        self.part(CachePanel).show(snap, self.backend.info().geometry)
+        info = self.backend.info()
+        self.part(CachePanel).show(snap, info.geometry, info.dtype)
         self.part(BlockMap).show(snap)
         self.update_gauge()
 
@@ -248,7 +250,7 @@ class KvChatApp(App[int], inherit_bindings=False):
         await self.part("#loading").remove()
         if restored is not None:
             await view.show_history(list(view.state.messages), view.turns)
-            view.add_notice(f"resumed {restored.path.name}: {len(restored.turns)} turns; the cache "
+            view.add_notice(f"resumed {restored.path.name}: {plural(len(restored.turns), 'turn')}; the cache "
                             "is empty, so the next turn prefills the whole history")
             if restored.unanswered:
                 self.part(ChatInput).restore(restored.unanswered)

@@ -21,7 +21,7 @@ from kvchat.engine.telemetry import CacheSnapshot, TurnStats
 
 from .backends.protocol import Backend, Chat, ChatState
 from .latency import LatencyData
-from .records import TurnRecord
+from .records import TurnRecord, plural
 from .store import ConversationLog, Restored
 from .turn import Progress
 from .widgets import Reply, Transcript, UserMessage
@@ -158,7 +158,7 @@ class ChatView(Transcript):
         """Its line in /list."""
         s = self.refresh_state()
         cap = f"cap {s.cap:,}" if s.cap else "no cap"
-        line = (f"{'●' if focused else ' '} {self.number} {self.title} · {len(self.turns)} turns · "
+        line = (f"{'●' if focused else ' '} {self.number} {self.title} · {plural(len(self.turns), 'turn')} · "
                 f"{s.tokens_held:,} tokens cached · {cap} · {s.policy}")
         if s.mode != "cache":
             line += " · cache off"
@@ -182,7 +182,10 @@ class ChatView(Transcript):
             if last is not None:
                 await last.remove()
         turn.reply = await self.start_reply()
-        self.latency.begin_turn(self.mode)
+        backend = getattr(self.app, "backend", None)
+        state = self.refresh_state()
+        self.latency.begin_turn(state.mode, kv_dtype=backend.info().kv_dtype if backend is not None else None,
+                                policy=state.policy, cap=state.cap)
 
     def on_log_failed(self, msg: LogFailed) -> None:
         self.add_notice(msg.line, error=True)

@@ -13,6 +13,8 @@ from typing import Any
 
 from kvchat.engine.telemetry import TurnStats
 
+from .latency import duration
+
 
 @dataclass(frozen=True, slots=True)
 class TurnRecord:
@@ -82,9 +84,15 @@ STOP_WORDS = {None: "", "eos": "", "max_tokens": "max tokens reached", "cap": "s
               "cancelled": "stopped"}
 
 
+def plural(n: int, word: str) -> str:
+    """'1 turn', '2 turns', '1,024 tokens'."""
+    return f"{n:,} {word}{'' if n == 1 else 's'}"
+
+
 def stats_line(r: TurnRecord) -> str:
     """The line under a reply: tokens, TTFT, speed, prompt reuse."""
-    line = (f"{r.generated_tokens} tokens · TTFT {r.ttft_ms:.0f} ms · {r.tokens_per_s:.1f} tok/s · "
+    line = (f"{plural(r.generated_tokens, 'token')} · TTFT {duration(r.ttft_ms)} · "
+            f"{r.tokens_per_s:.1f} tok/s · "
             f"prompt {r.prompt_tokens}: {r.reused_tokens} reused, {r.computed_tokens} computed")
     if r.mode == "off":
         line += " · cache off"

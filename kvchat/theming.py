@@ -18,6 +18,7 @@ _HERE = Path(__file__).resolve().parent
 # installed: kvchat/themes/ (see the package-data note in the issue); source tree: ../themes/
 SEARCH = (_HERE / "themes", _HERE.parent / "themes")
 BASE_CSS = "base.tcss"
+ORDER = ("dark", "light", "high-contrast")   # ctrl+t's cycle, as the README lists them; other files follow by name
 _BASE_THEME = re.compile(r"/\*\s*textual-theme:\s*([\w-]+)\s*\*/")
 
 HIGH_CONTRAST = Theme(
@@ -46,10 +47,15 @@ def themes_dir() -> Path:
                             "reinstall kvchat")
 
 
+def _order(path: Path) -> tuple[int, str]:
+    return (ORDER.index(path.stem) if path.stem in ORDER else len(ORDER), path.stem)
+
+
 def available(folder: Path | None = None) -> dict[str, ThemeFile]:
+    """The theme files in ctrl+t's order: ORDER first, then any other by name."""
     folder = folder or themes_dir()
     out = {}
-    for path in sorted(folder.glob("*.tcss")):
+    for path in sorted(folder.glob("*.tcss"), key=_order):
         if path.name == BASE_CSS:
             continue
         first = path.read_text(encoding="utf-8").split("\n", 1)[0]

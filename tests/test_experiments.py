@@ -103,9 +103,7 @@ def prompt_needing(conv, new_blocks: int) -> str:
     for k in range(len(ids), 0, -1):
         text = eng.tokenizer.decode(ids[:k])
         prompt = conv.render(conv.messages + [{"role": "user", "content": text}])
-        matched = eng.blocks.match_prefix(prompt[:-1])
-        eng.blocks.release(matched)  # only a probe
-        shared = len(matched)
+        shared = eng.blocks.cached_prefix(prompt[:-1])
         need = -(-len(prompt) // bs) - shared  # sent with max_tokens=1: no decode step
         if need <= new_blocks:
             assert need == new_blocks, "could not hit the block count exactly"

@@ -40,9 +40,9 @@ def test_each_turn_reuses_every_full_block_the_previous_turn_left(engine):
                 # the previous turn's tokens reappear in this prompt, so almost all of it is reused
                 assert stats.reused_tokens >= (len(held_before) // bs - 1) * bs
                 assert stats.computed_tokens < stats.prompt_tokens / 2
-            held_before = list(conv.tokens)
-            assert stats.cache.tokens_held == len(conv.tokens)
-            assert stats.cache.bytes_used == len(conv.tokens) * engine.bytes_per_token
+            held_before = list(conv.seq.tokens)
+            assert stats.cache.tokens_held == len(conv.seq.tokens)
+            assert stats.cache.bytes_used == len(conv.seq.tokens) * engine.bytes_per_token
             assert stats.cache.bytes_allocated == len(conv.block_table) * bs * engine.bytes_per_token
     finally:
         engine.close_conversation(conv)
@@ -100,9 +100,9 @@ def test_cancelling_mid_reply_keeps_the_cache_consistent(engine):
         # logits of a dense recomputation of the same tokens
         probe = engine.tokenizer.encode(" Then", add_special_tokens=False)[0]
         pos = conv.tokens_held
-        cold = engine.model.forward_dense(torch.tensor(conv.tokens + [probe]))[0]
+        cold = engine.model.forward_dense(torch.tensor(conv.seq.tokens + [probe]))[0]
         with engine.lock:
-            conv._make_room_for(pos)
+            conv.reserve(pos + 1)
             warm = conv._decode(probe, pos)
         assert float((warm - cold).abs().max() / cold.abs().max()) < 1e-3
     finally:

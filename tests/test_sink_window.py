@@ -38,11 +38,11 @@ def test_the_cache_never_passes_the_cap_over_a_chat_longer_than_it(engine):
             assert stats.cache.tokens_held <= 96 and stats.cache.blocks_used <= 6
             total_evicted += stats.evicted_blocks
             if first_block is None:
-                first_block = conv.tokens[:16]
-            assert conv.tokens[:16] == first_block, "the sink block is kept"
-            assert len(conv.logical) > conv.tokens_held or total_evicted == 0
+                first_block = conv.seq.tokens[:16]
+            assert conv.seq.tokens[:16] == first_block, "the sink block is kept"
+            assert len(conv.seq.logical) > conv.tokens_held or total_evicted == 0
         assert total_evicted > 0
-        assert len(conv.logical) - conv.tokens_held == conv.evicted_tokens
+        assert len(conv.seq.logical) - conv.tokens_held == conv.evicted_tokens
     finally:
         engine.close_conversation(conv)
 
@@ -56,7 +56,7 @@ def test_kept_keys_are_re_rotated_to_their_positions_in_the_cache(engine):
         assert conv.evicted_tokens > 0
         g = engine.geometry
         n = conv.tokens_held
-        want = fresh_layer0_keys(engine, conv.tokens)                           # (n, hk, d)
+        want = fresh_layer0_keys(engine, conv.seq.tokens)                           # (n, hk, d)
         k_cache = engine.pool.layer(0)[0]
         got = k_cache[torch.tensor(conv.block_table)].reshape(-1, g.n_kv_heads, g.head_dim)[:n]
         assert float((got - want).abs().max() / want.abs().max()) < 1e-4
@@ -69,7 +69,7 @@ def stream_perplexity(engine, ids, cap, sink_tokens):
     conv.sink_tokens = sink_tokens
     try:
         with engine.lock:
-            conv._private = True
+            conv.seq.private = True
             logits = prefill_window(conv, ids, chunk_size=32, all_logits=True)
             assert conv.tokens_held <= cap
     finally:
@@ -112,7 +112,7 @@ def test_sink_window_over_an_fp8_cache_re_rotates_quantized_keys():
     # layer 0's kept keys sit at their cache positions, within fp8's precision
     g = eng.geometry
     n = conv.tokens_held
-    want = fresh_layer0_keys(eng, conv.tokens)
+    want = fresh_layer0_keys(eng, conv.seq.tokens)
     k_cache, _, k_scale, _ = eng.pool.layer(0)
     table = torch.tensor(conv.block_table)
     got = (k_cache.view(torch.uint8)[table].view(k_cache.dtype).float() * k_scale[table].unsqueeze(-1))
@@ -120,3 +120,22 @@ def test_sink_window_over_an_fp8_cache_re_rotates_quantized_keys():
     assert float((got - want).abs().max() / want.abs().max()) < 0.08  # two fp8 roundings
     eng.close_conversation(conv)
     assert eng.blocks.num_active == 0
+
+
+def test_preemptions_during_sink_window_prefill_count_in_the_turn_stats():
+    """A sink-window turn whose window needs more blocks than are free preempts an idle
+    conversation, and its TurnStats says so (the window's prefill once dropped the count)."""
+    from kvchat.engine import Engine, EngineConfig
+    from pydoc_data.topics import topics
+    eng = Engine(EngineConfig(kv_budget=24 * 16 * 46080, block_size=16))  # 24 blocks of 16 fp32 tokens
+    assert eng.spec.num_blocks == 24
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    ids = eng.tokenizer.encode(text[:4000])
+    idle = eng.new_conversation()
+    turn(idle, eng.tokenizer.decode(ids[:180]), 1)
+    assert len(idle.block_table) > 24 - 14 and eng.blocks.num_cached == 0
+    stream = eng.new_conversation(cap=256, policy="sink-window")
+    stats = turn(stream, eng.tokenizer.decode(ids[200:600]), 1)  # its first window chunk needs 14 blocks
+    assert idle.tokens_held == 0 and eng.preemptions == 1
+    assert stats.preempted == 1
+    assert stream.evicted_tokens > 0 and stream.tokens_held <= 256

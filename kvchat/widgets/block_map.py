@@ -1,5 +1,6 @@
-"""The block map: one cell per pool block, coloured by state, with a legend, the occupancy
-and the slots wasted in this conversation's partial last block.
+"""The block map: one cell per pool block, drawn by state with a glyph and a colour (the
+glyph alone tells the states apart, for colour-blind readers and monochrome terminals),
+with a legend, the occupancy and the slots wasted in this conversation's partial last block.
 
 With more blocks than cells, each cell stands for k blocks (the ratio is shown) and takes
 the most notable state among them, so a few held blocks in a huge pool stay visible.
@@ -19,7 +20,11 @@ _RANK = bytes(NOTABLE.index(c) if c in NOTABLE else 0 for c in range(256))
 _UNRANK = bytes(NOTABLE) + bytes(256 - len(NOTABLE))
 LEGEND_LABELS = {FREE: "free", HELD: "held", PARTIAL: "partial", REUSED: "reused",
                  CACHED: "cached", SHARED: "shared", OTHER: "other chats"}
-CELL = "■"
+# one glyph per state, all one cell wide (WGL4 shapes, in every common terminal font): empty for
+# free, full for held, half-full for partial, hollow for cached (held by none, evictable)
+GLYPHS = {FREE: "·", HELD: "■", PARTIAL: "▄", REUSED: "●", CACHED: "□", SHARED: "≡", OTHER: "▪"}
+CELL = GLYPHS[HELD]
+_GLYPH = tuple(GLYPHS.get(c, "?") for c in range(max(GLYPHS) + 1))
 
 
 def aggregate(codes: bytes, cells: int) -> tuple[bytes, int]:
@@ -34,7 +39,8 @@ def aggregate(codes: bytes, cells: int) -> tuple[bytes, int]:
 
 
 class BlockMap(Widget):
-    """Draws CacheSnapshot.block_map; colours come from the component classes (themes)."""
+    """Draws CacheSnapshot.block_map: a glyph per state (GLYPHS), coloured by the component
+    classes (themes)."""
 
     COMPONENT_CLASSES = {f"blockmap--{name}" for name in BLOCK_STATE_NAMES}
     DEFAULT_CSS = """
@@ -95,7 +101,7 @@ class BlockMap(Widget):
                 j = i
                 while j < len(line) and line[j] == line[i]:
                     j += 1
-                out.append(CELL * (j - i), styles[line[i]])
+                out.append(_GLYPH[line[i]] * (j - i), styles[line[i]])
                 i = j
             out.append("\n")
         self._grid_key, self._grid_text = key, out
@@ -121,7 +127,7 @@ class BlockMap(Widget):
             elif line_len:
                 out.append("  ")
                 line_len += 2
-            out.append(CELL, self._style(code))
+            out.append(_GLYPH[code], self._style(code))
             out.append(entry)
             line_len += 1 + len(entry)
         out.append("\n")

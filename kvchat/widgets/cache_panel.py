@@ -1,6 +1,12 @@
 """The cache panel: bytes used / allocated / pool capacity, the bytes-per-token formula with
-this model's numbers, what the same tokens would cost on well-known Llamas, and the pool's
-eviction and preemption counters (every conversation shares the pool)."""
+this model's numbers, what one decode step reads for the weights against the cache (and the
+context at which the two are equal), what the same tokens would cost on well-known Llamas in
+their own serving dtypes, and the pool's eviction and preemption counters (every
+conversation shares the pool).
+
+fp8 figures count the scales as the bench does: one fp32 scale per token, layer, K/V and
+KV head, beside the one-byte elements.
+"""
 from __future__ import annotations
 
 from rich.table import Table
@@ -8,41 +14,82 @@ from rich.text import Text
 from textual.widgets import Static
 
 from kvchat.engine.geometry import DTYPE_BYTES, KNOWN, Geometry
+from kvchat.engine.sizing import step_reads
 from kvchat.engine.telemetry import CacheSnapshot
 from kvchat.engine.units import human_bytes
 
-COMPARE = (("Llama 3.1 8B", "llama-3.1-8b"), ("Llama 3.1 70B", "llama-3.1-70b"), ("Llama 2 7B", "llama-2-7b"))
+COMPARE = (("3.1 8B", "llama-3.1-8b"), ("3.1 70B", "llama-3.1-70b"), ("2 7B", "llama-2-7b"))   # Llama ...
+SERVING = (("bf16", "bf16"), ("fp8", "fp8 + scales"))     # the other models in the dtypes they are served in
+SCALE_BYTES = 4                                           # one fp32 scale per token, layer, K/V, KV head
+GAUGE_WIDTH = 30
+UNKNOWN_GEOMETRY = ("unknown geometry: the formula, the step reads and the per-model figures need the "
+                    "model's layers, KV heads and head size; give them with --geometry ALIAS "
+                    "(e.g. llama-3.1-8b) or --model PATH (a folder with its config.json)")
+
+
+def scale_bytes_per_token(g: Geometry, kv_dtype: str) -> int:
+    """fp8: 2 x L x H_kv fp32 scales per token; other dtypes store none."""
+    return 2 * g.n_layers * g.n_kv_heads * SCALE_BYTES if kv_dtype == "fp8" else 0
+
+
+def per_token(g: Geometry, kv_dtype: str) -> int:
+    """Bytes one token holds, scales included."""
+    return g.kv_bytes_per_token(kv_dtype) + scale_bytes_per_token(g, kv_dtype)
 
 
 def formula(g: Geometry, kv_dtype: str, tokens: int) -> str:
-    """2 x L x H_kv x d_h x S x b with this model's numbers, and the total."""
+    """2 x L x H_kv x d_h x S x b with this model's numbers, and the total (+ the fp8 scales)."""
     b = DTYPE_BYTES[kv_dtype]
     total = 2 * g.n_layers * g.n_kv_heads * g.head_dim * tokens * b
-    return f"2 × {g.n_layers} × {g.n_kv_heads} × {g.head_dim} × {tokens:,} × {b} B = {total:,} B"
+    out = f"2 × {g.n_layers} × {g.n_kv_heads} × {g.head_dim} × {tokens:,} × {b} B = {total:,} B"
+    if kv_dtype == "fp8":
+        scales = scale_bytes_per_token(g, kv_dtype) * tokens
+        out += (f"\n+ scales 2 × {g.n_layers} × {g.n_kv_heads} × {tokens:,} × {SCALE_BYTES} B = {scales:,} B"
+                f"\n= {total + scales:,} B")
+    return out
 
 
 class CachePanel(Static):
-    """Draws the latest CacheSnapshot; `show` is cheap, called at most a few times a second."""
+    """Draws the latest CacheSnapshot; `show` is cheap, called at most a few times a second.
+    `geometry` None means a model of unknown shape (a remote server's): the panel says so."""
 
-    DEFAULT_CSS = "CachePanel { height: auto; border: round $primary 50%; padding: 0 1; }"
+    DEFAULT_CSS = """
+    CachePanel { height: auto; border: round $primary 50%; padding: 0 1; }
+    CachePanel > .cachepanel--weights { color: $secondary; }
+    CachePanel > .cachepanel--cache { color: $warning; }
+    """
+    COMPONENT_CLASSES = {"cachepanel--weights", "cachepanel--cache"}
 
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.border_title = "KV cache"
         self.snapshot: CacheSnapshot | None = None
         self.geometry: Geometry | None = None
+        self.dtype: str | None = None         # the weights' dtype; unset: taken as the KV dtype (auto)
 
-    def show(self, snapshot: CacheSnapshot, geometry: Geometry | None = None) -> None:
+    def show(self, snapshot: CacheSnapshot, geometry: Geometry | None = None, dtype: str | None = None) -> None:
+        changed = dtype is not None and dtype != self.dtype
         if geometry is not None:
+            changed |= geometry != self.geometry
             self.geometry = geometry
-        if snapshot == self.snapshot:
+        if dtype is not None:
+            self.dtype = dtype
+        if snapshot == self.snapshot and not changed:
             return
         self.snapshot = snapshot
         self.border_title = f"KV cache · {snapshot.kv_dtype} · cache {'on' if snapshot.mode == 'cache' else 'off'}"
         self.update(self.render_snapshot(snapshot))
 
+    def weights_dtype(self, s: CacheSnapshot) -> str | None:
+        """The weights' dtype as given, else the KV dtype when it can be the weights' (auto)."""
+        if self.dtype in DTYPE_BYTES:
+            return self.dtype
+        return s.kv_dtype if s.kv_dtype in DTYPE_BYTES and s.kv_dtype != "fp8" else None
+
     def render_snapshot(self, s: CacheSnapshot) -> Table:
         S = s.tokens_held
+        g = self.geometry
+        kv = s.kv_dtype if s.kv_dtype in DTYPE_BYTES else "bf16"
         t = Table.grid(padding=(0, 1))
         t.add_column(style="bold", no_wrap=True)
         t.add_column(justify="right", no_wrap=True)
@@ -50,30 +97,60 @@ class CachePanel(Static):
         t.add_row("used", human_bytes(s.bytes_used), f"{S:,} tokens")
         t.add_row("allocated", human_bytes(s.bytes_allocated), f"{s.blocks_used:,} blocks of {s.block_size}")
         t.add_row("pool", human_bytes(s.capacity_bytes), f"{s.num_blocks:,} blocks")
-        g = self.geometry
-        kv = s.kv_dtype if s.kv_dtype in DTYPE_BYTES else "bf16"
-        per_token = (f"2 × {g.n_layers} × {g.n_kv_heads} × {g.head_dim} × {DTYPE_BYTES[kv]} B"
-                     if g is not None else f"{s.bytes_per_token:,} B")
-        t.add_row("per token", human_bytes(s.bytes_per_token), per_token)
+        if g is None:
+            t.add_row("per token", human_bytes(s.bytes_per_token), f"{s.bytes_per_token:,} B")
+        else:
+            elems, scales = g.kv_bytes_per_token(kv), scale_bytes_per_token(g, kv)
+            how = f"2 × {g.n_layers} × {g.n_kv_heads} × {g.head_dim} × {DTYPE_BYTES[kv]} B"
+            if scales:
+                t.add_row("per token", human_bytes(elems + scales),
+                          f"{human_bytes(elems)} + {human_bytes(scales)} scales")
+            else:
+                t.add_row("per token", human_bytes(elems), how)
         t.add_row("evicted", f"{s.evictions:,}", "cached blocks, pool-wide since start")
         t.add_row("preempted", f"{s.preemptions:,}", "conversations, pool-wide since start")
-        if g is None:
-            return t
         out = Table.grid()
         out.add_row(t)
-        out.add_row(Text.assemble(("2 × L × H_kv × d_h × S × b", "dim"), "\n= ", formula(g, kv, S)))
-        if S * g.kv_bytes_per_token(kv) != s.bytes_used:
-            out.add_row(Text("(+ the fp8 scales)", style="dim"))
+        if g is None:
+            out.add_row(Text(UNKNOWN_GEOMETRY, style="italic"))
+        else:
+            out.add_row(Text.assemble(("2 × L × H_kv × d_h × S × b", "dim"), "\n= ", formula(g, kv, S)))
         if s.mode == "off":
             out.add_row(Text("cache off: each token recomputes all S positions", style="italic"))
-        cmp = Table.grid(padding=(0, 1))
-        cmp.add_column(no_wrap=True)
-        cmp.add_column(justify="right", no_wrap=True)
-        cmp.add_column(style="dim", no_wrap=True)
-        for label, key in COMPARE:
-            other = KNOWN[key]
-            cmp.add_row(label, human_bytes(S * other.kv_bytes_per_token(kv)),
-                        f"{human_bytes(other.kv_bytes_per_token(kv))} per token")
-        out.add_row(Text(f"the same {S:,} tokens in {kv} on", style="dim"))
-        out.add_row(cmp)
+        if g is not None:
+            out.add_row(self._step_reads(g, kv, S, s))
+        out.add_row(self._compare(S))
         return out
+
+    def _step_reads(self, g: Geometry, kv: str, S: int, s: CacheSnapshot) -> Text:
+        """The lesson: a decode step reads every weight once and the whole cache once; the
+        cache read grows with the context until it equals, then passes, the weight read."""
+        dtype = self.weights_dtype(s)
+        if dtype is None:
+            return Text("one decode step reads: the weights' dtype is unknown", style="dim")
+        r = step_reads(g, dtype, kv, S)
+        filled = round(GAUGE_WIDTH * r.cache_share)
+        out = Text("one decode step reads\n", style="bold")
+        # the cache's share fills the bar (█) as the context grows; the weights' share stays ░
+        out.append("█" * filled, self.get_component_rich_style("cachepanel--cache"))
+        out.append("░" * (GAUGE_WIDTH - filled), self.get_component_rich_style("cachepanel--weights"))
+        out.append(f" cache {100 * r.cache_share:.1f}%\n")
+        out.append("weights ", self.get_component_rich_style("cachepanel--weights"))
+        out.append(f"{human_bytes(r.weight_bytes)} ({dtype}) · ")
+        out.append("cache ", self.get_component_rich_style("cachepanel--cache"))
+        out.append(f"{human_bytes(r.cache_bytes)}\n")
+        out.append(f"cache read = weight read at {r.crossover_tokens:,} tokens", style="dim")
+        return out
+
+    def _compare(self, S: int) -> Table:
+        """The same tokens on the well-known Llamas, each in bf16 and fp8 (+ scales), labelled."""
+        cmp = Table(box=None, padding=(0, 0, 0, 2), pad_edge=False, show_edge=False, header_style="bold",
+                    title=f"the same {S:,} tokens on Llama", title_style="dim", title_justify="left")
+        cmp.add_column("", no_wrap=True)
+        for name, _ in COMPARE:
+            cmp.add_column(name, justify="right", no_wrap=True)
+        for dtype, label in SERVING:
+            cmp.add_row(label, *(human_bytes(S * per_token(KNOWN[key], dtype)) for _, key in COMPARE))
+            cmp.add_row(Text("  per token", style="dim"),
+                        *(Text(human_bytes(per_token(KNOWN[key], dtype)), style="dim") for _, key in COMPARE))
+        return cmp

@@ -1,9 +1,12 @@
-"""The latency panel: per-token decode latency against context position (a plotext chart)
-with the fitted growth in ms per 1k tokens, and per turn the TTFT and how much of the
-prompt was reused from the cache versus computed, and the KV dtype it ran with ("off": no cache)."""
+"""The latency panel: per-token decode latency against context position (a plotext chart),
+one series per (cache mode, KV dtype) with its own fitted growth in ms per 1k tokens, or
+why it has none; and per turn the TTFT, how much of the prompt was reused from the cache
+versus computed, and the KV dtype it ran with ("off": no cache)."""
 from __future__ import annotations
 
+import math
 import time
+
 from rich.table import Table
 from rich.text import Text
 from textual.app import ComposeResult
@@ -11,14 +14,71 @@ from textual.containers import Vertical
 from textual.widgets import Static
 from textual_plotext import PlotextPlot
 
-from ..latency import LatencyData, fit_slope
-from ..records import TurnRecord
+from ..latency import MODES, Fit, Key, LatencyData, Turn, duration, fit_slope, series_label, turn_field
 
-__all__ = ["LatencyPanel", "fit_slope"]
+__all__ = ["LatencyPanel", "fit_slope", "nice_ticks"]
 
 MAX_PLOTTED = 600      # points drawn; the fit uses all of them
 REDRAW_S = 1.0         # during a turn the plot is redrawn at most this often
 TURNS_SHOWN = 4
+KV_ORDER = ("fp32", "bf16", "fp16", "fp8")
+# plotext colour, rich colour: one per series, the same in the plot and in the fit lines under it
+SERIES_COLOURS = {"fp32": ("cyan", "cyan"), "bf16": ("green", "green"), "fp16": ("blue", "blue"),
+                  "fp8": ("magenta", "magenta"), "off": ("orange", "dark_orange"), "": ("white", "default")}
+
+
+def nice_ticks(lo: float, hi: float, most: int = 5) -> list[float]:
+    """At most `most` ticks at a round step (1, 2, 2.5 or 5 x 10^k) within [lo, hi]: evenly spaced
+    values with short labels, instead of plotext's 13.0, 19.8, 26.5, ..."""
+    if hi <= lo:
+        return [lo]
+    raw = (hi - lo) / max(most - 1, 1)
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
+    first = math.ceil(lo / step - 1e-9) * step
+    ticks = []
+    while first + len(ticks) * step <= hi + 1e-9 * step:
+        ticks.append(first + len(ticks) * step)
+    return ticks
+
+
+def row_ticks(lo: float, hi: float, rows: int, most: int = 4) -> tuple[float, float, list[float]]:
+    """Y limits and ticks that land exactly on character rows, evenly: plotext maps the
+    limits to the first and last of `rows` rows, so a tick every r rows means limits
+    (base, base + (rows - 1) x step / r). Returns (lower, upper, ticks)."""
+    if hi - lo < 1e-9 * max(abs(lo), 1.0):       # one point, or a flat line: give it room
+        pad = abs(lo) * 0.1 or 1.0
+        lo, hi = lo - pad, hi + pad
+    if rows < 2:
+        return lo, hi, [lo, hi]
+    mag = 10 ** math.floor(math.log10((hi - lo) / (rows - 1)))
+    want = min(3, rows, most)
+    for k in range(6):
+        for m in (1, 2, 2.5, 5):
+            step = m * mag * 10 ** k
+            base = math.floor(lo / step + 1e-9) * step
+            for r in range(rows - 1, 0, -1):
+                count = (rows - 1) // r + 1
+                top = base + (rows - 1) * step / r
+                if want <= count <= most and top >= hi:
+                    return base, top, [base + j * step for j in range(count)]
+    return lo, hi, nice_ticks(lo, hi, most)
+
+
+def tick_labels(ticks: list[float]) -> list[str]:
+    """The fewest decimals that tell the ticks apart."""
+    step = ticks[1] - ticks[0] if len(ticks) > 1 else 1.0
+    decimals = max(0, -math.floor(math.log10(step) + 1e-9)) if step < 1 else (1 if step % 1 else 0)
+    return [f"{t:,.{decimals}f}" for t in ticks]
+
+
+def _series_order(key: Key) -> tuple[int, int, str]:
+    mode, kv = key
+    return (MODES.index(mode), KV_ORDER.index(kv) if kv in KV_ORDER else len(KV_ORDER), kv)
+
+
+def _colours(key: Key) -> tuple[str, str]:
+    return SERIES_COLOURS["off" if key[0] == "off" else key[1] if key[1] in SERIES_COLOURS else ""]
 
 
 class LatencyPanel(Vertical):
@@ -28,6 +88,7 @@ class LatencyPanel(Vertical):
     DEFAULT_CSS = """
     LatencyPanel { height: auto; border: round $primary 50%; padding: 0 1; }
     LatencyPanel > PlotextPlot { height: 11; }
+    LatencyPanel > #latency-fits { height: auto; }
     LatencyPanel > #latency-turns { height: auto; }
     """
 
@@ -39,6 +100,7 @@ class LatencyPanel(Vertical):
 
     def compose(self) -> ComposeResult:
         yield PlotextPlot(id="latency-plot")
+        yield Static(id="latency-fits")
         yield Static(id="latency-turns")
 
     def on_mount(self) -> None:
@@ -49,15 +111,22 @@ class LatencyPanel(Vertical):
         return self.data.points
 
     @property
-    def turns(self) -> list[TurnRecord]:
+    def turns(self) -> list[Turn]:
         return self.data.turns
 
     @property
     def point_count(self) -> int:
         return self.data.point_count
 
-    def slope(self, mode: str = "cache") -> float | None:
-        return fit_slope(self.data.points[mode])
+    def slope(self, mode: str = "cache", kv_dtype: str | None = None) -> float | None:
+        """The fitted ms per 1k tokens of the `mode` series in `kv_dtype` (default: the one the
+        latest turn of that mode used), None where no fit is meaningful."""
+        key = self.data.latest_key(mode) if kv_dtype is None else (mode, "" if mode == "off" else kv_dtype)
+        return self.data.fit(key).slope if key is not None else None
+
+    def fits(self) -> dict[Key, Fit]:
+        """Each series' fit, in drawing order."""
+        return {k: self.data.fit(k) for k in sorted(self.data.series, key=_series_order)}
 
     def attach(self, data: LatencyData) -> None:
         """Show another conversation's history."""
@@ -65,8 +134,9 @@ class LatencyPanel(Vertical):
             self.data = data
             self._redraw()
 
-    def begin_turn(self, mode: str) -> None:
-        self.data.begin_turn(mode)
+    def begin_turn(self, mode: str, kv_dtype: str | None = None, policy: str | None = None,
+                   cap: int | None = None) -> None:
+        self.data.begin_turn(mode, kv_dtype, policy, cap)
 
     def add_points(self, points: tuple[tuple[int, float], ...]) -> None:
         if points:
@@ -74,12 +144,12 @@ class LatencyPanel(Vertical):
             if time.monotonic() - self._drawn_at >= REDRAW_S:
                 self._redraw(table=False)
 
-    def end_turn(self, record: TurnRecord | None) -> None:
-        self.data.end_turn(record)
+    def end_turn(self, summary: Turn | None) -> None:
+        self.data.end_turn(summary)
         self._redraw()
 
-    def add_turn(self, record: TurnRecord) -> None:
-        self.data.add_turn(record)
+    def add_turn(self, summary: Turn) -> None:
+        self.data.add_turn(summary)
         self._redraw()
 
     def _redraw(self, table: bool = True) -> None:
@@ -90,28 +160,53 @@ class LatencyPanel(Vertical):
         plt = plot.plt
         plt.clear_data()
         plt.clear_figure()
-        titles = []
-        for mode, label, color in (("cache", "cache on", "cyan"), ("off", "cache off", "orange")):
-            pts = self.data.points[mode]
+        fits = self.fits()
+        xs: list[int] = []
+        ys: list[float] = []
+        for key, fit in fits.items():
+            pts = self.data.series[key]
             if not pts:
                 continue
+            colour = _colours(key)[0]
             step = max(1, len(pts) // MAX_PLOTTED)
             shown = pts[::step]
-            plt.scatter([p for p, _ in shown], [m for _, m in shown], marker="dot", color=color, label=label)
-            slope = fit_slope(pts)
-            if slope is not None:
-                x0, x1 = min(p for p, _ in pts), max(p for p, _ in pts)
-                my = sum(m for _, m in pts) / len(pts)
-                mx = sum(p for p, _ in pts) / len(pts)
-                y = lambda x: my + slope / 1000.0 * (x - mx)  # noqa: E731
-                plt.plot([x0, x1], [y(x0), y(x1)], marker="braille", color="red")
-                titles.append(f"{label} {slope:+,.0f} ms" if abs(slope) >= 100 else f"{label} {slope:+.3g} ms")
-        plt.title("fitted growth per 1k tokens: " + ", ".join(titles) if titles
-                  else "decode ms per token vs context position")
+            plt.scatter([p for p, _ in shown], [m for _, m in shown], marker="dot", color=colour,
+                        label=series_label(key))
+            xs += (min(p for p, _ in shown), max(p for p, _ in shown))
+            ys += (min(m for _, m in shown), max(m for _, m in shown))
+            if fit.line is not None:
+                (x0, y0), (x1, y1) = fit.line
+                plt.plot([x0, x1], [y0, y1], marker="braille", color=colour)
+        if xs:
+            xt = nice_ticks(min(xs), max(xs))
+            lower, upper, yt = row_ticks(min(ys), max(ys), self._plot_rows(plot))
+            plt.ylim(lower, upper)
+            plt.xticks(xt, tick_labels(xt))
+            plt.yticks(yt, tick_labels(yt))
+        plt.title("decode ms per token vs context position")
         plt.xlabel("context position")
         plot.refresh()
+        self.query_one("#latency-fits", Static).update(self._fit_lines(fits))
         if table:
             self.query_one("#latency-turns", Static).update(self._turn_table())
+
+    @staticmethod
+    def _plot_rows(plot: PlotextPlot) -> int:
+        """The plot's data rows: its height less the title, two borders, tick labels and x label."""
+        return max((plot.size.height or 11) - 5, 2)
+
+    def _fit_lines(self, fits: dict[Key, Fit]) -> Text:
+        """One line per series: its growth per 1k tokens, or why it has no fit."""
+        if not fits:
+            return Text("growth per 1k tokens: no points yet", style="dim")
+        out = Text()
+        for key, fit in fits.items():
+            if out:
+                out.append("\n")
+            out.append("• ", style=_colours(key)[1])
+            out.append(f"{series_label(key)}: ", style="bold")
+            out.append(fit.describe(), style="" if fit.slope is not None else "dim")
+        return out
 
     def _turn_table(self) -> Table | Text:
         if not self.data.turns:
@@ -124,11 +219,12 @@ class LatencyPanel(Vertical):
         t.add_column("KV", no_wrap=True)
         t.add_column("", no_wrap=True)
         for s in self.data.turns[-TURNS_SHOWN:]:
-            total = max(s.prompt_tokens, 1)
+            f = lambda name, default=0: turn_field(s, name, default)  # noqa: E731
+            total = max(f("prompt_tokens"), 1)
             bar_w = 12
-            r = round(bar_w * s.reused_tokens / total)
+            r = round(bar_w * f("reused_tokens") / total)
             bar = Text("█" * r, style="green") + Text("█" * (bar_w - r), style="yellow")
-            kv = "off" if s.mode == "off" else s.kv_dtype
-            t.add_row(str(s.turn), f"{s.ttft_ms:.0f} ms", f"{s.reused_tokens:,}",
-                      f"{s.computed_tokens:,}", kv, bar)
+            kv = "off" if f("mode") == "off" else f("kv_dtype", "")
+            t.add_row(str(f("turn")), duration(f("ttft_ms")), f"{f('reused_tokens'):,}",
+                      f"{f('computed_tokens'):,}", kv, bar)
         return t

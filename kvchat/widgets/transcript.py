@@ -1,13 +1,35 @@
 """The transcript: user messages, replies streamed as Markdown with a stats line under each,
-and one-line notices (command results and errors)."""
+and one-line notices (command results and errors).
+
+Replies keep their line breaks: a poem or a list without bullets is drawn as the model wrote
+it (each newline inside a paragraph is a hard break), while the text itself, and the saved
+Markdown, stay as written."""
 from __future__ import annotations
 
+from markdown_it import MarkdownIt
+from markdown_it.rules_core import StateCore
 from rich.text import Text
 from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
 from ..records import TurnRecord, stats_line
+
+
+def _keep_line_breaks(state: StateCore) -> None:
+    """A newline inside a paragraph is a line break, as the writer meant it (markdown-it's
+    `breaks` option does this for HTML only; Textual reads the tokens)."""
+    for token in state.tokens:
+        for child in token.children or ():
+            if child.type == "softbreak":
+                child.type, child.tag = "hardbreak", "br"
+
+
+def markdown_parser() -> MarkdownIt:
+    """Textual's gfm-like parser, keeping line breaks."""
+    md = MarkdownIt("gfm-like")
+    md.core.ruler.push("kvchat_line_breaks", _keep_line_breaks)
+    return md
 
 
 class UserMessage(Static):
@@ -43,7 +65,7 @@ class Reply(Vertical):
         self._stream: MarkdownStream | None = None
 
     def compose(self):
-        yield Markdown(self.text)
+        yield Markdown(self.text, parser_factory=markdown_parser)
         yield Static(stats_line(self.record) if self.record else "…", classes="stats")
 
     @property

@@ -123,9 +123,9 @@ async def test_ctrl_t_switches_theme_and_remembers_it(running_app):
     async with running_app(settings_path=settings_mod.config_path()) as (app, pilot):
         assert app.has_class("theme-dark")
         await pilot.press("ctrl+t")
-        assert app.has_class("theme-high-contrast") and not app.has_class("theme-dark")
-        assert app.theme == "kvchat-high-contrast"
-    assert json.loads(settings_mod.config_path().read_text())["theme"] == "high-contrast"
+        assert app.has_class("theme-light") and not app.has_class("theme-dark")
+        assert app.theme == "textual-light"
+    assert json.loads(settings_mod.config_path().read_text())["theme"] == "light"
 
 
 async def test_ctrl_q_mid_reply_stops_saves_the_partial_reply_and_exits(slow_fake, running_app):

@@ -14,7 +14,7 @@ def run(capsys, *argv) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("argv, problem", [
-    (["--theme", "pink"], "unknown --theme 'pink'; accepted: dark, high-contrast, light"),
+    (["--theme", "pink"], "unknown --theme 'pink'; accepted: dark, light, high-contrast"),
     (["--model", "/no/such/model"], "model '/no/such/model' not found"),
     (["--policy", "forever"], "unknown cap policy 'forever'"),
     (["--resume"], "--resume: no saved conversation yet"),
