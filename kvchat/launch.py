@@ -81,10 +81,7 @@ def _prepare(args) -> KvChatApp:
         holder = lock_holder(last)
         if holder is not None and holder != os.getpid():
             raise KvchatError(f"--resume: {last.name} is open in another kvchat (pid {holder}); close it there first")
-        restored = restore(last)
-        if restored.skipped:
-            print(f"kvchat: {last.name}: skipped {restored.skipped} damaged record"
-                  f"{'s' if restored.skipped > 1 else ''}; the rest is restored", file=sys.stderr)
+        restored = restore(last)   # damaged records are skipped; the app says how many
     if args.theme is not None and args.theme != settings.theme:
         settings.theme = args.theme
         settings_mod.save(settings, path)

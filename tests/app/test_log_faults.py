@@ -49,3 +49,18 @@ async def test_save_never_overwrites_but_save_bang_does(running_app, private_dir
         await command(pilot, "/save! chat")
         await wait_until(pilot, lambda: "hello" in (private_dirs / "chat.md").read_text(), what="the overwrite")
         assert (private_dirs / "chat.md").stat().st_mode & 0o777 == 0o600
+
+
+async def test_resuming_a_damaged_conversation_says_how_many_records_were_skipped(running_app):
+    from kvchat.store import last_conversation, restore
+    async with running_app() as (app, pilot):
+        await send(pilot, "remember me")
+        path = app.view.conversation_log.path
+        app.view.conversation_log.close()
+    with open(path, "a") as fh:
+        fh.write('not json\n{"type": "message", "role": "user"}\n{"type": "turn", "tor')
+    restored = restore(last_conversation())
+    async with running_app(restored=restored) as (app, pilot):
+        await wait_until(pilot, lambda: errors(app), what="the skipped-records line")
+        assert "3 damaged records of" in errors(app)[0] and "the rest is restored" in errors(app)[0]
+        assert [m["content"] for m in app.view.chat.state().messages][0] == "remember me"
