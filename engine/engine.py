@@ -246,11 +246,18 @@ class Engine:
 
 
 def load_tokenizer(src: ModelSource):
+    """The model's tokenizer, never its own code (trust_remote_code=False), and no larger
+    than the embedding table: a token id past the config's vocab_size would index out of it."""
     from transformers import AutoTokenizer
     from transformers.utils import logging as hf_logging
     hf_logging.set_verbosity_error()
     try:
-        return AutoTokenizer.from_pretrained(str(src.tokenizer_path))
+        tok = AutoTokenizer.from_pretrained(str(src.tokenizer_path), trust_remote_code=False)
     except Exception as err:  # transformers raises OSError, ValueError, and more
-        raise KvchatError(f"{src.tokenizer_path}: cannot load the tokenizer ({type(err).__name__}: {err})") from None
-
+        detail = " ".join(str(err).split())[:300]
+        raise KvchatError(f"{src.tokenizer_path}: cannot load the tokenizer ({type(err).__name__}: {detail})") from None
+    if len(tok) > src.geometry.vocab_size:
+        raise KvchatError(f"{src.tokenizer_path}: the tokenizer has {len(tok):,} tokens but config.json's "
+                          f"vocab_size is {src.geometry.vocab_size:,}; accepted: a tokenizer no larger than the "
+                          "model's vocabulary")
+    return tok

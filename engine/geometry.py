@@ -10,6 +10,7 @@ Known geometries sit in one table. Sources:
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -99,42 +100,129 @@ HF_REPOS: dict[str, str] = {
 }
 
 
-def from_hf_config(cfg: dict[str, Any], name: str = "model") -> Geometry:
-    """Read a Llama config.json (transformers 4.x `rope_theta` or 5.x `rope_parameters`)."""
-    arch = cfg.get("architectures") or []
+ROPE_TYPES = ("default", "llama3")     # what model.rope_inv_freq implements
+_LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+_NEEDED = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
+_MAX_INT = 2**31 - 1                    # a size past int32 in a config is a typo, not a model
+
+
+def _int(cfg: dict[str, Any], key: str, name: str, default: int | None = None, lo: int = 1) -> int:
+    value = cfg.get(key, default)
+    if value is None:
+        raise ModelLoadError(f"{name}: config.json lacks {key!r}; a Llama config needs {', '.join(_NEEDED)}")
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= _MAX_INT:
+        raise ModelLoadError(f"{name}: config.json {key} must be a whole number >= {lo}, got {value!r}")
+    return value
+
+
+def _float(cfg: dict[str, Any], key: str, name: str, default: float) -> float:
+    value = cfg.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value <= 0:
+        raise ModelLoadError(f"{name}: config.json {key} must be a positive finite number, got {value!r}")
+    return float(value)
+
+
+def _rope_scaling(cfg: dict[str, Any], name: str) -> dict[str, Any] | None:
+    rope = cfg.get("rope_parameters") or {}
+    scaling = cfg.get("rope_scaling") or rope
+    if not isinstance(scaling, dict):
+        raise ModelLoadError(f"{name}: config.json rope_scaling must be an object or null, got {scaling!r}")
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind not in ROPE_TYPES:
+        raise ModelLoadError(f"{name}: unsupported rope scaling type {kind!r}; accepted: {', '.join(ROPE_TYPES)}")
+    if kind == "default":
+        return None
+    for key in _LLAMA3_KEYS:
+        _float(scaling, key, name, None)  # type: ignore[arg-type]
+    return dict(scaling)
+
+
+def check_hf_config(cfg: Any, name: str = "model") -> None:
+    """Refuse, in one line, any config kvchat's Llama would run wrongly or that asks for the
+    model's own code (auto_map): kvchat never runs code shipped with a model."""
+    if not isinstance(cfg, dict):
+        raise ModelLoadError(f"{name}: config.json must be a JSON object, got {type(cfg).__name__}")
+    if "auto_map" in cfg:
+        raise ModelLoadError(f"{name}: config.json has auto_map (custom model code), which kvchat never runs; "
+                             "accepted: a plain Llama config (model_type 'llama')")
     model_type = cfg.get("model_type")
-    if model_type != "llama" and "LlamaForCausalLM" not in arch:
+    arch = cfg.get("architectures") or []
+    if model_type != "llama" or not isinstance(arch, list) or any(a != "LlamaForCausalLM" for a in arch):
         raise ModelLoadError(
-            f"{name}: unsupported architecture {model_type or arch!r}; kvchat runs Llama-architecture "
-            "models (model_type 'llama', LlamaForCausalLM)")
-    try:
-        hidden = int(cfg["hidden_size"])
-        n_heads = int(cfg["num_attention_heads"])
-        rope = dict(cfg.get("rope_parameters") or {})
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
-        theta = float(cfg.get("rope_theta", rope.get("rope_theta", 10000.0)))
-        if scaling and scaling.get("rope_type", scaling.get("type")) in (None, "default"):
-            scaling = None
-        eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if eos is not None else ())
-        return Geometry(
-            name=name,
-            n_layers=int(cfg["num_hidden_layers"]),
-            hidden=hidden,
-            n_heads=n_heads,
-            n_kv_heads=int(cfg.get("num_key_value_heads", n_heads)),
-            head_dim=int(cfg.get("head_dim") or hidden // n_heads),
-            intermediate=int(cfg["intermediate_size"]),
-            vocab_size=int(cfg["vocab_size"]),
-            rope_theta=theta,
-            rope_scaling=dict(scaling) if scaling else None,
-            max_position=int(cfg.get("max_position_embeddings", 4096)),
-            norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-            source="config.json",
-        )
-    except (KeyError, TypeError, ValueError) as err:
-        raise ModelLoadError(f"{name}: config.json lacks or mangles {err}; a Llama config needs hidden_size, "
-                             "num_attention_heads, num_hidden_layers, intermediate_size, vocab_size") from None
+            f"{name}: unsupported architecture {model_type if model_type != 'llama' else arch!r}; kvchat runs "
+            "Llama-architecture models (model_type 'llama', LlamaForCausalLM)")
+    for flag in ("attention_bias", "mlp_bias"):
+        if cfg.get(flag):
+            raise ModelLoadError(f"{name}: config.json sets {flag}; kvchat's Llama has no biases (accepted: false)")
+    if cfg.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{name}: config.json hidden_act {cfg['hidden_act']!r}; accepted: silu")
+
+
+def from_hf_config(cfg: Any, name: str = "model") -> Geometry:
+    """Read a Llama config.json (transformers 4.x `rope_theta` or 5.x `rope_parameters`),
+    checking every field kvchat uses."""
+    check_hf_config(cfg, name)
+    rope = cfg.get("rope_parameters") or {}
+    if not isinstance(rope, dict):
+        raise ModelLoadError(f"{name}: config.json rope_parameters must be an object, got {rope!r}")
+    hidden = _int(cfg, "hidden_size", name)
+    n_heads = _int(cfg, "num_attention_heads", name)
+    vocab = _int(cfg, "vocab_size", name)
+    head_dim = _int({"head_dim": cfg.get("head_dim") or hidden // n_heads}, "head_dim", name)
+    ids = {}
+    for key in ("bos_token_id", "eos_token_id"):
+        v = cfg.get(key)
+        vs = v if isinstance(v, list) else ([] if v is None else [v])
+        if any(isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab for i in vs):
+            raise ModelLoadError(f"{name}: config.json {key} must be token ids in [0, {vocab}), got {v!r}")
+        ids[key] = vs
+    tie = cfg.get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        raise ModelLoadError(f"{name}: config.json tie_word_embeddings must be true or false, got {tie!r}")
+    return Geometry(
+        name=name,
+        n_layers=_int(cfg, "num_hidden_layers", name),
+        hidden=hidden,
+        n_heads=n_heads,
+        n_kv_heads=_int(cfg, "num_key_value_heads", name, default=n_heads),
+        head_dim=head_dim,
+        intermediate=_int(cfg, "intermediate_size", name),
+        vocab_size=vocab,
+        rope_theta=_float(cfg, "rope_theta", name, rope.get("rope_theta", 10000.0)),
+        rope_scaling=_rope_scaling(cfg, name),
+        max_position=_int(cfg, "max_position_embeddings", name, default=4096),
+        norm_eps=_float(cfg, "rms_norm_eps", name, 1e-5),
+        tie_embeddings=tie,
+        bos_token_id=ids["bos_token_id"][0] if ids["bos_token_id"] else None,
+        eos_token_ids=tuple(ids["eos_token_id"]),
+        source="config.json",
+    )
+
+
+def weight_shapes(geom: Geometry) -> dict[str, tuple[int, ...]]:
+    """Every tensor a LlamaForCausalLM checkpoint of this geometry holds, by its HF name."""
+    q, kv = geom.n_heads * geom.head_dim, geom.n_kv_heads * geom.head_dim
+    h, f = geom.hidden, geom.intermediate
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (geom.vocab_size, h), "model.norm.weight": (h,)}
+    if not geom.tie_embeddings:
+        out["lm_head.weight"] = (geom.vocab_size, h)
+    for i in range(geom.n_layers):
+        p = f"model.layers.{i}."
+        out.update({p + "self_attn.q_proj.weight": (q, h), p + "self_attn.k_proj.weight": (kv, h),
+                    p + "self_attn.v_proj.weight": (kv, h), p + "self_attn.o_proj.weight": (h, q),
+                    p + "mlp.gate_proj.weight": (f, h), p + "mlp.up_proj.weight": (f, h),
+                    p + "mlp.down_proj.weight": (h, f), p + "input_layernorm.weight": (h,),
+                    p + "post_attention_layernorm.weight": (h,)})
+    return out
+
+
+def cuda_limits(geom: Geometry, block_size: int) -> None:
+    """The Triton kernels take power-of-two block sizes (1..1024) and head dims (16..256);
+    checked when the engine starts on CUDA, not inside a kernel mid-turn."""
+    if block_size > 1024 or block_size & (block_size - 1):
+        raise ModelLoadError(f"--block-size {block_size}: on CUDA the kernels need a power of two from 1 to 1024 "
+                             "(e.g. 16)")
+    d = geom.head_dim
+    if not 16 <= d <= 256 or d & (d - 1):
+        raise ModelLoadError(f"{geom.name}: head_dim {d} is not a power of two from 16 to 256, which the CUDA "
+                             "kernels need; run it with --device cpu")

@@ -1,6 +1,7 @@
 """Byte sizes: parsing what users type (`512MiB`, `2GiB`, `1e9`) and printing them back."""
 from __future__ import annotations
 
+import math
 import re
 
 from .errors import KvchatError
@@ -12,6 +13,7 @@ _UNITS = {
     "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
 }
 _SIZE = re.compile(r"^\s*(-?[0-9]*\.?[0-9]+(?:e[0-9]+)?)\s*([a-z]*)\s*$", re.IGNORECASE)
+MAX_BYTES = 2**60   # 1 EiB: a size past this is a typo, and past int64 torch cannot allocate it anyway
 
 
 def parse_bytes(text: str | int) -> int:
@@ -25,9 +27,14 @@ def parse_bytes(text: str | int) -> int:
             raise KvchatError(
                 f"cannot read size {text!r}: use a number of bytes with an optional unit "
                 "(B, KiB, MiB, GiB, TiB, KB, MB, GB), e.g. 512MiB or 2GiB")
-        value = int(float(m.group(1)) * _UNITS[unit])
-    if value <= 0:
+        number = float(m.group(1)) * _UNITS[unit]
+        if not math.isfinite(number) or number > MAX_BYTES:
+            raise KvchatError(f"size {text!r} is beyond any machine; accepted: up to {MAX_BYTES // 2**50} PiB")
+        value = int(number)
+    if isinstance(value, bool) or value <= 0:
         raise KvchatError(f"size {text!r} must be positive")
+    if value > MAX_BYTES:
+        raise KvchatError(f"size {text!r} is beyond any machine; accepted: up to {MAX_BYTES // 2**50} PiB")
     return value
 
 

@@ -8,7 +8,7 @@ import glob
 import torch
 
 from .errors import ModelLoadError
-from .geometry import Geometry
+from .geometry import Geometry, weight_shapes
 from .model import Layer, Llama
 from .sources import ModelSource
 
@@ -27,10 +27,16 @@ def load_model(src: ModelSource, device: torch.device, dtype: torch.dtype, seed:
     except (SafetensorError, OSError, ValueError, RuntimeError) as err:
         raise ModelLoadError(f"{src.path}: corrupt or truncated safetensors file ({err})") from None
 
+    shapes = weight_shapes(src.geometry)
+
     def take(key: str) -> torch.Tensor:
+        # sources.check_weights read the same from the headers; this guards tensors changed since
         t = tensors.get(key)
         if t is None:
             raise ModelLoadError(f"{src.path}: weights lack {key}; expected a LlamaForCausalLM checkpoint")
+        if tuple(t.shape) != shapes[key] or not t.is_floating_point():
+            raise ModelLoadError(f"{src.path}: {key} is {t.dtype} {list(t.shape)}; config.json implies a float "
+                                 f"tensor of shape {list(shapes[key])}")
         return t.to(device=device, dtype=dtype)
 
     return assemble(src.geometry, take)
@@ -54,19 +60,10 @@ def assemble(geom: Geometry, take) -> Llama:
 def random_model(geom: Geometry, device: torch.device, dtype: torch.dtype, seed: int = 0) -> Llama:
     """The geometry with N(0, 0.02) weights (norms at 1), made directly on the device."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    q, kv = geom.n_heads * geom.head_dim, geom.n_kv_heads * geom.head_dim
-
-    def shape_of(name: str) -> tuple[int, ...]:
-        if name.endswith("norm.weight"):
-            return (geom.hidden,)
-        table = {"q_proj": (q, geom.hidden), "k_proj": (kv, geom.hidden), "v_proj": (kv, geom.hidden),
-                 "o_proj": (geom.hidden, q), "gate_proj": (geom.intermediate, geom.hidden),
-                 "up_proj": (geom.intermediate, geom.hidden), "down_proj": (geom.hidden, geom.intermediate),
-                 "embed_tokens": (geom.vocab_size, geom.hidden), "lm_head": (geom.vocab_size, geom.hidden)}
-        return next(v for k, v in table.items() if k in name)
+    shapes = weight_shapes(geom)
 
     def take(name: str) -> torch.Tensor:
-        shape = shape_of(name)
+        shape = shapes[name]
         if len(shape) == 1:
             return torch.ones(shape, device=device, dtype=dtype)
         w = torch.empty(shape, device=device, dtype=dtype)

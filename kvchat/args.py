@@ -4,6 +4,7 @@ the bench, the app's launcher) may use it without an import circle."""
 from __future__ import annotations
 
 import argparse
+import math
 
 SUPPRESS = argparse.SUPPRESS
 
@@ -17,35 +18,45 @@ class Parser(argparse.ArgumentParser):
         raise UsageError(f"{self.prog}: {message}")
 
 
-def int_at_least(name: str, minimum: int):
-    """An argparse type: a whole number >= minimum, with a message naming the flag."""
+def int_at_least(name: str, minimum: int, maximum: int = 2**62):
+    """An argparse type: a whole number in [minimum, maximum], with a message naming the flag."""
     want = "a positive integer" if minimum == 1 else f"an integer >= {minimum}"
+    if maximum < 2**62:
+        want += f" up to {maximum:,}"
 
     def parse(text: str) -> int:
         try:
-            value = int(text)
+            value = int(text.replace("_", ""))
         except ValueError:
             raise argparse.ArgumentTypeError(f"{name} must be {want}, got {text!r}") from None
-        if value < minimum:
+        if not minimum <= value <= maximum:
             raise argparse.ArgumentTypeError(f"{name} must be {want}, got {text!r}")
         return value
     return parse
 
 
-def positive_int(name: str):
-    return int_at_least(name, 1)
+def positive_int(name: str, maximum: int = 2**62):
+    return int_at_least(name, 1, maximum)
 
 
-def nonneg_float(name: str):
+def float_in(name: str, lo: float, hi: float, lo_open: bool = False):
+    """An argparse type: a finite number in [lo, hi] ((lo, hi] with lo_open); nan and inf
+    (which float() accepts) are refused."""
+    want = f"in {'(' if lo_open else '['}{lo:g}, {hi:g}]"
+
     def parse(text: str) -> float:
         try:
             value = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"{name} must be a number, got {text!r}") from None
-        if value < 0:
-            raise argparse.ArgumentTypeError(f"{name} must be >= 0, got {text!r}")
+            raise argparse.ArgumentTypeError(f"{name} must be {want}, got {text!r}") from None
+        if not math.isfinite(value) or value > hi or value < lo or (lo_open and value == lo):
+            raise argparse.ArgumentTypeError(f"{name} must be {want}, got {text!r}")
         return value
     return parse
+
+
+def nonneg_float(name: str, hi: float = 1e6):
+    return float_in(name, 0.0, hi)
 
 
 def _defaults(top: bool, **values):
@@ -69,9 +80,9 @@ def add_model_args(p: argparse.ArgumentParser, top: bool = False) -> None:
                    help="KV cache storage dtype (default: the model dtype)")
     g.add_argument("--kv-budget", **_defaults(top, default=None),
                    help="KV pool size in bytes, e.g. 512MiB, 2GiB (default: from free memory)")
-    g.add_argument("--block-size", type=positive_int("--block-size"), **_defaults(top, default=16),
+    g.add_argument("--block-size", type=positive_int("--block-size", 4096), **_defaults(top, default=16),
                    help="tokens per KV block (default 16)")
-    g.add_argument("--threads", type=positive_int("--threads"), **_defaults(top, default=None),
+    g.add_argument("--threads", type=positive_int("--threads", 1024), **_defaults(top, default=None),
                    help="CPU threads for torch (default: torch's choice)")
     add_server_args(p, top)
 
@@ -92,20 +103,20 @@ def add_server_args(p: argparse.ArgumentParser, top: bool = False) -> None:
 
 def add_sampling_args(p: argparse.ArgumentParser, top: bool = False) -> None:
     g = p.add_argument_group("sampling")
-    g.add_argument("--max-tokens", type=positive_int("--max-tokens"), **_defaults(top, default=None),
+    g.add_argument("--max-tokens", type=positive_int("--max-tokens", 10_000_000), **_defaults(top, default=None),
                    help="most tokens per reply (default: 512 in the chat, 256 headless)")
-    g.add_argument("--temperature", type=nonneg_float("--temperature"), **_defaults(top, default=0.0),
+    g.add_argument("--temperature", type=nonneg_float("--temperature", 100.0), **_defaults(top, default=0.0),
                    help="0 is greedy (default)")
-    g.add_argument("--top-k", type=positive_int("--top-k"), **_defaults(top, default=None))
-    g.add_argument("--top-p", type=nonneg_float("--top-p"), **_defaults(top, default=1.0))
-    g.add_argument("--seed", type=int, **_defaults(top, default=None))
+    g.add_argument("--top-k", type=positive_int("--top-k", 10_000_000), **_defaults(top, default=None))
+    g.add_argument("--top-p", type=float_in("--top-p", 0.0, 1.0, lo_open=True), **_defaults(top, default=1.0))
+    g.add_argument("--seed", type=int_at_least("--seed", 0, 2**63 - 1), **_defaults(top, default=None))
     g.add_argument("--system", **_defaults(top, default=None), help="system prompt")
     g.add_argument("--no-cache", action="store_true", **_defaults(top, default=False),
                    help="recompute the whole sequence at every step (the baseline the KV cache avoids)")
 
 
 def add_cap_args(p: argparse.ArgumentParser, top: bool = False) -> None:
-    p.add_argument("--cap", type=positive_int("--cap"), **_defaults(top, default=None), help="context cap in tokens")
+    p.add_argument("--cap", type=positive_int("--cap", 2**31 - 1), **_defaults(top, default=None), help="context cap in tokens")
     p.add_argument("--policy", **_defaults(top, default="stop"), help="cap policy: stop, drop-oldest, sink-window")
 
 
@@ -120,3 +131,48 @@ def sampling(args, default_max: int = 256):
     from kvchat.engine import SamplingParams
     return SamplingParams(temperature=args.temperature, top_k=args.top_k or 0, top_p=args.top_p,
                           seed=args.seed, max_tokens=args.max_tokens or default_max)
+
+
+def utf8_text(what: str, text: str | None) -> str | None:
+    """Text from argv or a file as a str that encodes: bytes that were not UTF-8 reach Python
+    as lone surrogates, which a tokenizer cannot take."""
+    if text is None:
+        return None
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        ch = text[err.start]
+        try:
+            bad = f"byte 0x{ch.encode('utf-8', 'surrogateescape').hex()}"   # argv's undecodable bytes
+        except UnicodeEncodeError:
+            bad = f"lone surrogate U+{ord(ch):04X}"                         # a JSON \\ud800 escape
+        raise UsageError(f"{what} is not valid UTF-8 text ({bad} at character {err.start}); give UTF-8 text") \
+            from None
+    return text
+
+
+def check_start(args, source, device, kv_dtype: str) -> int | None:
+    """Everything about the flags that can be checked against the model before it loads:
+    the pool plan, the CUDA kernels' limits, the cap against the context window and the
+    sink-window minimum, the policy name, and the system prompt's text. Returns the cap to
+    use: --cap, or the model's context window, so a prompt longer than the model can take
+    is refused in one line by the stop policy (or handled by the policy chosen)."""
+    from kvchat.engine.geometry import cuda_limits
+    from kvchat.engine.policy import make_policy
+    from kvchat.engine.pool_spec import plan_pool
+    geom = source.geometry
+    if getattr(args, "kv_budget", None):
+        from kvchat.engine.units import parse_bytes
+        plan_pool(geom, kv_dtype, parse_bytes(args.kv_budget), args.block_size)
+    if device.type == "cuda":
+        cuda_limits(geom, args.block_size)
+    utf8_text("--system", getattr(args, "system", None))
+    policy = make_policy(getattr(args, "policy", "stop"))
+    cap = getattr(args, "cap", None)
+    if cap is not None and cap > geom.max_position and not source.random_weights:
+        raise UsageError(f"--cap {cap} is past {source.name}'s context window of {geom.max_position:,} tokens; "
+                         f"accepted: 1 to {geom.max_position:,}")
+    if policy.streaming and cap is not None:
+        from kvchat.engine.streaming import DEFAULT_SINK_TOKENS, check_window_cap
+        check_window_cap(cap, DEFAULT_SINK_TOKENS, args.block_size)
+    return cap if cap is not None else geom.max_position

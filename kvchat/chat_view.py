@@ -88,6 +88,14 @@ class TurnEnded(Message):
         self.snapshot, self.focus = snapshot, focus
 
 
+class LogFailed(Message):
+    """From any thread: this conversation's log could not be written (one line)."""
+
+    def __init__(self, line: str) -> None:
+        super().__init__()
+        self.line = line
+
+
 class ChatView(Transcript):
     """A conversation's transcript and state. The first one is on screen before the model
     loads (it shows the progress); `attach` gives it its Chat."""
@@ -109,6 +117,11 @@ class ChatView(Transcript):
 
     def attach(self, chat: Chat, log: ConversationLog, turns: list[TurnRecord]) -> None:
         self.chat, self.conversation_log = chat, log
+        # from the reply's worker too: a log that cannot be written is one line here, and the
+        # turn goes on (the log keeps its records in memory)
+        log.on_error = lambda line: self.post_message(LogFailed(line))
+        if log.error:
+            self.post_message(LogFailed(log.error))
         self.turns = list(turns)
         for record in self.turns:
             self.latency.add_turn(record)
@@ -177,6 +190,9 @@ class ChatView(Transcript):
         state = self.refresh_state()
         self.latency.begin_turn(state.mode, kv_dtype=backend.info().kv_dtype if backend is not None else None,
                                 policy=state.policy, cap=state.cap)
+
+    def on_log_failed(self, msg: LogFailed) -> None:
+        self.add_notice(msg.line, error=True)
 
     async def on_turn_progress(self, msg: TurnProgress) -> None:
         p = msg.progress

@@ -9,8 +9,9 @@ import json
 import sys
 from pathlib import Path
 
-from .args import (Parser, UsageError, add_cap_args, add_model_args, add_sampling_args, engine_config, positive_int,
-                   sampling)
+from .args import (Parser, UsageError, add_cap_args, add_model_args, add_sampling_args, check_start, engine_config,
+                   positive_int, sampling, utf8_text)
+from .files import FileRefused, read_text
 
 EXIT_USAGE = 2
 
@@ -65,7 +66,6 @@ def load_backend(args, quiet: bool = False):
         return backend
     from kvchat.engine import Engine
     from kvchat.engine.engine import check_memory, pick_device, pick_dtypes
-    from kvchat.engine.pool_spec import plan_pool
     from kvchat.engine.sources import resolve
 
     from .backends.local import LocalBackend
@@ -73,8 +73,7 @@ def load_backend(args, quiet: bool = False):
     src = resolve(cfg.model, cfg.random_weights)
     device = pick_device(cfg.device)
     dtype, kv_dtype = pick_dtypes(cfg, device)
-    if cfg.kv_budget:
-        plan_pool(src.geometry, kv_dtype, cfg.kv_budget, cfg.block_size)
+    args.cap = check_start(args, src, device, kv_dtype)
     check_memory(src.geometry, dtype, kv_dtype, cfg.kv_budget, device)
     if not quiet:
         print(f"loading {src.name} ...", file=sys.stderr, flush=True)
@@ -106,32 +105,56 @@ def run_turn(chat, text: str, sp, stream) -> dict:
 
 
 def cmd_ask(args) -> int:
+    if not utf8_text("the message", args.message).strip():
+        raise UsageError("empty message: give the text to send, e.g. kvchat ask \"What is a KV cache?\"")
     sp = sampling(args)
     backend = load_backend(args, quiet=args.json)
-    chat = backend.open(system=args.system, mode="off" if args.no_cache else "cache")
+    chat = backend.open(system=args.system, cap=args.cap, mode="off" if args.no_cache else "cache")
     record = run_turn(chat, args.message, sp, None if args.json else sys.stdout)
     if args.json:
         print(json.dumps(record))
     return 0
 
 
+MAX_REPLAY_BYTES = 64 * 2**20
+
+
+def _replay_message(path: str, where: str, m) -> str:
+    """One replay message: a string, or {"role": "user", "content": "..."}."""
+    if isinstance(m, dict):
+        if m.get("role", "user") != "user" or not isinstance(m.get("content"), str):
+            raise UsageError(f"replay file {path!r}: {where} needs \"role\": \"user\" and a string \"content\"; "
+                             f"accepted: a string or {{\"role\": \"user\", \"content\": \"...\"}}")
+        m = m["content"]
+    if not isinstance(m, str):
+        raise UsageError(f"replay file {path!r}: {where} is {type(m).__name__}; accepted: a string or "
+                         "{\"role\": \"user\", \"content\": \"...\"}")
+    if not utf8_text(f"replay file {path!r}: {where}", m).strip():
+        raise UsageError(f"replay file {path!r}: {where} is empty; give the text to send")
+    return m
+
+
 def read_replay(path: str) -> list[list[str]]:
-    p = Path(path)
     try:
-        data = json.loads(p.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise UsageError(f"replay file {path!r} not found; give a JSON file holding a list of user messages") from None
-    except (OSError, UnicodeDecodeError) as err:
-        raise UsageError(f"replay file {path!r} unreadable ({err.__class__.__name__}); give a UTF-8 JSON file") from None
+        data = json.loads(read_text(Path(path), MAX_REPLAY_BYTES))
+    except FileRefused as err:
+        raise UsageError(f"replay file {path!r}: {err}; expected a UTF-8 JSON file holding a list of user "
+                         "messages") from None
+    except RecursionError:
+        raise UsageError(f"replay file {path!r} is nested too deeply; expected a list of user messages") from None
     except ValueError as err:
         raise UsageError(f"replay file {path!r} is not valid JSON ({err}); expected a list of user messages") from None
-    if isinstance(data, list) and data and all(isinstance(m, str) for m in data):
-        return [data]
-    if (isinstance(data, list) and data and all(isinstance(c, list) and c for c in data)
-            and all(isinstance(m, str) for c in data for m in c)):
-        return data
-    raise UsageError(f"replay file {path!r}: expected a non-empty JSON list of strings (one conversation) "
-                     "or a list of such lists (interleaved conversations)")
+    if not isinstance(data, list) or not data:
+        raise UsageError(f"replay file {path!r}: expected a non-empty JSON list of strings (one conversation) "
+                         "or a list of such lists (interleaved conversations)")
+    convs = data if all(isinstance(c, list) for c in data) else [data]
+    out = []
+    for ci, conv in enumerate(convs):
+        if not conv:
+            raise UsageError(f"replay file {path!r}: conversation {ci + 1} is empty; give at least one message")
+        tag = f"conversation {ci + 1}, " if len(convs) > 1 else ""
+        out.append([_replay_message(path, f"{tag}message {i + 1}", m) for i, m in enumerate(conv)])
+    return out
 
 
 def cmd_replay(args) -> int:
@@ -278,20 +301,56 @@ def cmd_bench(args) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Run one command. Bad input: one line on stderr, status 2. An internal error: one
+    line, status 1, its traceback in errors.log beside the conversations."""
     from kvchat.engine.errors import KvchatError
+
+    from .store import StoreError
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
+        if args.func is not cmd_chat and (sys.stdout is None or sys.stdout.closed):
+            raise UsageError("stdout is closed, so there is nowhere to print; redirect it (> FILE or > /dev/null)")
         if getattr(args, "threads", None):
             import torch
             torch.set_num_threads(args.threads)
-        return args.func(args)
-    except (UsageError, KvchatError) as err:
-        print(f"kvchat: {err}" if not str(err).startswith("kvchat") else str(err), file=sys.stderr)
+        code = args.func(args)
+        if sys.stdout is not None:
+            sys.stdout.flush()
+        return code
+    except (UsageError, KvchatError, StoreError) as err:
+        line = " ".join(str(err).split())
+        print(line if line.startswith("kvchat") else f"kvchat: {line}", file=sys.stderr)
+        return EXIT_USAGE
+    except BrokenPipeError:
+        # the reader went away (`| head -c 10`): stop quietly, and keep Python's exit-time
+        # flush of stdout from raising the same error again
+        import os
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        print("kvchat: output closed early (broken pipe); stopped", file=sys.stderr)
         return EXIT_USAGE
     except KeyboardInterrupt:
         print("kvchat: interrupted", file=sys.stderr)
         return 130
+    except Exception as err:   # a bug: one line here, the traceback in the error log
+        where = _log_error()
+        print(f"kvchat: internal error ({type(err).__name__}: {' '.join(str(err).split())[:200]}); "
+              f"details in {where}", file=sys.stderr)
+        return 1
+
+
+def _log_error() -> str:
+    import traceback
+
+    from .store import data_dir
+    try:
+        path = data_dir() / "errors.log"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with open(path, "a", encoding="utf-8") as fh:
+            fh.write(traceback.format_exc() + "\n")
+        return str(path)
+    except OSError:
+        return "nowhere (the error log could not be written)"
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ from typing import Any
 from kvchat.engine.engine import KV_DTYPES
 from kvchat.engine.policy import POLICIES
 
+from .files import FileRefused, read_text
+
 MAX_LOAD_BYTES = 1 << 20
 PANELS = ("cache", "cap", "blocks", "latency", "all")
 
@@ -119,7 +121,19 @@ def _path(args, _themes) -> Path:
 def _optional_path(args, _themes) -> Path | None:
     if len(args) > 1:
         raise CommandError("usage: /save [FILE] (quote a name with spaces)")
-    return Path(args[0]).expanduser() if args else None
+    return _save_path("save", args[0]) if args else None
+
+
+def _overwrite_path(args, _themes) -> Path:
+    return _save_path("save!", _one("save!", "/save! FILE (overwrites FILE.md and FILE.jsonl)", args))
+
+
+def _save_path(name: str, text: str) -> Path:
+    """Where /save writes: FILE.md and FILE.jsonl. A name ending in / means a directory,
+    never a file beside it (so `/save /etc/` is not /etc.md)."""
+    if not text.strip() or text.endswith(("/", "/.", "/..")) or text in (".", ".."):
+        raise CommandError(f"/{name} {text!r}: give a file name (kvchat adds .md and .jsonl), e.g. /{name} notes/chat")
+    return Path(text).expanduser()
 
 
 COMMANDS: dict[str, Spec] = {s.name: s for s in (
@@ -129,7 +143,9 @@ COMMANDS: dict[str, Spec] = {s.name: s for s in (
     Spec("policy", f"/policy {'|'.join(POLICIES)}", "what happens when a turn would pass the cap",
          _choice("policy", tuple(POLICIES))),
     Spec("load", "/load FILE", "send a text file's content as a message", _path),
-    Spec("save", "/save [FILE]", "write FILE.md (transcript) and FILE.jsonl (telemetry)", _optional_path),
+    Spec("save", "/save [FILE]", "write FILE.md (transcript) and FILE.jsonl (telemetry); never overwrites",
+         _optional_path),
+    Spec("save!", "/save! FILE", "like /save, overwriting FILE.md and FILE.jsonl if they exist", _overwrite_path),
     Spec("theme", "/theme NAME", "switch theme (remembered)", _theme),
     Spec("cache", "/cache on|off", "keep the KV cache, or recompute everything each token",
          _choice("cache", ("on", "off"))),
@@ -172,20 +188,12 @@ def message_text(text: str) -> str:
 
 
 def read_message_file(path: Path) -> str:
-    """A /load file's text, or CommandError naming what is wrong with it."""
+    """A /load file's text, or CommandError naming what is wrong with it. Only a regular
+    file is read (a FIFO would freeze the UI, a device read without end), at most 1 MiB."""
     try:
-        size = path.stat().st_size
-        if path.is_dir():
-            raise CommandError(f"/load {path}: is a directory; give a text file")
-        if size > MAX_LOAD_BYTES:
-            raise CommandError(f"/load {path}: {size:,} bytes is over the {MAX_LOAD_BYTES:,}-byte limit")
-        text = path.read_text(encoding="utf-8")
-    except FileNotFoundError:
-        raise CommandError(f"/load {path}: no such file") from None
-    except UnicodeDecodeError:
-        raise CommandError(f"/load {path}: not UTF-8 text") from None
-    except OSError as err:
-        raise CommandError(f"/load {path}: cannot read ({err.strerror or err})") from None
+        text = read_text(path, MAX_LOAD_BYTES)
+    except FileRefused as err:
+        raise CommandError(f"/load {path}: {err}; give a UTF-8 text file of at most 1 MiB") from None
     if not text.strip():
         raise CommandError(f"/load {path}: the file is empty")
     return text

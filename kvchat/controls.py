@@ -218,11 +218,13 @@ class Controls:
             return
         app.notice(f"theme {name}")
 
-    def save_to(self, path: Path | None) -> None:
+    def save_to(self, path: Path | None, overwrite: bool = False) -> None:
+        """/save [FILE], /save! FILE (overwrite), ctrl+s: the transcript and telemetry."""
         app, view = self.app, self.app.view
         path = path or Path.cwd() / f"kvchat-{time.strftime('%Y%m%d-%H%M%S')}"
         try:
-            md, jl = export(path, list(view.refresh_state().messages), view.turns, app.backend.info().model)
+            md, jl = export(path, list(view.refresh_state().messages), view.turns, app.backend.info().model,
+                            overwrite=overwrite)
         except OSError as err:
             app.notice(f"cannot save to {path}: {err.strerror or err}", error=True)
             return
@@ -263,6 +265,7 @@ class Controls:
         handlers = {
             "help": self.help, "reset": self.reset_cache, "cap": lambda: self.set_cap(arg),
             "policy": lambda: self.set_policy(arg), "load": lambda: self.load(arg), "save": lambda: self.save_to(arg),
+            "save!": lambda: self.save_to(arg, overwrite=True),
             "theme": lambda: self.set_theme(arg), "cache": lambda: self.set_mode("cache" if arg == "on" else "off"),
             "kv": lambda: self.set_kv_dtype(arg), "panel": lambda: self.toggle_panel(arg),
             "new": self.conversations.new, "switch": lambda: self.conversations.switch(arg),

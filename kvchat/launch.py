@@ -4,17 +4,19 @@ backend. Any problem before the UI is one line and exit status 2; loading the we
 happens inside the UI, with progress shown."""
 from __future__ import annotations
 
+import os
 import sys
 
 from kvchat.engine.errors import KvchatError
 
 from . import settings as settings_mod
 from . import theming
+from .args import UsageError
 from .app import AppOptions, KvChatApp
 from .catalog import resume_paths
 from .chat_view import ChatOptions
 from .settings import SettingsError
-from .store import StoreError, restore
+from .store import StoreError, lock_holder, restore
 
 
 class LaunchError(Exception):
@@ -29,6 +31,9 @@ def run_chat(args) -> int:
     except LaunchError as err:
         print(f"kvchat: {err}", file=sys.stderr)
         return 2
+    if not all(f is not None and not f.closed and f.isatty() for f in (sys.stdin, sys.stdout)):
+        print("kvchat: kvchat needs a terminal; use kvchat ask \"...\" (or kvchat replay FILE)", file=sys.stderr)
+        return 2
     app.run()
     if app.backend is not None:
         app.backend.shutdown()
@@ -41,7 +46,7 @@ def run_chat(args) -> int:
 def prepare(args) -> KvChatApp:
     try:
         return _prepare(args)
-    except (KvchatError, SettingsError, StoreError) as err:
+    except (KvchatError, SettingsError, StoreError, UsageError) as err:
         raise LaunchError(str(err)) from None
     except OSError as err:
         raise LaunchError(f"{err.filename or ''}: {err.strerror or err}".lstrip(": ")) from None
@@ -52,7 +57,7 @@ def _prepare(args) -> KvChatApp:
     from kvchat.engine.policy import make_policy
     from kvchat.engine.sources import resolve
 
-    from .args import engine_config, sampling
+    from .args import check_start, engine_config, sampling
     from .backends.local import LocalBackend
 
     path = settings_mod.config_path()
@@ -73,6 +78,7 @@ def _prepare(args) -> KvChatApp:
     device = pick_device(cfg.device)
     dtype, kv_dtype = pick_dtypes(cfg, device)
     source = resolve(cfg.model, cfg.random_weights)
+    check_start(args, source, device, kv_dtype)
     check_memory(source.geometry, dtype, kv_dtype, cfg.kv_budget, device)
     options = _options(args, settings, path, theme, source.name, sp)
     return KvChatApp(lambda: LocalBackend.load(cfg, source), options, settings, path)
@@ -101,7 +107,10 @@ def _options(args, settings, path, theme, model: str, sp) -> AppOptions:
         last, reopen = resume_paths()
         if last is None:
             raise KvchatError("--resume: no saved conversation yet; start one with plain `kvchat`")
-        restored = restore(last)
+        holder = lock_holder(last)
+        if holder is not None and holder != os.getpid():
+            raise KvchatError(f"--resume: {last.name} is open in another kvchat (pid {holder}); close it there first")
+        restored = restore(last)   # damaged records are skipped; the app says how many
     if args.theme is not None and args.theme != settings.theme:
         settings.theme = args.theme
         settings_mod.save(settings, path)

@@ -7,12 +7,17 @@ the file and the problem, before the UI starts.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from .keys import KEY_IDS
+from textual.keys import Keys
+
+from .keys import KEY_IDS, KEYS
 
 CONFIG_ENV = "KVCHAT_CONFIG_DIR"
 
@@ -24,6 +29,25 @@ class SettingsError(Exception):
 def config_path() -> Path:
     from platformdirs import user_config_dir
     return Path(os.environ.get(CONFIG_ENV) or user_config_dir("kvchat")) / "settings.json"
+
+
+MODIFIERS = ("ctrl", "alt", "shift", "meta", "super", "hyper")
+NAMED_KEYS = frozenset(k.value for k in Keys if "+" not in k.value and not k.value.startswith("<")) - {"ctrl-at"}
+RESERVED = frozenset({"enter", "return", "tab", "shift+tab", "backspace", "delete", "left", "right", "up", "down",
+                      "home", "end", "ctrl+c", "ctrl+v"})   # the message input's own editing keys
+
+
+def check_key_name(key_id: str, name: str) -> None:
+    """A Textual key name: modifiers joined by + to a named key (f5, pageup, escape) or to a
+    single character; not one of the input's own editing keys."""
+    *mods, base = name.lower().split("+")
+    if not base or any(m not in MODIFIERS for m in mods) or not (
+            base in NAMED_KEYS or (len(base) == 1 and base.isprintable() and mods)):
+        raise SettingsError(f"key {name!r} for {key_id!r} is not a key name; accepted: modifiers "
+                            f"({'+, '.join(MODIFIERS)}+) and a key, e.g. ctrl+e, alt+x, f6, ctrl+pageup")
+    if name.lower() in RESERVED:
+        raise SettingsError(f"key {name!r} for {key_id!r} is the message input's own key; use ctrl+, alt+ or a "
+                            "function key")
 
 
 @dataclass(slots=True)
@@ -46,6 +70,15 @@ class Settings:
                 if len(k) == 1 and k.isprintable():
                     raise SettingsError(f"key {k!r} for {key_id!r} is a printable character, which the "
                                         "message input would take; use ctrl+, alt+ or a function key")
+                check_key_name(key_id, k)
+        taken: dict[str, str] = {}
+        for k in sorted(KEYS, key=lambda k: k.id in self.keys):   # defaults first: a rebinding is the culprit
+            for name in self.keys.get(k.id, k.keys).split(","):
+                name = name.strip()
+                if name in taken:
+                    raise SettingsError(f"key {name!r} for {k.id!r} is already {taken[name]!r}'s key; pick another, "
+                                        f"or rebind {taken[name]!r} as well")
+                taken[name] = k.id
 
 
 def load(path: Path | None = None) -> Settings:
@@ -70,9 +103,26 @@ def load(path: Path | None = None) -> Settings:
 
 
 def save(settings: Settings, path: Path | None = None) -> None:
-    """Write atomically, so a crash mid-write never leaves a broken file."""
+    """Remember `settings.theme`, reloading the file first so that key bindings edited in it
+    while kvchat runs are kept. Written atomically under a unique temporary name, so a crash
+    mid-write never leaves a broken file and two processes saving never share a temp file.
+    A file that is not valid now (being edited) is not overwritten: OSError says so."""
     path = path or config_path()
+    try:
+        on_disk = load(path)
+    except SettingsError as err:
+        raise OSError(errno.EINVAL, f"not saved, the file is not valid now ({err})", str(path)) from None
+    merged = Settings(theme=settings.theme, keys={**settings.keys, **on_disk.keys})
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(asdict(settings), indent=2) + "\n", encoding="utf-8")
-    os.replace(tmp, path)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(json.dumps(asdict(merged), indent=2) + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    settings.keys = merged.keys

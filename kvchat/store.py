@@ -11,8 +11,12 @@ fsynced as it happens, so a crash or a quit loses nothing.
 """
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import json
 import os
+import tempfile
 import threading
 import time
 import uuid
@@ -20,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvchat.engine.telemetry import JsonlWriter
+from kvchat.engine.policy import POLICIES
 
 from .records import TurnRecord, stats_line
 
@@ -30,6 +34,14 @@ Messages = list[dict[str, str]]
 
 class StoreError(Exception):
     """A conversation file that cannot be read back; str() is one line."""
+
+
+class ConversationBusy(OSError):
+    """The conversation file is open for writing in another process; str() is one line.
+    An OSError, so the app's "cannot start the conversation" path shows it."""
+
+    def __str__(self) -> str:
+        return self.args[0]
 
 
 def data_dir() -> Path:
@@ -51,37 +63,156 @@ class Restored:
     policy: str = "stop"
     mode: str = "cache"
     unanswered: str | None = None   # a last user message whose reply never finished
+    skipped: int = 0                # damaged records left out (a torn line, a hand edit)
+
+
+def lock_holder(path: Path) -> int | None:
+    """The pid holding an flock on `path` (from /proc/locks; Linux), or None if none is
+    found. Advisory: a process that never locks is not seen."""
+    try:
+        inode = path.stat().st_ino
+        with open("/proc/locks", encoding="ascii", errors="replace") as fh:
+            for line in fh:
+                f = line.split()
+                if len(f) > 5 and f[1] == "FLOCK" and f[5].rsplit(":", 1)[-1] == str(inode):
+                    return int(f[4])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def _busy(path: Path) -> ConversationBusy:
+    pid = lock_holder(path)
+    who = f"another kvchat (pid {pid})" if pid else "another kvchat"
+    return ConversationBusy(f"conversation {path.name} is open in {who}; close it there first, "
+                            "or start a new conversation")
+
+
+def _repair_tail(fd: int) -> int:
+    """Cut a torn last line (a crash mid-write) back to the last complete record, so the next
+    record starts on a line of its own; a last line that is whole JSON only gets its newline.
+    Returns the bytes cut."""
+    size = os.fstat(fd).st_size
+    pos, tail = size, b""
+    while pos > 0:                               # read back to the last newline
+        step = min(65536, pos)
+        pos -= step
+        tail = os.pread(fd, step, pos) + tail
+        nl = tail.rfind(b"\n")
+        if nl >= 0:
+            pos, tail = pos + nl + 1, tail[nl + 1:]
+            break
+    if not tail:
+        return 0
+    try:
+        json.loads(tail)
+    except ValueError:
+        os.ftruncate(fd, pos)
+        os.fsync(fd)
+        return len(tail)
+    os.write(fd, b"\n")
+    return 0
+
+
+class _LogFile:
+    """One conversation file open for appending: created with mode 0600, never through a
+    symlink, held under an advisory lock (flock) while open, its torn last line repaired."""
+
+    def __init__(self, path: Path) -> None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(fd)
+            raise _busy(path) from None
+        try:
+            self.repaired = _repair_tail(fd)
+        except OSError:
+            os.close(fd)
+            raise
+        self.fd = fd
+
+    def write(self, record: dict[str, Any]) -> None:
+        data = (json.dumps(record, ensure_ascii=False) + "\n").encode("utf-8")
+        start = os.lseek(self.fd, 0, os.SEEK_END)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(self.fd, view):]
+            os.fsync(self.fd)
+        except OSError:
+            os.ftruncate(self.fd, start)   # no half record left behind (disk full mid-write)
+            raise
+
+    def close(self) -> None:
+        os.close(self.fd)   # releases the lock
 
 
 class ConversationLog:
     """Appends one conversation's records; safe to call from the UI and worker threads.
 
     The file is created with the first message: until then the start and settings records
-    wait in memory, so opening kvchat and quitting leaves no empty conversation to resume."""
+    wait in memory, so opening kvchat and quitting leaves no empty conversation to resume.
+
+    A record that cannot be written (read-only or full disk) never raises into the caller:
+    it stays in `unsaved`, `error` holds one line saying why, `on_error` (if set) is called
+    with that line once, and every later write tries the file again, oldest record first.
+    Only a file locked by another process raises (ConversationBusy), when it is opened."""
 
     def __init__(self, path: Path, messages: Messages | None = None) -> None:
         self.path = path
         self.messages: Messages = [dict(m) for m in messages or []]  # what the log says so far
-        self._writer: JsonlWriter | None = JsonlWriter(path) if path.exists() else None
+        self._file: _LogFile | None = None
         self._held: list[dict[str, Any]] = []
+        self.unsaved: list[dict[str, Any]] = []
+        self.error: str | None = None
+        self.on_error = None
         self._lock = threading.Lock()
+        if path.exists():
+            # the file's own view: a restored unanswered message is in it (restore() popped it
+            # for the input), so sending that message again appends nothing twice
+            on_file = restore(path)
+            orphan = [{"role": "user", "content": on_file.unanswered}] if on_file.unanswered else []
+            self.messages = on_file.messages + orphan
+            try:
+                self._file = _LogFile(path)
+            except ConversationBusy:
+                raise
+            except OSError as err:   # read-only now: keep going in memory, as a failed write does
+                self.error = self._failure(err)
 
     def _put(self, record: dict[str, Any]) -> None:
         """Write (the caller holds the lock); start and event records wait for a message."""
-        if self._writer is None:
-            if record["type"] in ("start", "event"):
-                self._held.append(record)
-                return
-            self._writer = JsonlWriter(self.path)
-            for held in self._held:
-                self._writer.write(held)
-            self._held = []
-        self._writer.write(record)
+        if self._file is None and not self.unsaved and record["type"] in ("start", "event"):
+            self._held.append(record)
+            return
+        self.unsaved.extend(self._held + [record])
+        self._held = []
+        try:
+            if self._file is None:
+                self._file = _LogFile(self.path)
+            while self.unsaved:
+                self._file.write(self.unsaved[0])
+                self.unsaved.pop(0)
+        except OSError as err:
+            line = self._failure(err)
+            first = self.error is None
+            self.error = line
+            if first and self.on_error is not None:
+                self.on_error(line)
+            return
+        self.error = None
+
+    def _failure(self, err: OSError) -> str:
+        if isinstance(err, ConversationBusy):
+            return str(err)
+        return (f"cannot write the conversation log {self.path} ({err.strerror or err}); the conversation is "
+                "kept in memory: /save FILE elsewhere to keep it")
 
     @classmethod
     def create(cls, root: Path | None = None, **start: Any) -> ConversationLog:
         folder = conversations_dir(root)
-        folder.mkdir(parents=True, exist_ok=True)
         path = folder / f"{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}.jsonl"
         log = cls(path)
         log.write({"type": "start", "time": time.time(), **start})
@@ -99,6 +230,8 @@ class ConversationLog:
         one, anything else as the whole list."""
         with self._lock:
             n = len(self.messages)
+            if messages == self.messages:
+                return
             if messages[:n] == self.messages:
                 for m in messages[n:]:
                     self._put({"type": "message", "role": m["role"], "content": m["content"]})
@@ -114,8 +247,9 @@ class ConversationLog:
 
     def close(self) -> None:
         with self._lock:
-            if self._writer is not None:
-                self._writer.close()
+            if self._file is not None:
+                self._file.close()
+                self._file = None
 
 
 def last_conversation(root: Path | None = None) -> Path | None:
@@ -124,43 +258,79 @@ def last_conversation(root: Path | None = None) -> Path | None:
     return files[-1] if files else None
 
 
+def _message(m: Any) -> dict[str, str]:
+    if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+            and m["role"] in ("system", "user", "assistant")):
+        raise ValueError("a message needs a role (system, user, assistant) and a string content")
+    return {"role": m["role"], "content": m["content"]}
+
+
+SETTINGS = {  # the settings a log's events restore, each with what a valid value is
+    "cap": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0),
+    "policy": lambda v: v in POLICIES,
+    "mode": lambda v: v in ("cache", "off"),
+}
+
+
 def restore(path: Path) -> Restored:
-    """Replay a conversation log. A torn last line (a crash mid-write) is ignored."""
+    """Replay a conversation log. A damaged record (a torn line after a crash, a hand edit)
+    is skipped and counted in `skipped`; the rest of the conversation is kept."""
     out = Restored(path)
     try:
-        lines = path.read_text(encoding="utf-8").splitlines()
-    except (OSError, UnicodeDecodeError) as err:
-        raise StoreError(f"cannot read saved conversation {path}: {err}") from None
-    for i, line in enumerate(lines):
+        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
+    except OSError as err:
+        raise StoreError(f"cannot read saved conversation {path}: {err.strerror or err}") from None
+    for line in lines:
+        if not line.strip():
+            continue
         try:
             rec = json.loads(line)
-        except ValueError:
-            if i == len(lines) - 1:
-                break
-            raise StoreError(f"{path}: line {i + 1} is not JSON; the file is damaged") from None
-        kind = rec.get("type")
-        if kind == "start":
-            out.messages = [{"role": "system", "content": rec["system"]}] if rec.get("system") else []
-            out.cap, out.policy, out.mode = rec.get("cap"), rec.get("policy", "stop"), rec.get("mode", "cache")
-        elif kind == "message":
-            out.messages.append({"role": rec["role"], "content": rec["content"]})
-        elif kind == "messages":
-            out.messages = [dict(m) for m in rec["messages"]]
-        elif kind == "turn":
-            out.turns.append(TurnRecord.from_dict(rec))
-        elif kind == "event" and rec.get("event") in ("cap", "policy", "mode"):
-            setattr(out, rec["event"], rec.get("value"))
+            kind = rec.get("type")
+            if kind == "start":
+                system = rec.get("system")
+                out.messages = [_message({"role": "system", "content": system})] if system else []
+                for key, default in (("cap", None), ("policy", "stop"), ("mode", "cache")):
+                    value = rec.get(key, default)
+                    setattr(out, key, value if SETTINGS[key](value) else default)
+            elif kind == "message":
+                out.messages.append(_message(rec))
+            elif kind == "messages":
+                out.messages = [_message(m) for m in rec["messages"]]
+            elif kind == "turn":
+                out.turns.append(TurnRecord.from_dict(rec))
+            elif kind == "event" and rec.get("event") in SETTINGS:
+                value = rec.get("value")
+                if not SETTINGS[rec["event"]](value):
+                    raise ValueError(f"bad {rec['event']} {value!r}")
+                setattr(out, rec["event"], value)
+            elif kind != "event":
+                raise ValueError(f"unknown record type {kind!r}")
+        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
+            out.skipped += 1
     if out.messages and out.messages[-1]["role"] == "user":
         out.unanswered = out.messages.pop()["content"]
     return out
 
 
 # ---- export -------------------------------------------------------------------------------------
-def export(base: Path, messages: Messages, turns: list[TurnRecord], model: str) -> tuple[Path, Path]:
-    """Write base.md (the transcript) and base.jsonl (one telemetry record per turn)."""
+def export(base: Path, messages: Messages, turns: list[TurnRecord], model: str,
+           overwrite: bool = False) -> tuple[Path, Path]:
+    """Write base.md (the transcript) and base.jsonl (one telemetry record per turn), mode
+    0600. An existing file is kept unless `overwrite` (/save!); a symlink is never followed;
+    a directory is refused (so `/save /etc` never writes /etc.md). Raises OSError with
+    strerror saying which."""
+    if base.is_dir():
+        raise IsADirectoryError(errno.EISDIR, "is a directory; give a file name, e.g. DIR/chat", str(base))
     if base.suffix in (".md", ".jsonl"):
         base = base.with_suffix("")
     md, jl = base.with_name(base.name + ".md"), base.with_name(base.name + ".jsonl")
+    for f in (md, jl):
+        if f.is_symlink():
+            raise OSError(errno.ELOOP, "is a symbolic link, which kvchat does not write through", str(f))
+        if f.exists() and not overwrite:
+            raise FileExistsError(errno.EEXIST, f"{f} exists; /save! FILE overwrites it", str(f))
+        if f.exists() and not f.is_file():
+            raise OSError(errno.EINVAL, f"{f} is not a regular file", str(f))
     md.parent.mkdir(parents=True, exist_ok=True)
     by_reply = {t.reply: t for t in turns}   # dropped or regenerated turns stay in the telemetry
     parts = [f"# kvchat conversation\n\nmodel: {model} · saved {time.strftime('%Y-%m-%d %H:%M')}\n"]
@@ -171,8 +341,25 @@ def export(base: Path, messages: Messages, turns: list[TurnRecord], model: str) 
             s = by_reply.get(m["content"])
             if s is not None:
                 parts.append(f"*{stats_line(s)}*\n")
-    md.write_text("\n".join(parts), encoding="utf-8")
-    with open(jl, "w", encoding="utf-8") as fh:
-        for s in turns:
-            fh.write(json.dumps(s.to_dict(), ensure_ascii=False) + "\n")
+    _write_private(md, "\n".join(parts), overwrite)
+    _write_private(jl, "".join(json.dumps(s.to_dict(), ensure_ascii=False) + "\n" for s in turns), overwrite)
     return md, jl
+
+
+def _write_private(path: Path, text: str, overwrite: bool) -> None:
+    """Write a regular file readable by its owner only, all or nothing: the text goes to a
+    temporary file beside it first, so a full disk leaves neither a partial file nor, with
+    overwrite, a truncated old one. Without overwrite, os.link refuses an existing name."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")   # mode 0600
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        if overwrite:
+            os.replace(tmp, path)   # replaces a name, never writes through a link
+        else:
+            os.link(tmp, path)      # FileExistsError if the name appeared meanwhile
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)

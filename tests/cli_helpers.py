@@ -1,6 +1,11 @@
 """Helpers shared by the CLI-level tests."""
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 from kvchat.cli import main
 
 
@@ -15,3 +20,16 @@ def fails_with(capsys, argv, *fragments):
     for f in fragments:
         assert f in err, err
     return err
+
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def run_kvchat(args, **kw) -> subprocess.CompletedProcess:
+    """`python -m kvchat ARGS` in a subprocess that imports this checkout's kvchat (not an
+    editable install elsewhere), whatever its working directory."""
+    env = dict(os.environ, **kw.pop("env", {}))
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    kw.setdefault("capture_output", True)
+    kw.setdefault("timeout", 300)
+    return subprocess.run([sys.executable, "-m", "kvchat", *args], env=env, **kw)

@@ -119,7 +119,7 @@ def test_bad_cache_flags(capsys, flag, value, fragment):
 
 
 def test_unreadable_replay_files(capsys, tmp_path):
-    fails_with(capsys, ["replay", str(tmp_path / "missing.json")], "not found")
+    fails_with(capsys, ["replay", str(tmp_path / "missing.json")], "no such file")
     bad = tmp_path / "bad.json"
     bad.write_text("[\"unterminated")
     fails_with(capsys, ["replay", str(bad)], "not valid JSON")

@@ -54,7 +54,7 @@ class HFPeer:
         self.torch, self.device = torch, device
         try:
             if source.path is not None:
-                model = LlamaForCausalLM.from_pretrained(str(source.path), dtype=dtype)
+                model = LlamaForCausalLM.from_pretrained(str(source.path), dtype=dtype, trust_remote_code=False)
             else:
                 with torch.device(device):  # random weights: the geometry only, made on the device
                     model = LlamaForCausalLM._from_config(hf_config(source.geometry), dtype=dtype)

@@ -75,6 +75,7 @@ async def test_resume_shows_the_saved_conversation_and_puts_an_unanswered_messag
         await send(pilot, "remember me")
         crashed = {"role": "user", "content": "lost in a crash"}
         app.view.conversation_log.sync([*app.view.chat.state().messages, crashed])
+    app.view.conversation_log.close()    # what the process's exit does: --resume is always a new process
     restored = restore(last_conversation())
     async with running_app(restored=restored) as (app, pilot):
         assert app.query_one(UserMessage).text == "remember me" and app.query_one(Reply).text
@@ -92,6 +93,14 @@ async def test_resume_shows_the_saved_conversation_and_puts_an_unanswered_messag
     ('{"keys": {"reset": "ctrl+e"}}', "unknown key id 'reset'"),
     ('{"keys": {"reset_cache": "r"}}', "printable character"),
     ('{"theme": 3}', "'theme' must be a theme name"),
+    ('{"keys": {"reset_cache": "ctrl+q"}}', "already 'quit'"),             # would take quit's key
+    ('{"keys": {"reset_cache": "f5"}}', "already 'regenerate'"),
+    ('{"keys": {"reset_cache": "ctrl+frobnicate"}}', "not a key name"),
+    ('{"keys": {"reset_cache": "hyperctrl+e"}}', "not a key name"),
+    ('{"keys": {"reset_cache": "ctrl+"}}', "not a key name"),
+    ('{"keys": {"reset_cache": "enter"}}', "the message input's own key"),
+    ('{"keys": {"reset_cache": "ctrl+c"}}', "the message input's own key"),
+    ('{"keys": {"quit": ["ctrl+q"]}}', "must be a string"),
 ])
 def test_a_bad_settings_file_is_one_line_naming_the_file_and_the_problem(tmp_path, content, problem):
     path = tmp_path / "settings.json"
@@ -113,3 +122,126 @@ async def test_a_session_without_messages_leaves_nothing_to_resume(running_app):
         await pilot.press("f3")                    # a setting alone is not a conversation
         await pilot.press("ctrl+q")
     assert last_conversation() is None
+
+
+# ---- damage, duplicates, locks and file modes (issue 11) -------------------------------------
+def two_turns(tmp_path):
+    log = ConversationLog.create(tmp_path, model="m", system=None, cap=None, policy="stop", mode="cache")
+    log.sync([{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"}])
+    log.turn(TurnRecord.from_dict(SUMMARY))
+    log.close()
+    return log.path
+
+
+def test_a_torn_line_is_cut_on_reopen_so_the_conversation_survives_more_turns(tmp_path):
+    path = two_turns(tmp_path)
+    with open(path, "a") as fh:
+        fh.write('{"type": "message", "role": "user", "cont')            # a crash mid-write
+    r = restore(path)
+    assert r.skipped == 1 and r.messages[-1]["content"] == "hi there"
+    for turn in ("again", "and again"):                                  # resumed twice, a turn each
+        log = ConversationLog(path, r.messages)
+        log.sync(r.messages + [{"role": "user", "content": turn}, {"role": "assistant", "content": "ok"}])
+        log.close()
+        r = restore(path)
+        assert r.skipped == 0
+    assert [m["content"] for m in r.messages] == ["hello", "hi there", "again", "ok", "and again", "ok"]
+    assert all(json.loads(line) for line in path.read_text().splitlines())
+
+
+def test_a_damaged_record_mid_file_is_skipped_and_counted_not_the_whole_conversation(tmp_path):
+    path = two_turns(tmp_path)
+    lines = path.read_text().splitlines()
+    lines[1:1] = ["not json at all", '{"type": "message", "role": "user"}', "[" * 100000 + "]" * 100000,
+                  '{"type": "event", "event": "cap", "value": "lots"}']
+    path.write_text("\n".join(lines) + "\n")
+    r = restore(path)
+    assert r.skipped == 4 and r.cap is None
+    assert r.messages == [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"}]
+
+
+def test_a_restored_unanswered_message_sent_again_is_stored_once(tmp_path):
+    path = two_turns(tmp_path)
+    log = ConversationLog(path)
+    log.sync(restore(path).messages + [{"role": "user", "content": "lost in a crash"}])
+    log.close()
+    r = restore(path)
+    assert r.unanswered == "lost in a crash"
+    log = ConversationLog(path, r.messages)
+    log.sync(r.messages + [{"role": "user", "content": r.unanswered}, {"role": "assistant", "content": "here"}])
+    log.close()
+    r = restore(path)
+    assert [m["content"] for m in r.messages].count("lost in a crash") == 1
+    assert r.messages[-2:] == [{"role": "user", "content": "lost in a crash"}, {"role": "assistant", "content": "here"}]
+
+
+def test_logs_and_exports_are_private_to_their_owner(tmp_path):
+    path = two_turns(tmp_path)
+    md, jl = export(tmp_path / "chat", [{"role": "user", "content": "hello"}],
+                    [TurnRecord.from_dict(SUMMARY)], "m")
+    assert [f.stat().st_mode & 0o777 for f in (path, md, jl)] == [0o600, 0o600, 0o600]
+
+
+def test_export_never_overwrites_without_asking_follows_no_symlink_and_refuses_a_directory(tmp_path):
+    msgs = [{"role": "user", "content": "hello"}]
+    (tmp_path / "old.md").write_text("precious")
+    with pytest.raises(FileExistsError, match="/save!"):
+        export(tmp_path / "old", msgs, [], "m")
+    assert (tmp_path / "old.md").read_text() == "precious" and not (tmp_path / "old.jsonl").exists()
+    export(tmp_path / "old", msgs, [], "m", overwrite=True)
+    assert "hello" in (tmp_path / "old.md").read_text()
+    target = tmp_path / "target"
+    target.write_text("not yours")
+    (tmp_path / "link.md").symlink_to(target)
+    for overwrite in (False, True):
+        with pytest.raises(OSError, match="symbolic link"):
+            export(tmp_path / "link", msgs, [], "m", overwrite=overwrite)
+    assert target.read_text() == "not yours"
+    (tmp_path / "etc").mkdir()
+    with pytest.raises(IsADirectoryError):
+        export(tmp_path / "etc", msgs, [], "m")
+    assert not (tmp_path / "etc.md").exists()
+
+
+def test_a_log_that_cannot_be_written_keeps_every_record_and_says_so_once(tmp_path):
+    blocker = tmp_path / "data"
+    blocker.write_text("a file where the data directory should be")     # every write fails, even as root
+    said = []
+    log = ConversationLog.create(blocker, model="m", system=None, cap=None, policy="stop", mode="cache")
+    log.on_error = said.append
+    log.sync([{"role": "user", "content": "hello"}])
+    log.sync([{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}])
+    assert len(said) == 1 and "kept in memory" in said[0] and "\n" not in said[0]
+    assert [r["type"] for r in log.unsaved] == ["start", "message", "message"]
+    blocker.unlink()                                                     # the disk comes back
+    log.turn(TurnRecord.from_dict(SUMMARY))
+    assert log.unsaved == [] and log.error is None
+    assert restore(log.path).messages[-1] == {"role": "assistant", "content": "hi"}
+
+
+def test_saving_the_theme_keeps_key_bindings_edited_in_the_file_meanwhile(tmp_path):
+    path = tmp_path / "settings.json"
+    running = settings_mod.load(path)                                        # the app starts
+    path.write_text(json.dumps({"keys": {"reset_cache": "ctrl+e"}}))         # the user edits the file
+    running.theme = "light"
+    settings_mod.save(running, path)                                         # the app remembers a theme
+    assert settings_mod.load(path) == Settings(theme="light", keys={"reset_cache": "ctrl+e"})
+    path.write_text("{half an edit")
+    with pytest.raises(OSError, match="not valid now"):
+        settings_mod.save(running, path)
+    assert path.read_text() == "{half an edit"
+
+
+def test_two_processes_saving_at_once_never_leave_a_broken_file_or_a_temp_file(tmp_path):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+    path = tmp_path / "settings.json"
+    script = ("import sys\nfrom pathlib import Path\nfrom kvchat import settings as s\n"
+              "for i in range(60):\n    s.save(s.Settings(theme=sys.argv[1]), Path(sys.argv[2]))\n")
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    procs = [subprocess.Popen([sys.executable, "-c", script, theme, str(path)], env=env) for theme in ("dark", "light")]
+    assert [p.wait(timeout=120) for p in procs] == [0, 0]
+    assert settings_mod.load(path).theme in ("dark", "light")
+    assert [f.name for f in tmp_path.iterdir()] == ["settings.json"]
