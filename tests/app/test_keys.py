@@ -101,7 +101,7 @@ async def test_f1_shows_every_key_and_command_and_escape_closes_it(running_app):
         await wait_until(pilot, lambda: isinstance(app.screen, HelpScreen), what="help")
         await pilot.pause()
         text = screen_text(app)
-        for word in ("ctrl+r", "reset_cache", "/cap N", "/policy", "/load FILE", "ctrl+j", "ctrl+pagedown",
+        for word in ("ctrl+r", "reset_cache", "/cap N", "/policy", "/load FILE", "ctrl+j", "alt+right",
                      "close_conversation"):
             assert word in text
         await pilot.press("escape")
