@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 from textual.binding import Binding
 from textual.screen import Screen
@@ -17,6 +17,9 @@ from .jobs import JobQueue
 from .settings import Settings
 from .theming import ThemeFile
 
+if TYPE_CHECKING:
+    from .generation import Generation
+
 
 @runtime_checkable
 class Host(Protocol):
@@ -28,6 +31,7 @@ class Host(Protocol):
     themes: dict[str, ThemeFile]
     theme_name: str
     panels_forced: bool
+    generation: Generation                      # the system prompt and sampling (/system, /temperature...)
 
     @property
     def view(self) -> ChatView | None: ...      # the conversation in focus

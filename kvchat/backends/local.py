@@ -93,7 +93,10 @@ class LocalBackend:
         return self.engine.snapshot(chat.conv if chat is not None else None)
 
     def count_tokens(self, text: str) -> int | None:
-        return len(self.engine.tokenizer.encode(text, add_special_tokens=False))
+        try:
+            return len(self.engine.tokenizer.encode(text, add_special_tokens=False))
+        except RuntimeError:    # a fast tokenizer borrowed by the turn's thread ("Already borrowed"):
+            return None         # unknown this time; the draft counts again on the next keystroke
 
     def set_kv_dtype(self, kv_dtype: str) -> str:
         self.engine.set_kv_dtype(kv_dtype)
