@@ -39,6 +39,7 @@ from .controls import Controls
 from .conversations import Conversations
 from .draft import DraftCounter
 from .generation import Generation
+from .generation import describe as describe_sampling
 from .jobs import Busy, Job, JobQueue, Op, OpEnded, one_line, run_op, run_turn
 from .palette import KvchatCommands
 from .records import plural
@@ -200,7 +201,7 @@ class KvChatApp(App[int], inherit_bindings=False):
         chat = f"chat {self.view.number} of {len(self.views)} · " if len(self.views) > 1 else ""
         self.part(StatusBar).info = (
             f"{chat}{info.model} · {info.device} · {info.dtype} · KV {info.kv_dtype} · "
-            f"cache {'on' if s.mode == 'cache' else 'off'} · {cap} · {s.policy}")
+            f"cache {'on' if s.mode == 'cache' else 'off'} · {cap} · {s.policy} · {describe_sampling(self.options.sampling)}")
         self.part(StatusBar).warning = RANDOM_WEIGHTS_SHORT if info.random_weights else ""
 
     def status_note(self, text: str) -> None:

@@ -62,4 +62,5 @@ class Generation:
         note = f"sampling: {describe(self.sampling)}"
         if self.sampling.temperature == 0 and ("top_p" in changes or "seed" in changes):
             note += " (top-p and seed apply once /temperature is above 0)"
+        self.app.update_status()
         self.app.status_note(note + "; F5 regenerates with it")

@@ -72,3 +72,11 @@ async def test_bad_sampling_values_are_refused_with_what_is_accepted(running_app
         await command(pilot, "/temperature hot")
         assert "/temperature needs a number" in notices(app)[-1]
         assert app.options.sampling.temperature == 0 and app.options.sampling.top_p == 1.0
+
+
+async def test_the_status_line_shows_the_sampling_in_force(running_app):
+    from kvchat.widgets import StatusBar
+    async with running_app() as (app, pilot):
+        assert app.query_one(StatusBar).info.endswith("· greedy")
+        await command(pilot, "/temperature 0.7")
+        assert app.query_one(StatusBar).info.endswith("· temperature 0.7 · unseeded")
