@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from textual.binding import Binding
 from textual.screen import Screen
@@ -17,9 +17,6 @@ from .jobs import JobQueue
 from .settings import Settings
 from .theming import ThemeFile
 
-if TYPE_CHECKING:
-    from .generation import Generation
-
 
 @runtime_checkable
 class Host(Protocol):
@@ -31,7 +28,7 @@ class Host(Protocol):
     themes: dict[str, ThemeFile]
     theme_name: str
     panels_forced: bool
-    generation: Generation                      # the system prompt and sampling (/system, /temperature...)
+    generation: Any                             # a generation.Generation (which imports this module)
 
     @property
     def view(self) -> ChatView | None: ...      # the conversation in focus
