@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
+from textual import events
 from textual.app import App, ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.message import Message
@@ -37,15 +38,22 @@ from .chat_view import ChatOptions, ChatView, RunningTurn, TurnEnded, TurnProgre
 from .commands import CommandError, message_text, parse
 from .controls import Controls
 from .conversations import Conversations
+from .draft import DraftCounter
 from .editing import Editor
+from .generation import Generation
+from .generation import describe as describe_sampling
 from .jobs import Busy, Job, JobQueue, Op, OpEnded, one_line, run_op, run_turn
+from .palette import KvchatCommands
 from .records import plural
 from .settings import Settings
 from .store import Restored
 from .turn import Governor
 from .widgets import BlockMap, CachePanel, CapGauge, ChatInput, ConversationBar, LatencyPanel, StatusBar
 
-NARROW = 90   # below this many columns the panels hide themselves (ctrl+b shows them)
+NARROW = 90   # below this many columns the panels hide themselves (F6 shows them)
+RANDOM_WEIGHTS = ("random weights (--random-weights): the text is gibberish by design; the cache, its blocks "
+                  "and the latency are real")
+RANDOM_WEIGHTS_SHORT = "random weights: gibberish by design"
 
 
 @dataclass(slots=True)
@@ -75,7 +83,8 @@ class KvChatApp(App[int], inherit_bindings=False):
     """App's own ctrl+q / ctrl+c bindings are replaced by keys.KEYS (not inherited)."""
 
     TITLE = "kvchat"
-    ENABLE_COMMAND_PALETTE = False
+    ENABLE_COMMAND_PALETTE = False     # its built-in ctrl+p binding: keys.KEYS has a rebindable one instead
+    COMMANDS = {KvchatCommands}
     BINDINGS = keys.bindings()
 
     def __init__(self, backend_factory: Callable[[], Backend], options: AppOptions,
@@ -103,6 +112,10 @@ class KvChatApp(App[int], inherit_bindings=False):
         self.exiting = False
         self.failure: str | None = None         # one line for stderr after exit
         self._load_started = time.perf_counter()
+        self.use_command_palette = True         # opened by keys.KEYS' "palette" key
+        self.generation = Generation(self, options.sampling)
+        self.draft = DraftCounter(self)
+        self.notes: list[str] = []              # status-line notes (cap, policy, theme...), oldest first
 
     # ---- layout -------------------------------------------------------------------------------
     def compose(self) -> ComposeResult:
@@ -127,6 +140,7 @@ class KvChatApp(App[int], inherit_bindings=False):
         self.transcript.mount(ProgressBar(total=None, show_eta=False, show_percentage=False, id="loading"))
         self._load_timer = self.set_interval(0.1, self._loading_tick)
         self.part(ChatInput).focus()
+        self.part("#panels").FOCUS_ON_CLICK = False       # a click on a panel leaves the keyboard with the input
         self.run_worker(self._load, thread=True, group="load", exit_on_error=False)
 
     def on_resize(self, event) -> None:
@@ -193,7 +207,14 @@ class KvChatApp(App[int], inherit_bindings=False):
         chat = f"chat {self.view.number} of {len(self.views)} · " if len(self.views) > 1 else ""
         self.part(StatusBar).info = (
             f"{chat}{info.model} · {info.device} · {info.dtype} · KV {info.kv_dtype} · "
-            f"cache {'on' if s.mode == 'cache' else 'off'} · {cap} · {s.policy}")
+            f"cache {'on' if s.mode == 'cache' else 'off'} · {cap} · {s.policy} · {describe_sampling(self.options.sampling)}")
+        self.part(StatusBar).warning = RANDOM_WEIGHTS_SHORT if info.random_weights else ""
+
+    def status_note(self, text: str) -> None:
+        """A setting's change (cap, policy, theme, sampling, a copy): the status line says it
+        and `notes` keeps it; the transcript keeps the conversation."""
+        self.part(StatusBar).note = text
+        self.notes.append(text)
 
     def notice(self, text: str, error: bool = False) -> None:
         """A line in the focused conversation's transcript."""
@@ -268,6 +289,8 @@ class KvChatApp(App[int], inherit_bindings=False):
             await self.browser.resumed(view, restored, history=False)
         info, caps = self.backend.info(), self.backend.capabilities
         view.add_notice(f"{info.model} loaded in {msg.seconds:.0f} s; F1 shows the keys")
+        if info.random_weights:
+            view.add_notice(RANDOM_WEIGHTS, error=False).add_class("warning")
         self.part(LatencyPanel).attach(view.latency)
         self.part(CachePanel).geometry = info.geometry
         self.part(BlockMap).unavailable(None if caps.block_map != "none" else caps.why_not(BLOCK_MAP) or
@@ -430,5 +453,24 @@ class KvChatApp(App[int], inherit_bindings=False):
     def action_switch_conversation(self, number: int) -> None:
         """A click on the conversation bar."""
         self.conversations.switch(number)
+
+    # ---- typing goes to the input -----------------------------------------------------------------
+    def on_key(self, event: events.Key) -> None:
+        """A character typed while another widget has focus (the transcript, a panel, a code
+        block: none of them takes characters) goes to the input, which takes focus back;
+        Tab still moves focus, and the focused widget keeps its own keys (arrows, pages)."""
+        if not event.is_printable or not event.character or len(self.screen_stack) > 1:
+            return
+        field = self.part(ChatInput)
+        if self.focused is field:
+            return
+        event.stop()
+        field.focus()
+        field.insert(event.character)
+
+    def on_text_area_changed(self, event) -> None:
+        """The draft changed: its token count beside the input, throttled."""
+        if isinstance(event.text_area, ChatInput):
+            self.draft.changed()
 
 

@@ -127,6 +127,12 @@ class ChatView(Transcript):
             self.latency.add_turn(record)
         self.refresh_state()
 
+    def on_unmount(self) -> None:
+        """Closed or the app ends: release the log's file and its lock, as a process exit would
+        (the same process may open the conversation again: the browser, a test)."""
+        if self.conversation_log is not None:
+            self.conversation_log.close()
+
     def refresh_state(self) -> ChatState:
         """Read the backend's view of this conversation again (cheap, lock-free)."""
         self.state = self.chat.state()

@@ -136,6 +136,40 @@ def _save_path(name: str, text: str) -> Path:
     return Path(text).expanduser()
 
 
+def _float(name: str, low: float, high: float | None, low_open: bool, what: str):
+    def parse(args, _themes) -> float:
+        text = _one(name, f"/{name} X ({what})", args)
+        try:
+            value = float(text)
+        except ValueError:
+            raise CommandError(f"/{name} needs a number ({what}), got {text!r}") from None
+        if value < low or (low_open and value == low) or (high is not None and value > high):
+            raise CommandError(f"/{name} must be {what}, got {value:g}")
+        return value
+    return parse
+
+
+def _seed(args, _themes) -> int | None:
+    text = _one("seed", "/seed N | off", args)
+    if text.lower() in ("off", "none", "random"):
+        return None
+    try:
+        value = int(text)
+    except ValueError:
+        raise CommandError(f"/seed needs a whole number or 'off', got {text!r}") from None
+    if value < 0:
+        raise CommandError(f"/seed must be 0 or more, got {value}")
+    return value
+
+
+def _system(text: str) -> str:
+    """The raw rest of the line (quotes and apostrophes kept); empty removes the prompt."""
+    return text.strip()
+
+
+RAW = {"system": _system}     # commands whose argument is the rest of the line, unsplit
+
+
 COMMANDS: dict[str, Spec] = {s.name: s for s in (
     Spec("help", "/help", "show keys and commands", _no_arg("help")),
     Spec("reset", "/reset", "free this conversation's cache; the next turn prefills everything", _no_arg("reset")),
@@ -160,6 +194,18 @@ COMMANDS: dict[str, Spec] = {s.name: s for s in (
     Spec("edit", "/edit [N] | off", "edit your message N (default the last) and resend it; later ones are dropped",
          _edit),
     Spec("quit", "/quit", "quit", _no_arg("quit")),
+    Spec("system", "/system TEXT", "set this conversation's system prompt (empty: none); shows the tokens it "
+         "adds; it changes the shared prefix, so the next turn prefills from the start"),
+    Spec("temperature", "/temperature X", "sampling temperature for the next replies and F5 (0: greedy)",
+         _float("temperature", 0.0, None, False, "0 (greedy) or more")),
+    Spec("top-p", "/top-p X", "nucleus sampling: keep the likeliest tokens up to probability X (1: off)",
+         _float("top-p", 0.0, 1.0, True, "in (0, 1]")),
+    Spec("seed", "/seed N | off", "seed the sampler, so a sampled reply repeats (off: a new sample each time)",
+         _seed),
+    Spec("model", "/model", "the model: geometry, dtypes, weights, bytes per token, pool, cost at full context",
+         _no_arg("model")),
+    Spec("copy", "/copy [code]", "copy the last reply (or its last code block) to the clipboard",
+         lambda args, themes: _choice("copy", ("reply", "code"))(args, themes) if args else "reply"),
 )}
 
 
@@ -168,6 +214,9 @@ def parse(text: str, themes: Sequence[str] = ()) -> Command | None:
     stripped = text.strip()
     if not stripped.startswith("/") or stripped.startswith("//"):
         return None
+    head, _, rest = stripped[1:].partition(" ")
+    if head.lower() in RAW:
+        return Command(head.lower(), RAW[head.lower()](rest))
     try:
         words = shlex.split(stripped[1:])
     except ValueError as err:

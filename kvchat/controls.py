@@ -17,6 +17,7 @@ from kvchat.engine.errors import KvchatError
 from kvchat.engine.policy import POLICIES
 
 from . import settings as settings_mod
+from .clipboard import copy_last
 from .backends.protocol import CACHE_TOGGLE, KV_DTYPE, REGENERATE, RESET, SINK_WINDOW
 from .commands import Command, CommandError, read_message_file
 from .conversations import Conversations
@@ -24,6 +25,7 @@ from .host import Host
 from .jobs import Busy
 from .store import export
 from .widgets import HelpScreen, PolicyPicker
+from .widgets.model_info import ModelInfoScreen
 
 MIN_CAP = 64
 NO_LIMIT = 1 << 20      # the top cap step when the backend does not know the model's context
@@ -85,7 +87,7 @@ class Controls:
         if cap and held > cap:
             then = "is refused" if view.policy == "stop" else f"makes room by {view.policy}"
             note += f"; {held - cap:,} tokens over, so the next turn {then}"
-        app.notice(note)
+        app.status_note(note)
 
     def choose_policy(self) -> None:
         def chosen(name: str | None) -> None:
@@ -119,7 +121,7 @@ class Controls:
         view.refresh_state()
         app.update_gauge()
         app.update_status()
-        app.notice(note)
+        app.status_note(note)
 
     def set_mode(self, mode: str) -> None:
         if not self.can(CACHE_TOGGLE):
@@ -216,7 +218,11 @@ class Controls:
             app.notice(f"theme {name} (not remembered: cannot write {app.settings_path}: {err.strerror})",
                        error=True)
             return
-        app.notice(f"theme {name}")
+        app.status_note(f"theme {name}")
+
+    def model_info(self) -> None:
+        app = self.app
+        app.push_screen(ModelInfoScreen(app.backend.info(), app.view.snapshot if app.view else None))
 
     def save_to(self, path: Path | None, overwrite: bool = False) -> None:
         """/save [FILE], /save! FILE (overwrite), ctrl+s: the transcript and telemetry."""
@@ -255,6 +261,8 @@ class Controls:
             "previous_conversation": lambda: self.conversations.step(-1),
             "close_conversation": lambda: self.conversations.close(None),
             "chat_browser": lambda: app.browser.show(), "edit_last": lambda: app.editor.start(None),
+            "palette": lambda: app.action_command_palette(),
+            "copy_reply": lambda: copy_last(app, "reply"), "copy_code": lambda: copy_last(app, "code"),
         }
 
     def key(self, name: str) -> None:
@@ -273,6 +281,10 @@ class Controls:
             "regen": self.regenerate, "quit": app.quit_when_idle,
             "chats": lambda: app.browser.show(),
             "edit": lambda: app.editor.cancel() if arg == "off" else app.editor.start(arg),
+            "system": lambda: app.generation.set_system(arg),
+            "temperature": lambda: app.generation.set(temperature=arg),
+            "top-p": lambda: app.generation.set(top_p=arg), "seed": lambda: app.generation.set(seed=arg),
+            "model": self.model_info, "copy": lambda: copy_last(app, arg),
         }
         if cmd.name not in handlers:   # a command in COMMANDS without a handler here is a bug
             raise KvchatError(f"/{cmd.name} has no handler")

@@ -119,6 +119,9 @@ class Conversations:
         app.run_op("read the cache", lambda: None, interrupt=False)
         app.notice(f"conversation {view.number}: new, in the same pool as {len(self.views) - 1} "
                    "other(s), which stay open; their blocks show as other chats in the block map")
+        s = view.state
+        app.status_note(f"conversation {view.number} inherits {f'cap {s.cap:,}' if s.cap else 'no cap'} and policy "
+                        f"{s.policy}{' and the system prompt' if s.system else ''} from the one it was opened from")
 
     def step(self, delta: int) -> None:
         if len(self.views) < 2:

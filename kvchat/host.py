@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Protocol, runtime_checkable
+from typing import Any, Protocol, runtime_checkable
 
 from textual.binding import Binding
 from textual.screen import Screen
@@ -41,6 +41,7 @@ class Host(Protocol):
     panels_forced: bool
     browser: BrowserPart                        # saved conversations (browser.py)
     editor: EditorPart                          # edit and resend (editing.py)
+    generation: Any                             # a generation.Generation (which imports this module)
 
     @property
     def view(self) -> ChatView | None: ...      # the conversation in focus
@@ -51,6 +52,9 @@ class Host(Protocol):
     # the screen
     def part(self, selector): ...
     def notice(self, text: str, error: bool = False) -> None: ...
+    def status_note(self, text: str) -> None: ...
+    def copy_to_clipboard(self, text: str) -> None: ...
+    def action_command_palette(self) -> None: ...
     def status(self, state: str) -> None: ...
     def update_status(self) -> None: ...
     def update_gauge(self) -> None: ...

@@ -1,7 +1,11 @@
 """The app's keys: one table of id, default keys, action, footer label and help text.
 
 The ids are what the user's config file rebinds (`"keys": {"reset_cache": "ctrl+e"}`).
-No default is a printable character, because the message input has focus and would take it.
+No default is a printable character, because the message input has focus and would take it,
+and none is a key terminals or multiplexers keep for themselves: ctrl+b is tmux's prefix,
+ctrl+a screen's, and ctrl+pageup/pagedown switch tabs in common emulators, so panels are F6
+and conversations alt+left / alt+right (tests/app/test_tmux.py sends every default through
+tmux with its prefix on ctrl+b).
 """
 from __future__ import annotations
 
@@ -30,24 +34,29 @@ KEYS: tuple[Key, ...] = (
     Key("stop", "escape", "stop", "stop", "stop generating; the reply keeps what was generated"),
     Key("new_conversation", "ctrl+n", "new_conversation", "new",
         "open another conversation in the same pool; the others stay open (like a server's users)"),
-    Key("previous_conversation", "ctrl+pageup", "previous_conversation", "‹chat",
+    Key("previous_conversation", "alt+left", "previous_conversation", "‹chat",
         "show the previous conversation (or click one in the bar above the chat)", footer=False),
-    Key("next_conversation", "ctrl+pagedown", "next_conversation", "chat›", "show the next conversation",
+    Key("next_conversation", "alt+right", "next_conversation", "chat›", "show the next conversation",
         footer=False),
     Key("close_conversation", "f9", "close_conversation", "close",
-        "close this conversation: it stays saved, its full blocks stay cached for reuse", footer=False),
+        "close this conversation: it stays saved, its full blocks stay cached for reuse"),
     Key("chat_browser", "ctrl+o", "chat_browser", "chats",
         "browse saved conversations: open one again, rename, delete, search", footer=False),
-    Key("edit_last", "f6", "edit_last", "edit", "edit your last message and resend it (/edit N for another)",
+    Key("edit_last", "alt+e", "edit_last", "edit", "edit your last message and resend it (/edit N for another)",
         footer=False),
     Key("regenerate", "f5", "regenerate", "regen", "drop the last reply and generate it again"),
-    Key("cache_mode", "f7", "cache_mode", "cache on/off",
-        "switch the KV cache off (recompute everything each token) or back on", footer=False),
-    Key("kv_dtype", "f8", "kv_dtype", "kv dtype", "rebuild the pool in the next KV dtype (fp32, bf16, fp16, fp8)",
-        footer=False),
-    Key("toggle_panels", "ctrl+b", "toggle_panels", "panels", "hide or show the telemetry panels"),
+    Key("cache_mode", "f7", "cache_mode", "cache",
+        "switch the KV cache off (recompute everything each token) or back on"),
+    Key("kv_dtype", "f8", "kv_dtype", "kv", "rebuild the pool in the next KV dtype (fp32, bf16, fp16, fp8)"),
+    Key("toggle_panels", "f6", "toggle_panels", "panels", "hide or show the telemetry panels"),
     Key("save", "ctrl+s", "save", "save", "write the transcript (Markdown) and telemetry (JSON Lines) here"),
     Key("theme", "ctrl+t", "theme", "theme", "switch to the next theme (remembered)"),
+    Key("palette", "ctrl+p", "palette", "palette", "search every key and command by name, and run one",
+        footer=False),
+    Key("copy_reply", "ctrl+y", "copy_reply", "copy", "copy the last reply to the clipboard (the terminal's, OSC 52)",
+        footer=False),
+    Key("copy_code", "ctrl+g", "copy_code", "copy code", "copy the last reply's last code block to the clipboard",
+        footer=False),
     Key("quit", "ctrl+q", "quit", "quit", "finish the reply in progress, save, and quit"),
 )
 KEY_IDS = tuple(k.id for k in KEYS)

@@ -110,3 +110,17 @@ def test_help_and_info_do_not_import_torch():
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == ["False", "False"]
+
+
+def test_every_backend_implements_the_whole_protocol():
+    """A method added to Backend or Chat must be added to every implementation (the vLLM one
+    is only exercised against a live server, so this catches a gap without one)."""
+    from kvchat.backends import local, protocol, vllm
+    for proto, classes in ((protocol.Backend, (local.LocalBackend, vllm.VllmBackend)),
+                           (protocol.Chat, (local.LocalChat, vllm.VllmChat))):
+        members = {n for n in proto.__protocol_attrs__} if hasattr(proto, "__protocol_attrs__") else {
+            n for n in vars(proto) if not n.startswith("_")}
+        for cls in classes:
+            missing = sorted(n for n in members if not n.startswith("_") and not hasattr(cls, n)
+                             and n not in getattr(cls, "__annotations__", {}) and n != "capabilities")
+            assert not missing, f"{cls.__name__} lacks {missing}"

@@ -54,6 +54,15 @@ class LocalChat:
     def set_mode(self, mode: str) -> None:
         self.conv.set_mode(mode)
 
+    def set_system(self, text: str | None) -> None:
+        conv = self.conv
+        with conv.engine.lock:
+            if conv.messages and conv.messages[0]["role"] == "system":
+                del conv.messages[0]
+            if text:
+                conv.messages.insert(0, {"role": "system", "content": text})
+            conv.drop_cache(keep_index=True)   # the old prefix stays cached for the chats that share it
+
 
 class LocalBackend:
     """One Engine: one model, one KV pool shared by every conversation."""
@@ -72,7 +81,8 @@ class LocalBackend:
         e = self.engine
         return BackendInfo(kind="local", model=e.source.name, device=str(e.device), dtype=e.dtype_name,
                            kv_dtype=e.kv_dtype, bytes_per_token=e.bytes_per_token, geometry=e.geometry,
-                           max_position=e.geometry.max_position, random_weights=e.source.random_weights)
+                           max_position=e.geometry.max_position, random_weights=e.source.random_weights,
+                           weights=str(e.source.path) if e.source.path is not None else None)
 
     def open(self, system: str | None = None, cap: int | None = None, policy: str = "stop",
              mode: str = "cache") -> LocalChat:
@@ -91,6 +101,12 @@ class LocalBackend:
 
     def snapshot(self, chat: LocalChat | None = None):
         return self.engine.snapshot(chat.conv if chat is not None else None)
+
+    def count_tokens(self, text: str) -> int | None:
+        try:
+            return len(self.engine.tokenizer.encode(text, add_special_tokens=False))
+        except RuntimeError:    # a fast tokenizer borrowed by the turn's thread ("Already borrowed"):
+            return None         # unknown this time; the draft counts again on the next keystroke
 
     def set_kv_dtype(self, kv_dtype: str) -> str:
         self.engine.set_kv_dtype(kv_dtype)

@@ -57,7 +57,8 @@ class BackendInfo:
     bytes_per_token: int | None       # 2 x L x H_kv x d_h x element bytes (+ fp8 scales); None: unknown
     geometry: Geometry | None         # None: unknown geometry (a server's model we cannot match)
     max_position: int | None          # the model's own context limit
-    random_weights: bool = False
+    random_weights: bool = False      # the text is gibberish by design; the cache figures are real
+    weights: str | None = None        # where the weights were read from, when known
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +114,10 @@ class Chat(Protocol):
     def set_mode(self, mode: str) -> None:
         """"cache" or "off" (recompute the whole sequence every step)."""
 
+    def set_system(self, text: str | None) -> None:
+        """Replace the system prompt (None or "": none). It is the start of the prompt, so the
+        cached prefix no longer matches: the next turn prefills the whole history."""
+
 
 @runtime_checkable
 class Backend(Protocol):
@@ -129,6 +134,10 @@ class Backend(Protocol):
 
     def snapshot(self, chat: Chat | None = None) -> CacheSnapshot:
         """The cache now, with `chat`'s blocks marked (the panels draw this)."""
+
+    def count_tokens(self, text: str) -> int | None:
+        """Tokens `text` encodes to (no chat template); None where the backend cannot tell
+        cheaply. Cheap and lock-free: the UI thread calls it as the user types."""
 
     def set_kv_dtype(self, kv_dtype: str) -> str:
         """Rebuild the cache in another storage dtype (every conversation recomputes its

@@ -125,6 +125,14 @@ class VllmChat:
         self.messages = [dict(m) for m in messages]
         self.token_ids, self.reused_tokens = (), 0
 
+    def set_system(self, text: str | None) -> None:
+        """The server renders the chat itself; its prefix cache simply misses from the first
+        changed block on."""
+        if self.messages and self.messages[0]["role"] == "system":
+            del self.messages[0]
+        if text:
+            self.messages.insert(0, {"role": "system", "content": text})
+
     def truncate(self, n_messages: int) -> None:
         """Keep the first n messages (an edited one is resent); the server's prefix cache
         reuses whatever still matches."""
@@ -332,6 +340,11 @@ class VllmBackend:
         if self.geometry is None or self.kv_dtype not in DTYPE_BYTES:
             return None
         return self.geometry.kv_bytes_per_token(self.kv_dtype)
+
+    def count_tokens(self, text: str) -> int | None:
+        """Unknown: counting needs the server's /tokenize, a network call the UI thread must not
+        wait on while the user types."""
+        return None
 
     def info(self) -> BackendInfo:
         return BackendInfo(kind="vllm", model=self.model.name, device=self.api.url,

@@ -113,9 +113,15 @@ class Notice(Static):
 
 
 class Transcript(VerticalScroll):
-    """The conversation, kept scrolled to the newest line unless the user scrolls up."""
+    """The conversation, kept scrolled to the newest line unless the user scrolls up. A click
+    (to select text) leaves the keyboard with the input; Tab focuses it to scroll by keys,
+    and a bar on its left shows it has focus."""
 
-    DEFAULT_CSS = "Transcript { height: 1fr; }"
+    DEFAULT_CSS = """
+    Transcript { height: 1fr; }
+    Transcript:focus { outline-left: thick $accent; }
+    """
+    FOCUS_ON_CLICK = False
 
     def on_mount(self) -> None:
         self.anchor()

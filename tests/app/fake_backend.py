@@ -24,9 +24,10 @@ vLLM server lacks, and refuses the calls it cannot serve, as a server would.
 """
 from __future__ import annotations
 
+import random
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from kvchat.backends.protocol import (BLOCK_MAP, CACHE_TOGGLE, KV_DTYPE, RESET, SINK_WINDOW, BackendInfo,
                                       Capabilities, ChatState, Event, Message)
@@ -66,6 +67,8 @@ class FakeConfig:
     capabilities: Capabilities = LOCAL_LIKE
     knows_geometry: bool = True     # False: like a server's model that matches no known geometry
     model: str = "fake-smollm2"     # the name info() reports (a conversation's log records it)
+    counts_tokens: bool = True      # False: count_tokens says None, like a backend without a tokenizer
+    random_weights: bool = True
 
 
 class FakeChat:
@@ -117,6 +120,14 @@ class FakeChat:
             if mode == "off":
                 self._drop()
             self.mode = mode
+
+    def set_system(self, text: str | None) -> None:
+        """The prompt's start changes, so nothing cached matches any more."""
+        with self.backend.lock:
+            self._drop()
+            self.messages = [m for m in self.messages if m["role"] != "system"]
+            if text:
+                self.messages.insert(0, {"role": "system", "content": text})
 
     def reset_cache(self) -> int:
         self.backend.refuse(RESET)
@@ -217,8 +228,11 @@ class FakeChat:
             evicted0 = self.evicted_tokens
             prefill = self._prefill(dropped)
             yield prefill
-            words = b.cfg.replies[b.replies_sent % len(b.cfg.replies)].split()
+            words = b.cfg.replies[b.replies_sent % len(b.cfg.replies)].split(" ")   # newlines stay inside words
             b.replies_sent += 1
+            b.sampling_seen.append(replace(sp))
+            if sp.temperature > 0:    # "sampling": the same words in a seeded order (greedy keeps the script)
+                random.Random(sp.seed).shuffle(words)
             out: list[str] = []
             stop = "max_tokens" if len(words) > sp.max_tokens else "eos"
             try:
@@ -267,6 +281,7 @@ class FakeBackend:
         self.preemptions = 0
         self.fail_next: Exception | None = None       # raised by the next turn before its first token, once
         self.fail_mid_turn: Exception | None = None   # raised by the next turn after its first token, once
+        self.sampling_seen: list[SamplingParams] = []  # each turn's sampling parameters, in order
 
     def refuse(self, capability: str) -> None:
         """What a backend without `capability` does when asked anyway."""
@@ -282,7 +297,8 @@ class FakeBackend:
         known = self.cfg.knows_geometry
         return BackendInfo(kind="fake", model=self.cfg.model, device="cpu", dtype="fp32", kv_dtype=self.kv_dtype,
                            bytes_per_token=self.bytes_per_token, geometry=self.geometry if known else None,
-                           max_position=self.geometry.max_position if known else None, random_weights=True)
+                           max_position=self.geometry.max_position if known else None,
+                           random_weights=self.cfg.random_weights, weights=None)
 
     def open(self, system: str | None = None, cap: int | None = None, policy: str = "stop",
              mode: str = "cache") -> FakeChat:
@@ -296,6 +312,10 @@ class FakeBackend:
         with self.lock:
             chat._drop()
             self.chats.remove(chat)
+
+    def count_tokens(self, text: str) -> int | None:
+        """One word is one token, as in the replies; None when configured not to know."""
+        return len(text.split()) if self.cfg.counts_tokens else None
 
     def set_kv_dtype(self, kv_dtype: str) -> str:
         self.refuse(KV_DTYPE)

@@ -90,7 +90,7 @@ async def test_cap_command_takes_effect_at_once_and_stop_refuses_an_over_cap_tur
         await pilot.press("enter")
         await pilot.pause()
         assert app.view.chat.state().cap == 12 and app.query_one(CapGauge).cap == 12
-        assert "tokens over, so the next turn is refused" in notices(app)[-1].text
+        assert "tokens over, so the next turn is refused" in app.notes[-1]     # the status line, not the transcript
         app.query_one("#input").load_text("this turn is too long for the cap")
         await pilot.press("enter")
         await wait_until(pilot, lambda: app.busy is None and notices(app)[-1].has_class("error"), what="refusal")

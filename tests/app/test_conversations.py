@@ -78,7 +78,7 @@ async def test_switching_shows_each_conversations_own_transcript_latency_and_cap
         assert [u.text for u in app.transcript.query(UserMessage)] == ["beta", "gamma"]
         assert app.query_one(LatencyPanel).point_count == sum(t.generated_tokens for t in two.turns)
 
-        await pilot.press("ctrl+pageup")
+        await pilot.press("alt+left")
         await wait_until(pilot, lambda: app.busy is None, what="the fresh snapshot")
         assert app.view is one and [u.text for u in app.transcript.query(UserMessage)] == ["alpha"]
         assert app.query_one(LatencyPanel).point_count == one.turns[0].generated_tokens
@@ -86,9 +86,9 @@ async def test_switching_shows_each_conversations_own_transcript_latency_and_cap
             one.chat.state().tokens_held
         assert app.query_one(BlockMap).snapshot.block_map.count(OTHER) == len(two.chat.block_table)
 
-        await pilot.press("ctrl+pagedown")
+        await pilot.press("alt+right")
         assert app.view is two and app.query_one(CapGauge).cap == 512
-        await pilot.press("ctrl+pagedown")                            # wraps around
+        await pilot.press("alt+right")                            # wraps around
         assert app.view is one
 
 
@@ -129,7 +129,7 @@ async def test_closing_the_focused_conversation_shows_its_neighbour_and_closing_
     async with running_app() as (app, pilot):
         one = app.view
         await open_second(pilot)
-        await pilot.press("ctrl+pageup")
+        await pilot.press("alt+left")
         await wait_until(pilot, lambda: app.busy is None)
         await pilot.press("f9")
         await wait_until(pilot, lambda: len(app.views) == 1 and app.busy is None, what="the close")
@@ -154,7 +154,7 @@ async def test_a_preempted_conversation_says_so_and_its_next_turn_recomputes_its
         assert "1 conversations, pool-wide" in screen_text(app)
         assert [e.state for e in app.query_one(ConversationBar).entries] == ["preempted", ""]
 
-        await pilot.press("ctrl+pageup")
+        await pilot.press("alt+left")
         assert f"its next turn recomputes {held:,} tokens" in notices(app)[-1]
         await send(pilot, "and again")
         assert one.turns[-1].recomputed_tokens == held and one.turns[-1].reused_tokens == 0
@@ -163,7 +163,7 @@ async def test_a_preempted_conversation_says_so_and_its_next_turn_recomputes_its
 
 
 async def test_a_message_sent_while_another_conversation_replies_waits_its_turn(slow_fake, running_app):
-    async with running_app(slow_fake, max_tokens=8) as (app, pilot):
+    async with running_app(slow_fake, max_tokens=40) as (app, pilot):
         app.query_one("#input").load_text("a long story")
         await pilot.press("enter")
         await wait_until(pilot, lambda: app.busy == "reply", what="the first reply")
@@ -184,7 +184,7 @@ async def test_each_conversation_is_saved_to_its_own_log_as_it_goes(running_app)
         one = app.view
         await open_second(pilot)
         await send(pilot, "two says hi")
-        await pilot.press("ctrl+pageup")
+        await pilot.press("alt+left")
         await send(pilot, "one again")
         logs = {s.number: [json.loads(x) for x in s.conversation_log.path.read_text().splitlines()] for s in app.views}
     said = {n: [r["content"] for r in recs if r["type"] == "message" and r["role"] == "user"] for n, recs in logs.items()}

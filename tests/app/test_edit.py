@@ -46,11 +46,11 @@ async def test_edit_and_resend_drops_the_later_history_and_reuse_stops_at_the_ed
         assert log.messages == messages           # the log says the history was replaced
 
 
-async def test_f6_edits_the_last_message_and_edit_off_leaves_the_conversation_as_it_is(running_app):
+async def test_alt_e_edits_the_last_message_and_edit_off_leaves_the_conversation_as_it_is(running_app):
     async with running_app() as (app, pilot):
         await send(pilot, "first question")
         await send(pilot, "second question")
-        await pilot.press("f6")
+        await pilot.press("alt+e")
         assert app.query_one(ChatInput).text == "second question" and app.view.editing is not None
         await submit(pilot, "/edit off")
         assert app.view.editing is None and app.query_one(ChatInput).text == ""

@@ -104,8 +104,8 @@ async def test_f1_shows_every_key_and_command_and_escape_closes_it(running_app):
         app.screen.query_one("VerticalScroll").scroll_end(animate=False)    # the list is taller than the screen
         await pilot.pause()
         text += screen_text(app)
-        for word in ("ctrl+r", "reset_cache", "/cap N", "/policy", "/load FILE", "ctrl+j", "ctrl+pagedown",
-                     "close_conversation", "ctrl+o", "/chats", "/edit [N]"):
+        for word in ("ctrl+r", "reset_cache", "/cap N", "/policy", "/load FILE", "ctrl+j", "alt+right",
+                     "close_conversation", "ctrl+o", "/chats", "/edit [N]", "ctrl+y", "alt+e"):
             assert word in text
         await pilot.press("escape")
         await wait_until(pilot, lambda: not isinstance(app.screen, HelpScreen), what="help to close")

@@ -20,13 +20,13 @@ def test_aggregation_groups_blocks_and_shows_the_most_notable_state_of_each_grou
     assert ratio == 10 and cells == bytes([FREE, HELD, REUSED])
 
 
-async def test_a_narrow_terminal_hides_the_panels_and_ctrl_b_brings_them_back(running_app):
+async def test_a_narrow_terminal_hides_the_panels_and_f6_brings_them_back(running_app):
     async with running_app() as (app, pilot):
         panels = app.query_one("#panels")
         assert panels.display
         await pilot.resize_terminal(70, 30)
         await wait_until(pilot, lambda: not panels.display, what="panels to hide")
-        await pilot.press("ctrl+b")
+        await pilot.press("f6")
         assert panels.display
         await pilot.resize_terminal(60, 30)   # the user's choice now wins over the width
         await pilot.pause()

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from kvchat.keys import KEYS
+
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")]
 REPO = Path(__file__).resolve().parents[2]
@@ -74,3 +76,64 @@ def test_chat_in_tmux_shows_the_reply_and_the_panels_and_quits_cleanly(tmp_path)
         assert exit_file.read_text().strip() == "0"
     finally:
         tmux.run("kill-server", check=False)
+
+
+def tmux_key(key: str) -> str:
+    """A Textual key name as tmux's send-keys spells it: ctrl+r -> C-r, alt+left -> M-Left, f7 -> F7."""
+    mods, _, name = key.rpartition("+")
+    name = name.upper() if name[0] == "f" and name[1:].isdigit() else name.capitalize() if len(name) > 1 else name
+    prefix = "".join({"ctrl": "C-", "alt": "M-", "shift": "S-"}[m] for m in mods.split("+") if m)
+    return prefix + name
+
+
+DIALOGS = {"help", "choose_policy", "palette"}      # keys that open a dialog; escape closes it
+
+
+def test_every_default_key_reaches_the_app_in_tmux_with_its_prefix_on_ctrl_b(tmp_path):
+    """tmux takes its prefix key (ctrl+b, its default) for itself: no default key may be it,
+    nor any other key tmux, screen or a terminal emulator keeps (ctrl+pageup/pagedown)."""
+    log, exit_file = tmp_path / "keys.log", tmp_path / "exit-status"
+    log.touch()
+    env = (f"KVCHAT_DATA_DIR={tmp_path / 'data'} KVCHAT_CONFIG_DIR={tmp_path / 'config'} PYTHONPATH={REPO}")
+    command = (f"cd {tmp_path} && env {env} {sys.executable} {REPO / 'tests' / 'app' / 'keys_in_terminal.py'} "
+               f"{log}; echo $? > {exit_file}")
+    # send-keys writes to a pane directly, past tmux's own key table; so the keys go to an
+    # outer tmux's pane, where an inner tmux client (prefix ctrl+b) reads them as typed
+    inner = Tmux("keys")
+    inner.socket += "-inner"
+    inner.run("-f", "/dev/null", "new-session", "-d", "-s", inner.session, "-x", "140", "-y", "45", command)
+    inner.run("set-option", "-g", "prefix", "C-b")
+    inner.run("set-option", "-g", "escape-time", "50")
+    assert "prefix C-b" in inner.run("show-options", "-g", "prefix").stdout
+    tmux = Tmux("outer")
+    tmux.run("-f", "/dev/null", "new-session", "-d", "-s", tmux.session, "-x", "140", "-y", "45",
+             f"env -u TMUX tmux -L {inner.socket} attach -t {inner.session}")
+    try:
+        tmux.wait_for(lambda t: "F1 shows the keys" in t, timeout=60, what="loaded app")
+        seen: list[str] = []
+
+        def wait_log(line: str) -> None:
+            deadline = time.monotonic() + 20
+            while time.monotonic() < deadline:
+                lines = log.read_text().splitlines()
+                if lines[len(seen):].count(line):
+                    seen[:] = lines
+                    return
+                time.sleep(0.1)
+            raise AssertionError(f"{line!r} never reached the app; it got {log.read_text().split()}; "
+                                 f"the pane shows:\n{tmux.pane()}")
+        for k in [k for k in KEYS if k.id != "quit"]:
+            tmux.run("send-keys", "-t", tmux.session, tmux_key(k.keys.split(",")[0]))
+            wait_log(k.action)
+            if k.action in DIALOGS:
+                tmux.run("send-keys", "-t", tmux.session, "Escape")
+                wait_log("closed")
+        tmux.run("send-keys", "-t", tmux.session, "C-q")
+        wait_log("quit")
+        deadline = time.monotonic() + 30
+        while inner.alive() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert exit_file.read_text().strip() == "0"
+    finally:
+        tmux.run("kill-server", check=False)
+        inner.run("kill-server", check=False)

@@ -1,0 +1,41 @@
+"""The app on the scripted FakeBackend, for test_tmux's key run: each key action that
+reaches it and each dialog it closes are appended to the log file named in argv[1].
+
+A script, not a fixture: tmux runs it in a real terminal, where the keys go through the
+terminal and the multiplexer as a user's would. The fake keeps it fast; what is tested
+is the keys' path, not the model.
+"""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from fake_backend import FakeBackend  # noqa: E402
+
+from kvchat.app import AppOptions, KvChatApp  # noqa: E402
+from kvchat.engine.sampler import SamplingParams  # noqa: E402
+
+
+class RecordingApp(KvChatApp):
+    def __init__(self, log: Path) -> None:
+        backend = FakeBackend()
+        super().__init__(lambda: backend, AppOptions(model="fake-smollm2", sampling=SamplingParams(max_tokens=16)))
+        self.key_log = log
+
+    def record(self, line: str) -> None:
+        with open(self.key_log, "a", encoding="utf-8") as fh:
+            fh.write(line + "\n")
+
+    def action_key(self, name: str) -> None:
+        self.record(name)
+        super().action_key(name)
+
+    def pop_screen(self):
+        self.record("closed")
+        return super().pop_screen()
+
+
+if __name__ == "__main__":
+    sys.exit(RecordingApp(Path(sys.argv[1])).run() or 0)

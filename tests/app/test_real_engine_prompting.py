@@ -1,0 +1,50 @@
+"""/system, sampling and the draft count on the real engine and the bundled model: the
+counts are the tokenizer's, a new system prompt breaks prefix reuse at the first block, and
+a seeded sample differs from the greedy reply and repeats."""
+from __future__ import annotations
+
+import pytest
+
+from kvchat.backends.local import LocalBackend
+from kvchat.widgets import ChatInput, Notice
+
+from .conftest import send, wait_until
+
+pytestmark = pytest.mark.slow
+
+
+async def test_system_prompt_draft_count_and_a_seeded_regenerate_on_the_real_engine(engine, running_app):
+    backend = LocalBackend(engine)
+    system = "You are a pirate. Answer in one short sentence."
+    tokens = len(engine.tokenizer.encode(system, add_special_tokens=False))
+    async with running_app(factory=lambda: backend, max_tokens=10) as (app, pilot):
+        try:
+            assert backend.count_tokens("Name three colours.") == len(
+                engine.tokenizer.encode("Name three colours.", add_special_tokens=False))
+            await pilot.press(*"Name a colour.")
+            field = app.query_one(ChatInput)
+            full = f"draft: {backend.count_tokens('Name a colour.')} tokens"
+            await wait_until(pilot, lambda: field.border_title.startswith(full), what="the count once typing pauses")
+            field.load_text("")
+            await send(pilot, "Name a colour.")
+            field.load_text(f"/system {system}")
+            await pilot.press("enter")
+            await wait_until(pilot, lambda: app.busy is None and "system prompt set" in app.query(Notice).last().text,
+                             what="the system prompt")
+            assert f"adds {tokens} tokens" in app.query(Notice).last().text
+            assert app.view.chat.state().messages[0] == {"role": "system", "content": system}
+            await send(pilot, "Name a fruit.")
+            assert app.view.turns[-1].reused_tokens == 0           # the first block changed
+            greedy = app.view.turns[-1].reply
+            for command in ("/temperature 1.5", "/seed 3"):
+                field.load_text(command)
+                await pilot.press("enter")
+            await pilot.press("f5")
+            await wait_until(pilot, lambda: len(app.view.turns) == 3 and app.busy is None, what="a sample")
+            sampled = app.view.turns[-1].reply
+            await pilot.press("f5")
+            await wait_until(pilot, lambda: len(app.view.turns) == 4 and app.busy is None, what="the same sample")
+            assert sampled != greedy and app.view.turns[-1].reply == sampled
+        finally:
+            for view in app.views:
+                backend.close(view.chat)
