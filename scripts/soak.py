@@ -48,6 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--pool-blocks", type=int, default=48, help="pool size in blocks of 16 fp32 tokens")
     ap.add_argument("--max-tokens", type=int, default=6)
     ap.add_argument("--rounds", type=int, default=5, help="rounds averaged for the start and end times")
+    ap.add_argument("--minutes", type=float, default=None, help="stop after the round that passes this time")
     args = ap.parse_args(argv)
     bpt = resolve(None, False).geometry.kv_bytes_per_token("fp32")
     eng = Engine(EngineConfig(kv_budget=args.pool_blocks * 16 * bpt, block_size=16))
@@ -72,8 +73,10 @@ def main(argv: list[str] | None = None) -> int:
             for e in errors:
                 print(f"  round {r + 1}, conversation {i + 1}: {e}")
         round_s.append((time.perf_counter() - t0) / len(convs))
-        if (r + 1) % 10 == 0:
-            print(f"  round {r + 1}: {round_s[-1] * 1000:.0f} ms a turn, {eng.preemptions} preemptions so far")
+        print(f"  round {r + 1}: {round_s[-1] * 1000:.0f} ms a turn, {eng.preemptions} preemptions so far", flush=True)
+        if args.minutes is not None and time.perf_counter() - t_start > 60 * args.minutes:
+            print(f"  stopped after {r + 1} of {args.turns} rounds: --minutes {args.minutes} passed")
+            break
     total_s = time.perf_counter() - t_start
     held = {id(c): c.tokens_held for c in convs}
     for conv in convs:
@@ -82,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     k = min(args.rounds, len(round_s))
     start, end = statistics.mean(round_s[:k]), statistics.mean(round_s[-k:])
     rows = [
-        ("turns", f"{len(stats)} ({refused} refused by a cap)"),
+        ("turns", f"{len(stats)} in {len(round_s)} rounds ({refused} refused by a cap)"),
         ("blocks leaked after all closed", f"{leaked}"),
         ("bookkeeping violations", f"{violations}"),
         ("preemptions", f"{eng.preemptions} (turn stats: {sum(s.preempted for s in stats)})"),
