@@ -149,7 +149,7 @@ class VllmChat:
             raise KvchatError("empty message: type something to send")
         messages = self.messages + [{"role": "user", "content": text}]
         if self.cap is not None:
-            messages = self.policy.fit(messages, self.backend.count_tokens, self.cap)
+            messages = self.policy.fit(messages, self.backend.count_messages, self.cap)
         return self._turn(messages, len(self.messages) + 1 - len(messages), sampling, cancel)
 
     def regenerate(self, sampling=None, cancel: threading.Event | None = None) -> Iterator[Event]:
@@ -396,7 +396,7 @@ class VllmBackend:
                 body["seed"] = sampling.seed
         return body
 
-    def count_tokens(self, messages: list[Message]) -> int:
+    def count_messages(self, messages: list[Message]) -> int:
         """Tokens the messages render to with the chat template and generation prompt (/tokenize)."""
         data = self.api.post_json("/tokenize", {"model": self.model.name, "messages": messages,
                                                 "add_generation_prompt": True})
