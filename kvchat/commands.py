@@ -106,6 +106,12 @@ def _optional_path(args, _themes) -> Path | None:
     return Path(args[0]).expanduser() if args else None
 
 
+def _whatif(args, _themes) -> tuple[str, str, str | None]:
+    if len(args) not in (2, 3):
+        raise CommandError("usage: /whatif MODEL TOKENS [BUDGET], e.g. /whatif 70b 30000 15GB")
+    return args[0], args[1], (args[2] if len(args) == 3 else None)
+
+
 COMMANDS: dict[str, Spec] = {s.name: s for s in (
     Spec("help", "/help", "show keys and commands", _no_arg("help")),
     Spec("reset", "/reset", "free this conversation's cache; the next turn prefills everything", _no_arg("reset")),
@@ -124,6 +130,8 @@ COMMANDS: dict[str, Spec] = {s.name: s for s in (
     Spec("close", "/close [N]", "close conversation N (default: this one); it stays saved", _number("close", True)),
     Spec("list", "/list", "list the open conversations: turns, tokens cached, cap, policy", _no_arg("list")),
     Spec("regen", "/regen", "generate the last reply again", _no_arg("regen")),
+    Spec("whatif", "/whatif MODEL TOKENS [BUDGET]", "the KV cache a conversation of TOKENS takes on MODEL (bf16)",
+         _whatif),
     Spec("quit", "/quit", "quit", _no_arg("quit")),
 )}
 

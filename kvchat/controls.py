@@ -15,6 +15,7 @@ from pathlib import Path
 
 from kvchat.engine.errors import KvchatError
 from kvchat.engine.policy import POLICIES
+from kvchat.engine.units import human_bytes
 
 from . import settings as settings_mod
 from .backends.protocol import CACHE_TOGGLE, KV_DTYPE, REGENERATE, RESET, SINK_WINDOW
@@ -159,8 +160,10 @@ class Controls:
                 view.conversation_log.event("kv_dtype", value=now)
             chats = "every conversation's cache" if len(app.views) > 1 else "the cache"
             per_token = app.backend.info().bytes_per_token
-            return (f"KV pool rebuilt in {now}: {per_token or 0:,} B per token; "
-                    f"{chats} dropped, the next turn recomputes its history")
+            snap = app.backend.snapshot(app.view.chat)
+            return (f"KV pool rebuilt in {now}: {per_token or 0:,} B per token; the pool keeps its byte budget "
+                    f"({human_bytes(snap.capacity_bytes)}), so it holds {snap.num_blocks:,} blocks of "
+                    f"{snap.block_size} now; {chats} dropped, the next turn recomputes its history")
         app.run_op(f"rebuild the pool in {kv}", run)
 
     # ---- turns ------------------------------------------------------------------------------
@@ -238,6 +241,13 @@ class Controls:
         preview = "\n".join(lines[:4]) + (f"\n… ({len(lines) - 4:,} more lines)" if len(lines) > 4 else "")
         self.app.send(text, shown=f"/load {path} ({len(text):,} characters)\n{preview}", typed=f"/load {path}")
 
+    def what_if(self, model: str, tokens: str, budget: str | None) -> None:
+        from .sizing_text import what_if_command
+        try:
+            self.app.notice(what_if_command(model, tokens, budget))
+        except KvchatError as err:
+            self.app.notice(str(err), error=True)
+
     # ---- keys and commands -------------------------------------------------------------------
     def key_handlers(self) -> dict[str, Callable[[], None]]:
         """What each key of keys.KEYS does, by its action name."""
@@ -266,7 +276,7 @@ class Controls:
             "kv": lambda: self.set_kv_dtype(arg), "panel": lambda: self.toggle_panel(arg),
             "new": self.conversations.new, "switch": lambda: self.conversations.switch(arg),
             "close": lambda: self.conversations.close(arg), "list": self.conversations.list,
-            "regen": self.regenerate, "quit": app.quit_when_idle,
+            "regen": self.regenerate, "quit": app.quit_when_idle, "whatif": lambda: self.what_if(*arg),
         }
         if cmd.name not in handlers:   # a command in COMMANDS without a handler here is a bug
             raise KvchatError(f"/{cmd.name} has no handler")
