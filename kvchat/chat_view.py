@@ -73,6 +73,7 @@ class TurnProgress(Message):
     def __init__(self, turn: RunningTurn, progress: Progress, focus: ChatView) -> None:
         super().__init__()
         self.turn, self.progress, self.focus = turn, progress, focus
+        self.drawn = threading.Event()    # set once the app has drawn it (the worker may wait on it)
 
 
 class TurnEnded(Message):
@@ -91,6 +92,10 @@ class TurnEnded(Message):
 class ChatView(Transcript):
     """A conversation's transcript and state. The first one is on screen before the model
     loads (it shows the progress); `attach` gives it its Chat."""
+
+    DEFAULT_CSS = """
+    ChatView .dropped { text-opacity: 50%; }
+    """
 
     def __init__(self, number: int, id: str | None = None) -> None:
         super().__init__(id=id or f"transcript-{number}")
@@ -174,6 +179,21 @@ class ChatView(Transcript):
         self.latency.begin_turn(state.mode, kv_dtype=backend.info().kv_dtype if backend is not None else None,
                                 policy=state.policy, cap=state.cap)
 
+    def mark_dropped(self, n: int, policy: str | None) -> int:
+        """Dim the n oldest messages the model still saw: drop-oldest took them out of what
+        it reads, not out of the transcript. Returns how many were marked."""
+        shown = [w for w in self.query("UserMessage, Reply")
+                 if not w.has_class("dropped") and not w.has_class("refused")]
+        marked = shown[:n]
+        for w in marked:
+            w.add_class("dropped")
+            w.tooltip = "the model no longer sees this message"
+        if marked:
+            self.add_notice(f"{plural(len(marked), 'message')} dimmed above: {policy or 'the policy'} dropped "
+                            f"{'it' if len(marked) == 1 else 'them'} from what the model sees (the transcript "
+                            "and the saved log keep them)")
+        return len(marked)
+
     async def on_turn_progress(self, msg: TurnProgress) -> None:
         p = msg.progress
         if msg.turn.reply is not None and not getattr(self.app, "exiting", False):
@@ -198,6 +218,8 @@ class ChatView(Transcript):
             if msg.record is not None:
                 self.turns.append(msg.record)
                 self.context_tokens = msg.record.context_tokens
+                if msg.record.dropped_messages:
+                    self.mark_dropped(msg.record.dropped_messages, msg.record.policy)
         if msg.stats is not None:
             self.snapshot = msg.stats.cache
         self.refresh_state()
