@@ -19,5 +19,17 @@ class StatusBar(Widget):
         t = Table.grid(expand=True)
         t.add_column(no_wrap=True, overflow="ellipsis")
         t.add_column(justify="right", no_wrap=True)
-        t.add_row(Text(self.info, style="bold"), Text(self.state))
+        width = self.content_size.width
+        state = fit_segments(self.state, width - 12) if width else self.state
+        info = fit_segments(self.info, width - len(state) - 2) if width else self.info
+        t.add_row(Text(info, style="bold"), Text(state))
         return t
+
+
+def fit_segments(text: str, room: int, sep: str = " · ") -> str:
+    """Drop whole trailing " · " segments until text fits in room columns, so a narrow
+    terminal cuts the line between words, never inside one (the first segment stays)."""
+    parts = text.split(sep)
+    while len(parts) > 1 and len(sep.join(parts)) > room:
+        parts.pop()
+    return sep.join(parts)
