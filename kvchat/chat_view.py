@@ -189,9 +189,14 @@ class ChatView(Transcript):
             w.add_class("dropped")
             w.tooltip = "the model no longer sees this message"
         if marked:
+            backend = getattr(self.app, "backend", None)
+            top = backend.info().max_position if backend is not None else None
+            cap = self.state.cap if self.state is not None else None
+            limit = (f"the cap of {cap:,}" if cap is not None and (top is None or cap <= top)
+                     else f"the model's maximum context of {top:,}" if top else "the limit")
             self.add_notice(f"{plural(len(marked), 'message')} dimmed above: {policy or 'the policy'} dropped "
-                            f"{'it' if len(marked) == 1 else 'them'} from what the model sees (the transcript "
-                            "and the saved log keep them)")
+                            f"{'it' if len(marked) == 1 else 'them'} to stay under {limit} tokens; the model no "
+                            "longer sees them (the transcript and the saved log keep them)")
         return len(marked)
 
     async def on_turn_progress(self, msg: TurnProgress) -> None:

@@ -26,4 +26,5 @@ async def test_drop_oldest_dims_the_messages_the_model_no_longer_sees():
         assert isinstance(dim[1], Reply)
         seen = [m["content"] for m in app.view.chat.state().messages]
         assert "first message with some words" not in seen
-        assert any("dimmed above: drop-oldest dropped" in n.text for n in app.view.query(Notice))
+        assert any("dimmed above: drop-oldest dropped them to stay under the cap of 40 tokens" in n.text
+                   for n in app.view.query(Notice))
