@@ -17,15 +17,16 @@ import torch
 
 from .cuda_graph import decoder_for
 from .detokenizer import Detokenizer
-from .errors import KvchatError
+from .errors import KvchatError, TurnCancelled
 from .model import Step
 from .policy import make_policy
 from .sampler import Sampler, SamplingParams
 from .sequence import Sequence
 from .streaming import DEFAULT_SINK_TOKENS, check_window_cap, claim_window, evict_middle, prefill_window
-from .telemetry import PrefillEvent, TokenEvent, TurnStats
+from .telemetry import PrefillEvent, PrefillProgress, TokenEvent, TurnStats
 
 PREFILL_CHUNK = 8192  # a cold prefill in one causal call takes the flash kernel; a masked chunk does not
+CPU_PREFILL_CHUNK = 512  # on CPU an 8k prompt takes minutes: chunks this size report progress and can stop
 MODES = ("cache", "off")
 
 
@@ -70,6 +71,8 @@ class Conversation:
         self.preempted_pending = 0          # tokens lost to preemption, recomputed next turn
         self.history: list[TurnStats] = []
         self.last_logits: torch.Tensor | None = None  # (vocab,) fp32: the first token's logits, last turn
+        # prompt tokens per prefill call; progress events and cancelling come between chunks
+        self.prefill_chunk_size = PREFILL_CHUNK if engine.device.type == "cuda" else CPU_PREFILL_CHUNK
 
     # ---- settings --------------------------------------------------------------------------
     def _new_table(self) -> torch.Tensor:
@@ -111,8 +114,23 @@ class Conversation:
         return self.seq.block_table
 
     @property
+    def max_position(self) -> int:
+        """The model's own context: no cap lets a conversation past it."""
+        return self.engine.geometry.max_position
+
+    @property
+    def limit(self) -> int:
+        """The tokens this conversation may hold: its cap, and never more than the model's maximum."""
+        return min(self.cap, self.max_position) if self.cap is not None else self.max_position
+
+    @property
+    def limit_name(self) -> str:
+        return "the cap" if self.cap is not None and self.cap <= self.max_position else "the model's maximum context"
+
+    @property
     def streaming(self) -> bool:
-        return self.policy.streaming and self.cap is not None
+        """Sink-window evicts at the limit: the cap, or without one the model's maximum."""
+        return self.policy.streaming
 
     # ---- cache ownership ---------------------------------------------------------------------
     def drop_cache(self, keep_index: bool = False) -> int:
@@ -189,16 +207,14 @@ class Conversation:
         return self._turn(sampling or SamplingParams(), cancel, 0, before)
 
     def _fit(self, messages):
-        if self.cap is None:
-            return messages
-        return self.policy.fit(messages, lambda m: len(self.render(m)), self.cap)
+        return self.policy.fit(messages, lambda m: len(self.render(m)), self.limit, self.limit_name)
 
     def _turn(self, sp: SamplingParams, cancel, dropped: int, before: list[dict[str, str]]) -> Iterator:
         """`before`: the messages to restore if the turn fails before its first token."""
         eng = self.engine
         with eng.lock:
             try:
-                turn = self._prefill_turn()
+                turn = yield from self._prefill_turn(cancel)
             except BaseException:
                 self.messages = before  # nothing was generated: as if the message was never sent
                 raise
@@ -218,19 +234,36 @@ class Conversation:
                 yield TokenEvent(tail, -1, len(turn.tokens) - 1, 0.0)
             yield stats
 
-    def _prefill_turn(self) -> Turn:
-        """Render, claim blocks and prefill; the first half of a turn."""
+    def _prefill_turn(self, cancel: threading.Event | None = None) -> Iterator[PrefillProgress]:
+        """Render, claim blocks and prefill; the first half of a turn. Yields PrefillProgress
+        before the first chunk and after each; returns the Turn. Raises TurnCancelled between
+        chunks if `cancel` is set: the chunks done stay cached (indexed for prefix reuse, or
+        held by a sink-window sequence), so the cache is consistent and a retry reuses them."""
         eng = self.engine
         t0 = time.perf_counter()
         ids = self.render(self.messages)
         turn = Turn(ids, list(ids), t0, recomputed=self.preempted_pending, evictions0=eng.blocks.evictions,
                     preemptions0=eng.preemptions, evicted0=self.evicted_tokens)
-        if self.mode == "cache" and self.streaming:
-            turn.reused = claim_window(self, ids)
-            turn.logits = prefill_window(self, ids[turn.reused:])
-        elif self.mode == "cache":
-            turn.reused = self._claim(ids)
-            turn.logits = self._prefill(ids[turn.reused:], turn.reused)
+        if self.mode == "cache":
+            turn.reused = claim_window(self, ids) if self.streaming else self._claim(ids)
+            new_ids = ids[turn.reused:]
+            chunks = (prefill_window(self, new_ids, self.prefill_chunk_size, steps=True) if self.streaming
+                      else self._prefill(new_ids, turn.reused))
+            yield PrefillProgress(0, len(new_ids), 0.0)
+            while True:
+                try:
+                    done = next(chunks)
+                except StopIteration as end:
+                    turn.logits = end.value
+                    break
+                self._sync()
+                yield PrefillProgress(done, len(new_ids), (time.perf_counter() - t0) * 1000)
+                if cancel is not None and cancel.is_set() and done < len(new_ids):
+                    chunks.close()
+                    if not self.streaming:
+                        eng.blocks.free(self.seq, keep_index=True)   # drop the blocks reserved for the rest
+                    raise TurnCancelled(f"prefill stopped at {done:,} of {len(new_ids):,} tokens; the "
+                                        "chunks done stay cached, so sending again reuses them")
         else:
             turn.logits = eng.model.forward_dense(torch.tensor(ids, device=eng.device))[0]
         self._sync()
@@ -271,8 +304,8 @@ class Conversation:
     def _stop_before_step(self, last: bool, n_tokens: int, cancel: threading.Event | None) -> str | None:
         if last:
             return "max_tokens"
-        if self.cap is not None and not self.streaming and n_tokens >= self.cap:
-            return "cap"
+        if not self.streaming and n_tokens >= self.limit:
+            return "cap" if self.limit_name == "the cap" else "max_position"
         if cancel is not None and cancel.is_set():
             return "cancelled"
         return None
@@ -282,7 +315,7 @@ class Conversation:
         eng = self.engine
         if self.mode != "cache":
             return eng.model.forward_dense(torch.tensor(tokens, device=eng.device))[0]
-        if self.streaming and len(self.seq) + 1 > self.cap:
+        if self.streaming and len(self.seq) + 1 > self.limit:
             evict_middle(self, 1)
         pos = len(self.seq)  # the position in the cache (= in the text unless sink-window evicted)
         self.reserve(pos + 1)
@@ -311,10 +344,13 @@ class Conversation:
         self.reserve(len(ids))
         return reused
 
-    def _prefill(self, new_ids: list[int], start: int) -> torch.Tensor:
-        logits = None
-        for c0 in range(0, len(new_ids), PREFILL_CHUNK):
-            logits = self.prefill_chunk(new_ids[c0:c0 + PREFILL_CHUNK], start + c0)
+    def _prefill(self, new_ids: list[int], start: int) -> Iterator[int]:
+        """Prefill in chunks, yielding the tokens done after each; returns the last
+        token's logits (vocab,)."""
+        logits, size = None, self.prefill_chunk_size
+        for c0 in range(0, len(new_ids), size):
+            logits = self.prefill_chunk(new_ids[c0:c0 + size], start + c0)
+            yield min(c0 + size, len(new_ids))
         return logits[0]
 
     def prefill_chunk(self, chunk: list[int], p0: int, last_only: bool = True) -> torch.Tensor:

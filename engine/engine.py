@@ -124,7 +124,11 @@ class Engine:
 
     # ---- the pool ------------------------------------------------------------------------
     def _build_pool(self, kv_dtype: str) -> None:
-        budget = self.config.kv_budget or default_budget(self.geometry, kv_dtype, self.device)
+        # the budget in bytes is fixed at the first build: another KV dtype changes the blocks
+        # that fit, never the bytes (fp32 -> bf16 doubles the blocks, -> fp8 about quadruples)
+        if getattr(self, "kv_budget_bytes", None) is None:
+            self.kv_budget_bytes = self.config.kv_budget or default_budget(self.geometry, kv_dtype, self.device)
+        budget = self.kv_budget_bytes
         spec = plan_pool(self.geometry, kv_dtype, budget, self.config.block_size)
         self.pool = None  # free the old tensors before allocating new ones
         self.pool = KVPool(self.geometry, spec, self.device)

@@ -15,3 +15,8 @@ class PoolExhausted(KvchatError):
 
 class CapExceeded(KvchatError):
     """A turn would take the conversation past its context cap under the `stop` policy."""
+
+
+class TurnCancelled(KvchatError):
+    """The user stopped a turn during its prefill, before its first token: nothing of it
+    entered the conversation (the chunks already computed stay cached for prefix reuse)."""

@@ -18,7 +18,8 @@ class CapPolicy:
     description = ""
     streaming = False  # True: the cache itself evicts blocks mid-sequence (engine/streaming.py)
 
-    def fit(self, messages: Messages, count: CountFn, cap: int) -> Messages:
+    def fit(self, messages: Messages, count: CountFn, cap: int, limit: str = "the cap") -> Messages:
+        """`limit` names the cap in messages: "the cap", or "the model's maximum context"."""
         raise NotImplementedError
 
 
@@ -26,11 +27,12 @@ class StopPolicy(CapPolicy):
     name = "stop"
     description = "refuse a turn that would pass the cap"
 
-    def fit(self, messages: Messages, count: CountFn, cap: int) -> Messages:
+    def fit(self, messages: Messages, count: CountFn, cap: int, limit: str = "the cap") -> Messages:
         n = count(messages)
         if n > cap:
-            raise CapExceeded(f"this turn needs {n} tokens but the cap is {cap}: {n - cap} over; "
-                              "raise the cap, /reset, or switch to /policy drop-oldest")
+            # /reset would not help: the history itself is too long, cached or not
+            raise CapExceeded(f"this turn needs {n:,} tokens but {limit} is {cap:,}: {n - cap:,} over; "
+                              f"{_remedies(limit)}")
         return messages
 
 
@@ -38,14 +40,14 @@ class DropOldestPolicy(CapPolicy):
     name = "drop-oldest"
     description = "drop whole oldest turns (keeping the system prompt) until the chat fits"
 
-    def fit(self, messages: Messages, count: CountFn, cap: int) -> Messages:
+    def fit(self, messages: Messages, count: CountFn, cap: int, limit: str = "the cap") -> Messages:
         kept = list(messages)
         head = 1 if kept and kept[0]["role"] == "system" else 0
         while count(kept) > cap:
             # the oldest turn: a user message and the replies up to the next user message
             if len(kept) - head <= 1:
-                raise CapExceeded(f"the newest message alone needs {count(kept)} tokens, over the cap of "
-                                  f"{cap}; raise the cap or send less")
+                raise CapExceeded(f"the newest message alone needs {count(kept):,} tokens, over {limit} "
+                                  f"of {cap:,}; {'raise the cap or ' if limit == 'the cap' else ''}send less")
             end = head + 1
             while end < len(kept) - 1 and kept[end]["role"] != "user":
                 end += 1
@@ -58,8 +60,14 @@ class SinkWindowPolicy(CapPolicy):
     description = "keep the first tokens (attention sinks) and a recent window; evict blocks between"
     streaming = True
 
-    def fit(self, messages: Messages, count: CountFn, cap: int) -> Messages:
+    def fit(self, messages: Messages, count: CountFn, cap: int, limit: str = "the cap") -> Messages:
         return messages  # nothing is dropped from the text; the cache evicts instead
+
+
+def _remedies(limit: str) -> str:
+    raise_cap = "raise the cap (/cap), " if limit == "the cap" else ""
+    return (f"{raise_cap}switch to /policy drop-oldest (or sink-window), or start a new conversation "
+            "(ctrl+n) with what matters")
 
 
 POLICIES: dict[str, type[CapPolicy]] = {p.name: p for p in (StopPolicy, DropOldestPolicy, SinkWindowPolicy)}

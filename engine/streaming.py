@@ -99,19 +99,34 @@ def claim_window(conv, ids: list[int]) -> int:
     return common
 
 
-def prefill_window(conv, new_ids: list[int], chunk_size: int = CHUNK, all_logits: bool = False) -> torch.Tensor:
-    """Prefill in chunks that fit the window, evicting middle blocks before each. Returns
-    the last token's logits (vocab,), or every token's (T, vocab)."""
+def prefill_window(conv, new_ids: list[int], chunk_size: int = CHUNK, all_logits: bool = False,
+                   steps: bool = False):
+    """Prefill in chunks that fit the window (conv.limit: the cap, or the model's maximum),
+    evicting middle blocks before each. Returns the last token's logits (vocab,), or every
+    token's (T, vocab). With steps, a generator instead: yields the tokens done after each
+    chunk and returns the logits."""
+    chunks = _window_chunks(conv, new_ids, chunk_size, all_logits)
+    if steps:
+        return chunks
+    while True:
+        try:
+            next(chunks)
+        except StopIteration as end:
+            return end.value
+
+
+def _window_chunks(conv, new_ids: list[int], chunk_size: int, all_logits: bool):
     seq = conv.seq
     bs = seq.block_size
-    size = min(conv.cap - (sink_blocks(conv.sink_tokens, bs) + 1) * bs, chunk_size)
+    size = min(conv.limit - (sink_blocks(conv.sink_tokens, bs) + 1) * bs, chunk_size)
     outs = []
     for c0 in range(0, len(new_ids), size):
         chunk = new_ids[c0:c0 + size]
-        over = len(seq) + len(chunk) - conv.cap
+        over = len(seq) + len(chunk) - conv.limit
         if over > 0:
             evict_middle(conv, -(-over // bs))
         p0 = len(seq)
         conv.reserve(p0 + len(chunk))
         outs.append(conv.prefill_chunk(chunk, p0, last_only=not all_logits))
+        yield min(c0 + size, len(new_ids))
     return torch.cat(outs) if all_logits else outs[-1][0]

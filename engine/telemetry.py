@@ -34,6 +34,25 @@ class TokenEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class PrefillProgress:
+    """Between prefill chunks: `done` of `total` prompt tokens to compute are in the cache
+    (reused ones not counted), `elapsed_ms` since the prefill started. The first has done=0."""
+    done: int
+    total: int
+    elapsed_ms: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1000.0 * self.done / self.elapsed_ms if self.elapsed_ms > 0 else 0.0
+
+    @property
+    def eta_s(self) -> float | None:
+        """Seconds left at the rate so far (None before the first chunk ends)."""
+        rate = self.tokens_per_s
+        return (self.total - self.done) / rate if rate > 0 else None
+
+
+@dataclass(frozen=True, slots=True)
 class PrefillEvent:
     """The prompt has been prefilled (sent before the first TokenEvent)."""
     prompt_tokens: int

@@ -44,6 +44,7 @@ from .generation import Generation
 from .generation import describe as describe_sampling
 from .jobs import Busy, Job, JobQueue, Op, OpEnded, one_line, run_op, run_turn
 from .palette import KvchatCommands
+from .prefill_line import prefill_line
 from .records import plural
 from .settings import Settings
 from .store import Restored
@@ -204,7 +205,8 @@ class KvChatApp(App[int], inherit_bindings=False):
     def update_status(self) -> None:
         info, s = self.backend.info(), self.view.state
         cap = f"cap {s.cap:,}" if s.cap else "no cap"
-        chat = f"chat {self.view.number} of {len(self.views)} · " if len(self.views) > 1 else ""
+        # numbers stay with their conversations (/switch N): after a close, "of N" would lie
+        chat = f"chat {self.view.number} · {len(self.views)} open · " if len(self.views) > 1 else ""
         self.part(StatusBar).info = (
             f"{chat}{info.model} · {info.device} · {info.dtype} · KV {info.kv_dtype} · "
             f"cache {'on' if s.mode == 'cache' else 'off'} · {cap} · {s.policy} · {describe_sampling(self.options.sampling)}")
@@ -370,6 +372,7 @@ class KvChatApp(App[int], inherit_bindings=False):
     def on_turn_progress(self, msg: TurnProgress) -> None:
         """After the turn's ChatView drew the text: the panels and the status line."""
         if self.exiting:
+            msg.drawn.set()
             return
         p, view = msg.progress, msg.turn.view
         if view is self.view:
@@ -381,8 +384,12 @@ class KvChatApp(App[int], inherit_bindings=False):
         if p.prefill is not None:
             self.conversations.note_preemptions(view)   # making room for the prompt may have preempted others
         where = f"conversation {view.number} " if view is not self.view else ""
-        self.status(f"{where}replying · {p.generated} tokens")
+        if p.prefill_progress is not None:
+            self.status(where + prefill_line(p.prefill_progress))
+        else:
+            self.status(f"{where}replying · {p.generated} tokens")
         self.governor.tick()
+        self.call_after_refresh(msg.drawn.set)      # the worker's next step waits for this draw
 
     def on_turn_ended(self, msg: TurnEnded) -> None:
         """After the turn's ChatView finished the reply (or showed the refusal)."""

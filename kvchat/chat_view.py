@@ -73,6 +73,7 @@ class TurnProgress(Message):
     def __init__(self, turn: RunningTurn, progress: Progress, focus: ChatView) -> None:
         super().__init__()
         self.turn, self.progress, self.focus = turn, progress, focus
+        self.drawn = threading.Event()    # set once the app has drawn it (the worker may wait on it)
 
 
 class TurnEnded(Message):
@@ -99,6 +100,10 @@ class LogFailed(Message):
 class ChatView(Transcript):
     """A conversation's transcript and state. The first one is on screen before the model
     loads (it shows the progress); `attach` gives it its Chat."""
+
+    DEFAULT_CSS = """
+    ChatView .dropped { text-opacity: 50%; }
+    """
 
     def __init__(self, number: int, id: str | None = None) -> None:
         super().__init__(id=id or f"transcript-{number}")
@@ -199,6 +204,25 @@ class ChatView(Transcript):
 
     def on_log_failed(self, msg: LogFailed) -> None:
         self.add_notice(msg.line, error=True)
+    def mark_dropped(self, n: int, policy: str | None) -> int:
+        """Dim the n oldest messages the model still saw: drop-oldest took them out of what
+        it reads, not out of the transcript. Returns how many were marked."""
+        shown = [w for w in self.query("UserMessage, Reply")
+                 if not w.has_class("dropped") and not w.has_class("refused")]
+        marked = shown[:n]
+        for w in marked:
+            w.add_class("dropped")
+            w.tooltip = "the model no longer sees this message"
+        if marked:
+            backend = getattr(self.app, "backend", None)
+            top = backend.info().max_position if backend is not None else None
+            cap = self.state.cap if self.state is not None else None
+            limit = (f"the cap of {cap:,}" if cap is not None and (top is None or cap <= top)
+                     else f"the model's maximum context of {top:,}" if top else "the limit")
+            self.add_notice(f"{plural(len(marked), 'message')} dimmed above: {policy or 'the policy'} dropped "
+                            f"{'it' if len(marked) == 1 else 'them'} to stay under {limit} tokens; the model no "
+                            "longer sees them (the transcript and the saved log keep them)")
+        return len(marked)
 
     async def on_turn_progress(self, msg: TurnProgress) -> None:
         p = msg.progress
@@ -224,6 +248,8 @@ class ChatView(Transcript):
             if msg.record is not None:
                 self.turns.append(msg.record)
                 self.context_tokens = msg.record.context_tokens
+                if msg.record.dropped_messages:
+                    self.mark_dropped(msg.record.dropped_messages, msg.record.policy)
         if msg.stats is not None:
             self.snapshot = msg.stats.cache
         self.refresh_state()

@@ -235,6 +235,7 @@ def cmd_info(args) -> int:
         print(f"--kv-budget {args.kv_budget}: {out['num_blocks']:,} blocks of {args.block_size} tokens = "
               f"{out['tokens_that_fit']:,} tokens")
     if args.tokens:
+        from .sizing_text import what_if_line
         print(what_if_line(w, human_bytes))
     return 0
 
@@ -275,19 +276,6 @@ def server_info(args) -> int:
           + (f" = {human_bytes(snap.capacity_bytes)}" if snap.capacity_bytes else "")
           + (f", {snap.server.usage:.0%} in use" if snap.server.usage is not None else ""))
     return 0
-
-
-def what_if_line(w, human_bytes) -> str:
-    """One sentence: what `w.users` conversations of `w.tokens` tokens cost, and if they fit."""
-    who = f"{w.users:,} conversations of {w.tokens:,} tokens" if w.users > 1 else f"{w.tokens:,} tokens"
-    scales = f" + {w.scale_bytes_per_token:,} B of scales" if w.scale_bytes_per_token else ""
-    line = (f"What if: {who} x {w.bytes_per_token:,} B{scales} per token = {w.bytes_needed / 1e9:,.2f} GB "
-            f"({human_bytes(w.bytes_needed)}) in {w.kv_dtype}")
-    if w.budget is None:
-        return line + "; give --kv-budget to compare it with a budget"
-    fit = (f"{w.users_that_fit:,} such conversation{'s fit' if w.users_that_fit != 1 else ' fits'} at a time"
-           if w.users_that_fit else "not even one such conversation fits")
-    return line + f": {w.share:.0%} of the {w.budget / 1e9:,.2f} GB budget; {fit}"
 
 
 def cmd_chat(args) -> int:

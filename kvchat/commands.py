@@ -170,6 +170,12 @@ def _system(text: str) -> str:
 RAW = {"system": _system}     # commands whose argument is the rest of the line, unsplit
 
 
+def _whatif(args, _themes) -> tuple[str, str, str | None]:
+    if len(args) not in (2, 3):
+        raise CommandError("usage: /whatif MODEL TOKENS [BUDGET], e.g. /whatif 70b 30000 15GB")
+    return args[0], args[1], (args[2] if len(args) == 3 else None)
+
+
 COMMANDS: dict[str, Spec] = {s.name: s for s in (
     Spec("help", "/help", "show keys and commands", _no_arg("help")),
     Spec("reset", "/reset", "free this conversation's cache; the next turn prefills everything", _no_arg("reset")),
@@ -193,6 +199,8 @@ COMMANDS: dict[str, Spec] = {s.name: s for s in (
     Spec("chats", "/chats", "browse saved conversations: open, rename, delete, search", _no_arg("chats")),
     Spec("edit", "/edit [N] | off", "edit your message N (default the last) and resend it; later ones are dropped",
          _edit),
+    Spec("whatif", "/whatif MODEL TOKENS [BUDGET]", "the KV cache a conversation of TOKENS takes on MODEL (bf16)",
+         _whatif),
     Spec("quit", "/quit", "quit", _no_arg("quit")),
     Spec("system", "/system TEXT", "set this conversation's system prompt (empty: none); shows the tokens it "
          "adds; it changes the shared prefix, so the next turn prefills from the start"),

@@ -15,6 +15,7 @@ from pathlib import Path
 
 from kvchat.engine.errors import KvchatError
 from kvchat.engine.policy import POLICIES
+from kvchat.engine.units import human_bytes
 
 from . import settings as settings_mod
 from .clipboard import copy_last
@@ -161,8 +162,10 @@ class Controls:
                 view.conversation_log.event("kv_dtype", value=now)
             chats = "every conversation's cache" if len(app.views) > 1 else "the cache"
             per_token = app.backend.info().bytes_per_token
-            return (f"KV pool rebuilt in {now}: {per_token or 0:,} B per token; "
-                    f"{chats} dropped, the next turn recomputes its history")
+            snap = app.backend.snapshot(app.view.chat)
+            return (f"KV pool rebuilt in {now}: {per_token or 0:,} B per token; the pool keeps its byte budget "
+                    f"({human_bytes(snap.capacity_bytes)}), so it holds {snap.num_blocks:,} blocks of "
+                    f"{snap.block_size} now; {chats} dropped, the next turn recomputes its history")
         app.run_op(f"rebuild the pool in {kv}", run)
 
     # ---- turns ------------------------------------------------------------------------------
@@ -246,6 +249,13 @@ class Controls:
         preview = "\n".join(lines[:4]) + (f"\n… ({len(lines) - 4:,} more lines)" if len(lines) > 4 else "")
         self.app.send(text, shown=f"/load {path} ({len(text):,} characters)\n{preview}", typed=f"/load {path}")
 
+    def what_if(self, model: str, tokens: str, budget: str | None) -> None:
+        from .sizing_text import what_if_command
+        try:
+            self.app.notice(what_if_command(model, tokens, budget))
+        except KvchatError as err:
+            self.app.notice(str(err), error=True)
+
     # ---- keys and commands -------------------------------------------------------------------
     def key_handlers(self) -> dict[str, Callable[[], None]]:
         """What each key of keys.KEYS does, by its action name."""
@@ -285,6 +295,7 @@ class Controls:
             "temperature": lambda: app.generation.set(temperature=arg),
             "top-p": lambda: app.generation.set(top_p=arg), "seed": lambda: app.generation.set(seed=arg),
             "model": self.model_info, "copy": lambda: copy_last(app, arg),
+            "whatif": lambda: self.what_if(*arg),
         }
         if cmd.name not in handlers:   # a command in COMMANDS without a handler here is a bug
             raise KvchatError(f"/{cmd.name} has no handler")

@@ -30,6 +30,14 @@ from .store import data_dir
 from .turn import Progress, relay
 
 
+# The worker waits for the UI to draw each batch before its next decode step: a redraw on
+# the UI thread during a step takes the GIL from it and shows up as that step's latency (the
+# plot measuring its own cost; scripts/redraw_cost.py measures both ways). The draw then
+# costs wall time between steps, at most UI_SHARE of it (turn.Governor), never step time.
+DRAW_BETWEEN_STEPS = True
+DRAW_WAIT_S = 0.5           # a UI that does not answer never holds the engine up longer
+
+
 class Busy(str, Enum):
     """What the backend is doing; None when idle. (A str, so `busy == "reply"` reads plainly.)"""
     LOAD = "load"
@@ -116,7 +124,10 @@ def run_turn(turn: RunningTurn, backend: Backend, sampling: SamplingParams,
 
     def emit(p: Progress) -> None:
         turn.prefilled = turn.prefilled or p.prefill is not None
-        view.post_message(TurnProgress(turn, p, shown[0]))
+        msg = TurnProgress(turn, p, shown[0])
+        view.post_message(msg)
+        if DRAW_BETWEEN_STEPS:
+            msg.drawn.wait(DRAW_WAIT_S)
     stats, error = None, None
     try:
         stats = relay(events, snapshot, emit, interval=interval)

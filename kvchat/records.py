@@ -81,7 +81,7 @@ class TurnRecord:
 _FIELDS = tuple(f.name for f in fields(TurnRecord) if f.name != "extra")
 
 STOP_WORDS = {None: "", "eos": "", "max_tokens": "max tokens reached", "cap": "stopped at the cap",
-              "cancelled": "stopped"}
+              "cancelled": "stopped", "max_position": "stopped at the model's maximum context"}
 
 
 def plural(n: int, word: str) -> str:

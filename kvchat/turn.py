@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from kvchat.engine.telemetry import CacheSnapshot, PrefillEvent, TokenEvent, TurnStats
+from kvchat.engine.telemetry import CacheSnapshot, PrefillEvent, PrefillProgress, TokenEvent, TurnStats
 
 INTERVAL_S = 0.125          # ~8 updates a second at most
 MAX_INTERVAL_S = 1.0        # and at least one a second
@@ -31,6 +31,7 @@ class Progress:
     snapshot: CacheSnapshot | None
     prefill: PrefillEvent | None
     generated: int                            # tokens so far this turn
+    prefill_progress: PrefillProgress | None = None   # the latest, while the prompt prefills
 
 
 class Governor:
@@ -73,14 +74,14 @@ def relay(events: Iterable, snapshot: Callable[[], CacheSnapshot], emit: Callabl
     cost = 0.0
     last = clock()
 
-    def flush(take_snapshot: bool) -> None:
+    def flush(take_snapshot: bool, progress: PrefillProgress | None = None) -> None:
         nonlocal text, points, prefill, cost, last
         snap = None
         if take_snapshot:
             t0 = clock()
             snap = snapshot()
             cost = clock() - t0
-        emit(Progress("".join(text), tuple(points), snap, prefill, generated))
+        emit(Progress("".join(text), tuple(points), snap, prefill, generated, progress))
         text, points, prefill = [], [], None
         last = clock()
 
@@ -89,6 +90,9 @@ def relay(events: Iterable, snapshot: Callable[[], CacheSnapshot], emit: Callabl
             if text or points:
                 flush(take_snapshot=False)   # the stats carry the final snapshot
             return ev
+        if isinstance(ev, PrefillProgress):
+            flush(take_snapshot=False, progress=ev)   # one per prefill chunk: few, each worth showing
+            continue
         if isinstance(ev, PrefillEvent):
             prefill = ev
             flush(take_snapshot=True)        # show prefix reuse before the first token

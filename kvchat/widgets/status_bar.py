@@ -23,15 +23,27 @@ class StatusBar(Widget):
     def render(self) -> Table:
         t = Table.grid(expand=True, padding=(0, 1))
         cells = []
+        width = self.content_size.width
+        state = fit_segments(self.state, width - 12) if width else self.state
         if self.warning:
             t.add_column(no_wrap=True)
             cells.append(Text(self.warning, style="bold reverse"))
+        room = width - len(state) - 2 - (len(self.warning) + 1 if self.warning else 0)
         t.add_column(no_wrap=True, overflow="ellipsis", ratio=3)
-        cells.append(Text(self.info, style="bold"))
+        cells.append(Text(fit_segments(self.info, room) if width else self.info, style="bold"))
         if self.note:
             t.add_column(no_wrap=True, overflow="ellipsis", ratio=2, justify="right")
             cells.append(Text(self.note, style="italic"))
         t.add_column(justify="right", no_wrap=True)
-        cells.append(Text(self.state))
+        cells.append(Text(state))
         t.add_row(*cells)
         return t
+
+
+def fit_segments(text: str, room: int, sep: str = " · ") -> str:
+    """Drop whole trailing " · " segments until text fits in room columns, so a narrow
+    terminal cuts the line between words, never inside one (the first segment stays)."""
+    parts = text.split(sep)
+    while len(parts) > 1 and len(sep.join(parts)) > room:
+        parts.pop()
+    return sep.join(parts)

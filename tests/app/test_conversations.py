@@ -63,7 +63,7 @@ async def test_a_second_conversation_shares_the_pool_and_the_block_map_shows_the
         assert snap.block_map.count(OTHER) == len(first.chat.block_table) > 0
         assert "other chats" in app.query_one(BlockMap).render().plain
         assert snap.tokens_held == app.view.chat.state().tokens_held    # the panels show the focused one
-        assert "chat 2 of 2" in app.query_one("StatusBar").info
+        assert "chat 2 · 2 open" in app.query_one("StatusBar").info
 
 
 async def test_switching_shows_each_conversations_own_transcript_latency_and_cap(running_app):
@@ -212,3 +212,17 @@ async def test_sink_window_is_offered_accepted_and_its_evictions_show_in_the_gau
         assert f"evicted {evicted:,} tokens" in gauge.render().plain
         blocks = app.view.turns[-1].evicted_blocks
         assert blocks == evicted // 16 and f"evicted {blocks} block" in screen_text(app)
+
+
+async def test_after_a_close_and_a_new_conversation_the_status_counts_the_open_ones(running_app):
+    """Numbers stay with their conversations (/switch N), so the status line says how many
+    are open rather than 'chat 4 of 3'."""
+    async with running_app() as (app, pilot):
+        await open_second(pilot)
+        await open_second(pilot)                       # conversations 1, 2, 3
+        await pilot.press("f9")                        # close 3
+        await wait_until(pilot, lambda: len(app.views) == 2 and app.busy is None, what="the close")
+        await pilot.press("ctrl+n")                    # opens 4
+        await wait_until(pilot, lambda: len(app.views) == 3 and app.busy is None, what="conversation 4")
+        info = app.query_one("StatusBar").info
+        assert app.view.number == 4 and "chat 4 · 3 open" in info and " of " not in info

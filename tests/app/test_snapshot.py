@@ -20,3 +20,26 @@ def test_the_screen_after_one_turn(snap_compare, fake):
         await pilot.pause()
 
     assert snap_compare(app, terminal_size=(140, 48), run_before=run_before)
+
+
+def _small_screen(fake):
+    app = make_app(fake, cap=256)
+
+    async def run_before(pilot) -> None:
+        app.query_one("#input").cursor_blink = False
+        await ready(pilot)
+        await send(pilot, "What does the KV cache hold?")
+        await pilot.pause()
+    return app, run_before
+
+
+def test_the_screen_at_80x24(snap_compare, fake):
+    """Panels hidden below 90 columns (ctrl+b shows them); the status line cut between
+    segments, not mid-word."""
+    app, run_before = _small_screen(fake)
+    assert snap_compare(app, terminal_size=(80, 24), run_before=run_before)
+
+
+def test_the_screen_at_100x30(snap_compare, fake):
+    app, run_before = _small_screen(fake)
+    assert snap_compare(app, terminal_size=(100, 30), run_before=run_before)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -59,7 +60,9 @@ def test_chat_in_tmux_shows_the_reply_and_the_panels_and_quits_cleanly(tmp_path)
         tmux.wait_for(lambda t: "F1 shows the keys" in t, timeout=240, what="loaded model")
         tmux.run("send-keys", "-t", tmux.session, "-l", "Name three colours.")
         tmux.run("send-keys", "-t", tmux.session, "Enter")
-        pane = tmux.wait_for(lambda t: "tok/s" in t, timeout=240, what="finished reply")
+        # the reply's stats line (the prefill status line also says tok/s)
+        pane = tmux.wait_for(lambda t: re.search(r"TTFT [\d.,]+ m?s · [\d.,]+ tok/s", t), timeout=240,
+                             what="finished reply")
 
         log = next((tmp_path / "data" / "conversations").glob("*.jsonl"))
         reply = next(json.loads(x) for x in log.read_text().splitlines() if '"type": "turn"' in x)["reply"]
@@ -67,6 +70,26 @@ def test_chat_in_tmux_shows_the_reply_and_the_panels_and_quits_cleanly(tmp_path)
         assert sum(w in pane for w in words if w) >= 3, (reply, pane)
         for panel in ("KV cache", "used", "per token", "context cap", "blocks", "occupancy", "latency"):
             assert panel in pane
+
+        # a long /load: the status line's prefill progress moves (512-token chunks on CPU),
+        # then escape stops it between chunks and the command is back in the input
+        long_file = Path(f"/tmp/kvchat-long-{os.getpid()}.txt")     # short: a long path wraps in the pane
+        long_file.write_text("\n".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(200)))
+        tmux.run("send-keys", "-t", tmux.session, "-l", f"/load {long_file}")
+        tmux.run("send-keys", "-t", tmux.session, "Enter")
+        seen: set[str] = set()
+
+        def progress_moved(text: str) -> bool:
+            m = re.search(r"prefilling [█░]+ ([\d,]+) / ([\d,]+) tokens", text)
+            if m:
+                seen.add(m[1])
+            return len(seen) >= 3          # 0, then two chunks done
+        tmux.wait_for(progress_moved, timeout=600, what="prefill progress moving")
+        tmux.run("send-keys", "-t", tmux.session, "Escape")
+        tmux.wait_for(lambda t: "prefill stopped at" in t, timeout=300, what="the prefill stopped")
+        # the refused message in the transcript, and the command back in the input
+        tmux.wait_for(lambda t: t.count(f"/load {long_file}") >= 2, timeout=30, what="the command in the input")
+        long_file.unlink()
 
         tmux.run("send-keys", "-t", tmux.session, "C-q")
         deadline = time.monotonic() + 30

@@ -59,3 +59,49 @@ def test_governor_slows_updates_when_the_ui_costs_too_much_and_speeds_up_when_ch
         cpu.t += 0.0025
         gov.tick()
     assert gov.interval == 0.1
+
+
+def test_relay_passes_each_prefill_progress_on_at_once_without_a_snapshot():
+    from kvchat.engine.telemetry import PrefillProgress
+    clock, out = Clock(), []
+
+    def turn():
+        for done in (0, 64, 128):
+            yield PrefillProgress(done, 128, done * 1.0)
+        yield from events(clock, 2, 0.01)
+    relay(turn(), lambda: None, out.append, interval=lambda: 10.0, clock=clock)
+    assert [p.prefill_progress.done for p in out[:3]] == [0, 64, 128]
+    assert all(p.snapshot is None and p.text == "" for p in out[:3])
+
+
+def test_the_worker_waits_for_each_batch_to_be_drawn_before_its_next_step(monkeypatch):
+    """A redraw during a step would take the GIL from it: run_turn holds the engine between
+    steps until the UI says it drew the batch (TurnProgress.drawn)."""
+    import threading
+    import types
+
+    from kvchat import jobs
+    from kvchat.engine.sampler import SamplingParams
+
+    chat = FakeBackend().open()
+    posted, undrawn_at_step = [], []
+
+    def send(text, sampling, cancel):
+        for ev in FakeBackend().open().send(text):
+            undrawn_at_step.append(sum(not m.drawn.is_set() for m in posted))
+            yield ev
+
+    def post_message(msg):
+        if hasattr(msg, "drawn"):
+            posted.append(msg)
+            threading.Timer(0.05, msg.drawn.set).start()   # the UI draws it a little later
+        return True
+    log = types.SimpleNamespace(sync=lambda *a: None, turn=lambda *a: None)
+    view = types.SimpleNamespace(chat=types.SimpleNamespace(send=send, state=chat.state), conversation_log=log,
+                                 post_message=post_message)
+    turn = types.SimpleNamespace(view=view, text="hi", cancel=threading.Event(), prefilled=False)
+    monkeypatch.setattr(jobs, "TurnProgress", lambda t, p, f: types.SimpleNamespace(drawn=threading.Event()))
+    monkeypatch.setattr(jobs, "TurnEnded", lambda *a, **k: object())
+    jobs.run_turn(turn, types.SimpleNamespace(snapshot=lambda chat: None), SamplingParams(), lambda: view,
+                  lambda: 0.0)
+    assert len(posted) > 2 and undrawn_at_step and max(undrawn_at_step) == 0
