@@ -28,6 +28,7 @@ from pathlib import Path
 
 from kvchat.engine.errors import KvchatError
 
+from . import floor as bench_floor
 from . import peers as bench_peers
 from . import report as bench_report
 from .history import FOLLOW_UP, SYSTEM, history
@@ -156,8 +157,11 @@ class Bench:
         self.base_kv = engine.kv_dtype
         renderer = engine.new_conversation()   # only its render() is used
         engine.close_conversation(renderer)
-        self.histories = {(ctx, run): history(renderer.render, engine.tokenizer, ctx, cfg.seed + 1000 * run + ctx)
+        fit = usable_history(engine, cfg)
+        self.histories = {(ctx, run): history(renderer.render, engine.tokenizer, min(ctx, fit),
+                                              cfg.seed + 1000 * run + ctx)
                           for ctx in cfg.contexts for run in range(cfg.runs)}
+        self.cut = {ctx: fit for ctx in cfg.contexts if ctx > fit}  # contexts shortened to fit
         self.t0 = time.perf_counter()
 
     def say(self, text: str) -> None:
@@ -210,6 +214,9 @@ class Bench:
         text, ids1 = self.histories[ctx, run]
         tag = f"context {ctx}, run {run + 1}/{cfg.runs}:"
         s = row.setdefault("kvchat", Series())
+        if ctx in self.cut:
+            s.note(f"history cut to {self.cut[ctx]:,} tokens, so that the timed reply and the next turn fit in "
+                   f"the model's {eng.geometry.max_position:,} positions")
         ids2 = self.ours(text, steps, s, "both")
         self.say(f"{tag} kvchat          prefill {s.prefill_ms[-1]:8.0f} ms, decode {_med(s.decode_ms[-steps:])} "
                  f"ms/token, next turn {s.ttft_reuse_ms[-1]:.0f} ms reusing / {s.ttft_reset_ms[-1]:.0f} ms after reset")
@@ -259,14 +266,22 @@ def _med(xs: list[float]) -> str:
 
 # ---- the command -----------------------------------------------------------------------------
 def check_fits(engine, cfg: BenchConfig) -> None:
+    """Contexts up to the model's positions are measured (the longest with its history cut so
+    that the timed reply and the next turn still fit); longer ones are refused."""
     g = engine.geometry
-    need = max(cfg.contexts) + 2 * cfg.new_tokens + NEXT_TURN_MARGIN
     limit = min(g.max_position, engine.spec.capacity_tokens)
-    if need > limit:
+    if max(cfg.contexts) > limit or usable_history(engine, cfg) <= 0:
         what = (f"{g.name} has {g.max_position} positions" if g.max_position <= engine.spec.capacity_tokens
                 else f"the KV pool holds {engine.spec.capacity_tokens} tokens (raise --kv-budget)")
-        raise KvchatError(f"--contexts {max(cfg.contexts)} with --new-tokens {cfg.new_tokens} needs about {need} "
-                          f"positions but {what}; use contexts up to {limit - 2 * cfg.new_tokens - NEXT_TURN_MARGIN}")
+        raise KvchatError(f"--contexts {max(cfg.contexts)} with --new-tokens {cfg.new_tokens} needs about "
+                          f"{max(cfg.contexts) + cfg.new_tokens + NEXT_TURN_MARGIN} positions but {what}; use contexts "
+                          f"up to {limit}")
+
+
+def usable_history(engine, cfg: BenchConfig) -> int:
+    """The longest history after which the timed reply and the next turn still fit."""
+    limit = min(engine.geometry.max_position, engine.spec.capacity_tokens)
+    return limit - cfg.new_tokens - NEXT_TURN_MARGIN
 
 
 def run(args) -> int:
@@ -285,7 +300,7 @@ def run(args) -> int:
     notes = [f"torch threads: {threads} for kvchat and transformers (one process)"]
     if cfg.peers:
         bench.hf = bench_peers.HFPeer(engine.source, engine.device, engine.dtype)
-        n_ctx = max(cfg.contexts) + 2 * cfg.new_tokens + NEXT_TURN_MARGIN
+        n_ctx = min(max(cfg.contexts) + 2 * cfg.new_tokens + NEXT_TURN_MARGIN, engine.geometry.max_position)
         bench.llama, why = bench_peers.load_llama_cpp(engine.source, args.model, n_ctx, threads)
         if bench.llama is None:
             notes.append(why)
@@ -296,7 +311,14 @@ def run(args) -> int:
         notes.append("peers not measured (--no-peers)")
 
     load0 = busy_note(notes)
+    weights = bench_floor.step_weight_bytes(engine.model)
+    buffer = int(1.5 * (weights + (max(cfg.contexts) + cfg.new_tokens + NEXT_TURN_MARGIN) * engine.bytes_per_token))
+    bench.say(f"measuring read bandwidth (sums over a {max(buffer, bench_floor.MIN_BUFFER) / 2**20:,.0f} MiB buffer)")
+    bw_before = bench_floor.measure_bandwidth(buffer)
     results = bench.measure()
+    bw_after = bench_floor.measure_bandwidth(buffer)
+    bw = bench_floor.Bandwidth(bw_before.buffer_bytes, bw_before.samples_ms + bw_after.samples_ms)
+    bench.say(f"read bandwidth {bw.gb_s:.1f} GB/s (best of {len(bw.samples_ms)}, before and after the run)")
 
     meta = {
         "command": cfg.command(args), "model": engine.describe(), "threads": threads,
@@ -306,8 +328,11 @@ def run(args) -> int:
                      "kvchat_commit": _commit()},
         "machine": {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
                     "load_average_before": load0, "load_average_after": _load()},
+        "floor": {"bandwidth": bw.to_dict(), "weight_bytes": weights,
+                  "method": "bytes one decode step reads (every weight once, plus the cache at the mean length of the "
+                            "timed steps) over the fastest timed torch.sum of a buffer larger than them, in this run"},
     }
-    summary = bench_report.summarise(results)
+    summary = bench_report.summarise(results, {"gb_s": bw.gb_s, "weight_bytes": weights, "new_tokens": cfg.new_tokens})
     try:  # the files first: minutes of measuring must survive a closed stdout (| head)
         if cfg.json_path is not None:
             bench_report.write_json(cfg.json_path, bench_report.record(results, meta, summary))
