@@ -63,6 +63,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, metavar="FILE", help="write the full record as JSON")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write a PNG plot")
     p.add_argument("--no-peers", action="store_true", help="measure kvchat only (no transformers, no llama.cpp)")
+    p.add_argument("--no-llama-cpp", action="store_true",
+                   help="skip the llama.cpp peer even when llama-cpp-python is installed (its spinning threads "
+                        "crawl on a machine whose cores are busy)")
     p.add_argument("--skip-nocache-above", type=int_at_least("--skip-nocache-above", 0), default=1024, metavar="N",
                    help="run the cache-off baseline only for contexts up to N tokens (default 1024; 0: never)")
     p.add_argument("--nocache-tokens", type=positive_int("--nocache-tokens"), default=8,
@@ -112,6 +115,7 @@ class BenchConfig:
     json_path: Path | None
     plot_path: Path | None
     peers: bool
+    llama_cpp: bool
     nocache_max: int
     nocache_tokens: int
     seed: int
@@ -120,7 +124,7 @@ class BenchConfig:
     def from_args(cls, args) -> BenchConfig:
         return cls(parse_contexts(args.contexts), args.new_tokens, args.runs,
                    output_path("--json", args.json), output_path("--plot", args.plot, ".png"),
-                   not args.no_peers, args.skip_nocache_above, args.nocache_tokens, args.seed)
+                   not args.no_peers, not args.no_llama_cpp, args.skip_nocache_above, args.nocache_tokens, args.seed)
 
     def command(self, args) -> str:
         parts = ["kvchat", "bench", "--contexts", ",".join(map(str, self.contexts)),
@@ -133,6 +137,8 @@ class BenchConfig:
             parts.append("--random-weights")
         if not self.peers:
             parts.append("--no-peers")
+        elif not self.llama_cpp:
+            parts.append("--no-llama-cpp")
         return " ".join(parts)
 
 
@@ -301,7 +307,8 @@ def run(args) -> int:
     if cfg.peers:
         bench.hf = bench_peers.HFPeer(engine.source, engine.device, engine.dtype)
         n_ctx = min(max(cfg.contexts) + 2 * cfg.new_tokens + NEXT_TURN_MARGIN, engine.geometry.max_position)
-        bench.llama, why = bench_peers.load_llama_cpp(engine.source, args.model, n_ctx, threads)
+        bench.llama, why = (bench_peers.load_llama_cpp(engine.source, args.model, n_ctx, threads) if cfg.llama_cpp
+                            else (None, "llama.cpp peer skipped (--no-llama-cpp)"))
         if bench.llama is None:
             notes.append(why)
             print(f"kvchat bench: {why}", file=sys.stderr, flush=True)
