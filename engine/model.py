@@ -144,6 +144,7 @@ class Llama:
             context_lens = torch.tensor([context], dtype=torch.int32, device=self.device)
             max_context = context
         x = self.embed[ids]                                               # (T, hidden)
+        last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             k_cache, v_cache, k_scale, v_scale = pool.layer(i)
             h = rms_norm(x, layer.attn_norm, g.norm_eps)
@@ -156,10 +157,15 @@ class Llama:
                 o = paged_decode(q, k_cache, v_cache, step.block_table[None], context_lens, self.scale,
                                  k_scale, v_scale, max_context=max_context,
                                  first_block=step.first_block)           # (1, hq, d)
+            elif i == last and last_only and t > 1:
+                # the last layer's K/V are written; only the last row's output reaches the logits
+                x, q = x[-1:], q[-1:]                                     # (1, hidden), (1, hq, d)
+                o = paged_prefill(q, k_cache, v_cache, step.block_table, step.prefix_len + t - 1, self.scale,
+                                  k_scale, v_scale, first_block=step.first_block)  # (1, hq, d)
             else:
                 o = paged_prefill(q, k_cache, v_cache, step.block_table, step.prefix_len, self.scale,
                                   k_scale, v_scale, first_block=step.first_block)  # (T, hq, d)
-            x = x + linear(o.reshape(t, hq * d), layer.wo)
+            x = x + linear(o.reshape(x.shape[0], hq * d), layer.wo)
             x = x + self._mlp(x, layer)
         return self._logits(x[-1:] if last_only else x)
 

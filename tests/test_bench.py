@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from kvchat.bench.peers import LLAMA_CPP_MISSING
-from kvchat.bench.report import Series, percentile, summarise
+from kvchat.bench.report import Series, floors, percentile, summarise
 from kvchat.cli import main
 from cli_helpers import fails_with
 
@@ -116,7 +116,41 @@ def test_summary_ratios_point_the_way_the_targets_read():
     hf = Series(decode_ms=[20.0], prefill_ms=[400.0], prefill_tokens=1000, ttft_reset_ms=[500.0])
     s = summarise({1024: {"kvchat": ours, "transformers": hf}})
     assert s == {"decode_ratio_vs_hf": {"1024": 0.5}, "prefill_ratio_vs_hf": {"1024": 4.0},
-                 "reuse_ttft_speedup_vs_hf": {"1024": 100.0}}
+                 "reuse_ttft_speedup_vs_hf": {"1024": 100.0}, "floor_ratio": {}, "fp8_ratio_vs_fp32": {}}
+
+
+def test_floor_is_the_bytes_a_step_reads_over_the_bandwidth():
+    """1 GB/s is 1e6 bytes per ms: 6e6 bytes of weights plus the cache at the timed steps'
+    mean length (tokens held minus half the steps) take 6 ms + that many ms."""
+    kv = {"tokens_held": 1040, "bytes_per_token": 1000, "scale_bytes": 0}
+    ours = Series(decode_ms=[24.0], kv=kv)
+    fp8 = Series(decode_ms=[30.0], kv={"tokens_held": 1040, "bytes_per_token": 250, "scale_bytes": 1040 * 10})
+    floor = {"gb_s": 1.0, "weight_bytes": 6_000_000, "new_tokens": 32}
+    rows = floors({1024: {"kvchat": ours, "kvchat_fp8": fp8}}, floor)
+    assert rows[0]["cache_bytes"] == 1024 * 1000 and rows[0]["floor_ms"] == pytest.approx(7.024)
+    assert rows[0]["fp8_cache_bytes"] == 1024 * 260
+    s = summarise({1024: {"kvchat": ours, "kvchat_fp8": fp8}}, floor)
+    assert s["floor_ratio"] == {"1024": pytest.approx(24.0 / 7.024, rel=1e-3)}
+    assert s["fp8_ratio_vs_fp32"] == {"1024": 1.25}
+
+
+def test_bench_json_holds_the_floor_and_its_ratios(bench_run):
+    rec = json.loads(bench_run["json"].read_text())
+    assert rec["floor"]["bandwidth"]["gb_s"] > 0 and rec["floor"]["weight_bytes"] > 0
+    assert set(rec["summary"]["floor_ratio"]) == {"32", "64"}
+    assert set(rec["summary"]["fp8_ratio_vs_fp32"]) == {"32", "64"}
+    assert all(v > 0 for v in rec["summary"]["floor_ratio"].values())
+    assert "| context | weights read | cache read | floor ms |" in bench_run["out"]
+
+
+def test_a_tied_models_step_reads_each_weight_once():
+    from kvchat.bench.floor import step_weight_bytes
+    from kvchat.engine.geometry import Geometry
+    from kvchat.engine.weights import random_model
+    geom = Geometry("tiny", n_layers=1, hidden=64, n_heads=2, n_kv_heads=1, head_dim=32, intermediate=128,
+                    vocab_size=100, rope_theta=10000.0, max_position=64, tie_embeddings=True)
+    model = random_model(geom, torch.device("cpu"), torch.float32, seed=0)
+    assert step_weight_bytes(model) == model.weight_bytes
 
 
 def test_percentiles_interpolate_between_ranks():

@@ -28,6 +28,7 @@ from pathlib import Path
 
 from kvchat.engine.errors import KvchatError
 
+from . import floor as bench_floor
 from . import peers as bench_peers
 from . import report as bench_report
 from .history import FOLLOW_UP, SYSTEM, history
@@ -62,6 +63,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--json", default=None, metavar="FILE", help="write the full record as JSON")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write a PNG plot")
     p.add_argument("--no-peers", action="store_true", help="measure kvchat only (no transformers, no llama.cpp)")
+    p.add_argument("--no-llama-cpp", action="store_true",
+                   help="skip the llama.cpp peer even when llama-cpp-python is installed (its spinning threads "
+                        "crawl on a machine whose cores are busy)")
     p.add_argument("--skip-nocache-above", type=int_at_least("--skip-nocache-above", 0), default=1024, metavar="N",
                    help="run the cache-off baseline only for contexts up to N tokens (default 1024; 0: never)")
     p.add_argument("--nocache-tokens", type=positive_int("--nocache-tokens"), default=8,
@@ -111,6 +115,7 @@ class BenchConfig:
     json_path: Path | None
     plot_path: Path | None
     peers: bool
+    llama_cpp: bool
     nocache_max: int
     nocache_tokens: int
     seed: int
@@ -119,7 +124,7 @@ class BenchConfig:
     def from_args(cls, args) -> BenchConfig:
         return cls(parse_contexts(args.contexts), args.new_tokens, args.runs,
                    output_path("--json", args.json), output_path("--plot", args.plot, ".png"),
-                   not args.no_peers, args.skip_nocache_above, args.nocache_tokens, args.seed)
+                   not args.no_peers, not args.no_llama_cpp, args.skip_nocache_above, args.nocache_tokens, args.seed)
 
     def command(self, args) -> str:
         parts = ["kvchat", "bench", "--contexts", ",".join(map(str, self.contexts)),
@@ -132,6 +137,8 @@ class BenchConfig:
             parts.append("--random-weights")
         if not self.peers:
             parts.append("--no-peers")
+        elif not self.llama_cpp:
+            parts.append("--no-llama-cpp")
         if getattr(args, "server", None):
             parts += ["--server", args.server]
         return " ".join(parts)
@@ -159,8 +166,11 @@ class Bench:
         self.base_kv = engine.kv_dtype
         renderer = engine.new_conversation()   # only its render() is used
         engine.close_conversation(renderer)
-        self.histories = {(ctx, run): history(renderer.render, engine.tokenizer, ctx, cfg.seed + 1000 * run + ctx)
+        fit = usable_history(engine, cfg)
+        self.histories = {(ctx, run): history(renderer.render, engine.tokenizer, min(ctx, fit),
+                                              cfg.seed + 1000 * run + ctx)
                           for ctx in cfg.contexts for run in range(cfg.runs)}
+        self.cut = {ctx: fit for ctx in cfg.contexts if ctx > fit}  # contexts shortened to fit
         self.t0 = time.perf_counter()
 
     def say(self, text: str) -> None:
@@ -213,6 +223,9 @@ class Bench:
         text, ids1 = self.histories[ctx, run]
         tag = f"context {ctx}, run {run + 1}/{cfg.runs}:"
         s = row.setdefault("kvchat", Series())
+        if ctx in self.cut:
+            s.note(f"history cut to {self.cut[ctx]:,} tokens, so that the timed reply and the next turn fit in "
+                   f"the model's {eng.geometry.max_position:,} positions")
         ids2 = self.ours(text, steps, s, "both")
         self.say(f"{tag} kvchat          prefill {s.prefill_ms[-1]:8.0f} ms, decode {_med(s.decode_ms[-steps:])} "
                  f"ms/token, next turn {s.ttft_reuse_ms[-1]:.0f} ms reusing / {s.ttft_reset_ms[-1]:.0f} ms after reset")
@@ -268,14 +281,22 @@ def _med(xs: list[float]) -> str:
 
 # ---- the command -----------------------------------------------------------------------------
 def check_fits(engine, cfg: BenchConfig) -> None:
+    """Contexts up to the model's positions are measured (the longest with its history cut so
+    that the timed reply and the next turn still fit); longer ones are refused."""
     g = engine.geometry
-    need = max(cfg.contexts) + 2 * cfg.new_tokens + NEXT_TURN_MARGIN
     limit = min(g.max_position, engine.spec.capacity_tokens)
-    if need > limit:
+    if max(cfg.contexts) > limit or usable_history(engine, cfg) <= 0:
         what = (f"{g.name} has {g.max_position} positions" if g.max_position <= engine.spec.capacity_tokens
                 else f"the KV pool holds {engine.spec.capacity_tokens} tokens (raise --kv-budget)")
-        raise KvchatError(f"--contexts {max(cfg.contexts)} with --new-tokens {cfg.new_tokens} needs about {need} "
-                          f"positions but {what}; use contexts up to {limit - 2 * cfg.new_tokens - NEXT_TURN_MARGIN}")
+        raise KvchatError(f"--contexts {max(cfg.contexts)} with --new-tokens {cfg.new_tokens} needs about "
+                          f"{max(cfg.contexts) + cfg.new_tokens + NEXT_TURN_MARGIN} positions but {what}; use contexts "
+                          f"up to {limit}")
+
+
+def usable_history(engine, cfg: BenchConfig) -> int:
+    """The longest history after which the timed reply and the next turn still fit."""
+    limit = min(engine.geometry.max_position, engine.spec.capacity_tokens)
+    return limit - cfg.new_tokens - NEXT_TURN_MARGIN
 
 
 def run(args) -> int:
@@ -294,8 +315,9 @@ def run(args) -> int:
     notes = [f"torch threads: {threads} for kvchat and transformers (one process)"]
     if cfg.peers:
         bench.hf = bench_peers.HFPeer(engine.source, engine.device, engine.dtype)
-        n_ctx = max(cfg.contexts) + 2 * cfg.new_tokens + NEXT_TURN_MARGIN
-        bench.llama, why = bench_peers.load_llama_cpp(engine.source, args.model, n_ctx, threads)
+        n_ctx = min(max(cfg.contexts) + 2 * cfg.new_tokens + NEXT_TURN_MARGIN, engine.geometry.max_position)
+        bench.llama, why = (bench_peers.load_llama_cpp(engine.source, args.model, n_ctx, threads) if cfg.llama_cpp
+                            else (None, "llama.cpp peer skipped (--no-llama-cpp)"))
         if bench.llama is None:
             notes.append(why)
             print(f"kvchat bench: {why}", file=sys.stderr, flush=True)
@@ -310,11 +332,18 @@ def run(args) -> int:
         notes.append(bench.server.describe())
 
     load0 = busy_note(notes)
+    weights = bench_floor.step_weight_bytes(engine.model)
+    buffer = int(1.5 * (weights + (max(cfg.contexts) + cfg.new_tokens + NEXT_TURN_MARGIN) * engine.bytes_per_token))
+    bench.say(f"measuring read bandwidth (sums over a {max(buffer, bench_floor.MIN_BUFFER) / 2**20:,.0f} MiB buffer)")
+    bw_before = bench_floor.measure_bandwidth(buffer)
     try:
         results = bench.measure()
     finally:
         if bench.server is not None:
             bench.server.close()
+    bw_after = bench_floor.measure_bandwidth(buffer)
+    bw = bench_floor.Bandwidth(bw_before.buffer_bytes, bw_before.samples_ms + bw_after.samples_ms)
+    bench.say(f"read bandwidth {bw.gb_s:.1f} GB/s (best of {len(bw.samples_ms)}, before and after the run)")
 
     meta = {
         "command": cfg.command(args), "model": engine.describe(), "threads": threads,
@@ -324,8 +353,11 @@ def run(args) -> int:
                      "kvchat_commit": _commit()},
         "machine": {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
                     "load_average_before": load0, "load_average_after": _load()},
+        "floor": {"bandwidth": bw.to_dict(), "weight_bytes": weights,
+                  "method": "bytes one decode step reads (every weight once, plus the cache at the mean length of the "
+                            "timed steps) over the fastest timed torch.sum of a buffer larger than them, in this run"},
     }
-    summary = bench_report.summarise(results)
+    summary = bench_report.summarise(results, {"gb_s": bw.gb_s, "weight_bytes": weights, "new_tokens": cfg.new_tokens})
     try:  # the files first: minutes of measuring must survive a closed stdout (| head)
         if cfg.json_path is not None:
             bench_report.write_json(cfg.json_path, bench_report.record(results, meta, summary))

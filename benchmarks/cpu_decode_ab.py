@@ -1,0 +1,95 @@
+"""Before and after, in one process: decode steps of the bundled model through another
+checkout's engine (`--before`, e.g. main's `engine/` folder) and this checkout's, on the same
+weights, the same pool and the same tokens, taken in turn round after round so that a
+changing load touches both alike.
+
+    python benchmarks/cpu_decode_ab.py --before /path/to/other/checkout/engine \
+        [--contexts 1024,4096,8192] [--kv fp32,fp8] [--steps 8] [--rounds 5] [--threads 2]
+
+Prints, per context and KV dtype, the median over rounds of each round's median ms/step for
+both, their ratio, and the 1-minute load before and after.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # this checkout's kvchat, not an installed one
+
+from kvchat.engine import Engine, EngineConfig  # noqa: E402
+from kvchat.engine.kv_cache import KVPool, plan_pool  # noqa: E402
+from kvchat.engine.model import Step  # noqa: E402
+
+
+def load_engine_package(folder: Path, name: str = "before_engine"):
+    """Another checkout's engine/ folder as a package of its own name."""
+    spec = importlib.util.spec_from_file_location(name, folder / "__init__.py", submodule_search_locations=[str(folder)])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--before", required=True, type=Path, help="another checkout's engine/ folder")
+    ap.add_argument("--contexts", default="1024,4096,8192")
+    ap.add_argument("--kv", default="fp32,fp8")
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=2)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    load0 = os.getloadavg()[0]
+    eng = Engine(EngineConfig(kv_budget="16MiB"))
+    m, g = eng.model, eng.geometry
+    before_pkg = load_engine_package(args.before.resolve())
+    from importlib import import_module
+    bmodel = import_module("before_engine.model")
+    old = bmodel.Llama(g, m.embed, m.layers, m.norm, m.lm_head)
+    contexts = [int(c) for c in args.contexts.split(",")]
+    kvs = args.kv.split(",")
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, g.vocab_size, (max(contexts) + args.steps,), generator=gen)
+    print(f"# decode ms/step, before ({args.before}) and after ({ROOT}), {args.threads} threads, "
+          f"torch {torch.__version__}", flush=True)
+    rows = []
+    for kv in kvs:
+        for c in contexts:
+            spec = plan_pool(g, kv, 2 * (c + args.steps + 16) * g.kv_bytes_per_token(kv), 16)
+            pool = KVPool(g, spec, eng.device)
+            table = torch.arange(spec.num_blocks, dtype=torch.int32)
+            with torch.inference_mode():
+                m.forward(ids[:c], torch.arange(c), Step(table, torch.arange(c), 0, False), pool)
+            times = {"before": [], "after": []}
+            for _ in range(args.rounds):
+                for name, model, step_cls in (("before", old, bmodel.Step), ("after", m, Step)):
+                    xs = []
+                    with torch.inference_mode():
+                        for p in range(c, c + args.steps):  # rewrites the same rows each round
+                            t0 = time.perf_counter()
+                            model.forward(ids[p:p + 1], torch.tensor([p]),
+                                          step_cls(table, torch.tensor([p]), p, True, first_block=0), pool)
+                            xs.append((time.perf_counter() - t0) * 1000)
+                    times[name].append(statistics.median(xs))
+            b, a = statistics.median(times["before"]), statistics.median(times["after"])
+            rows.append((kv, c, b, a))
+            print(f"{kv} {c}: before {b:.1f} ms ({', '.join(f'{x:.0f}' for x in times['before'])}), "
+                  f"after {a:.1f} ms ({', '.join(f'{x:.0f}' for x in times['after'])})", flush=True)
+    print(f"\n1-minute load {load0:.1f} before, {os.getloadavg()[0]:.1f} after\n\n"
+          "| KV cache | context | before ms/step | after ms/step | after ÷ before |\n|---|---:|---:|---:|---:|")
+    for kv, c, b, a in rows:
+        print(f"| {kv} | {c} | {b:.1f} | {a:.1f} | {a / b:.2f} |")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
