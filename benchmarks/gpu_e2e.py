@@ -27,6 +27,15 @@ def make_engine(s: Setup, budget_tokens: int):
         engine_mod.load_tokenizer = real
 
 
+def drain(chunks):
+    """Run a generator to its end; its return value."""
+    while True:
+        try:
+            next(chunks)
+        except StopIteration as done:
+            return done.value
+
+
 def engine_decode_ms(s: Setup, engine, ctx: int, fused: bool = True) -> float:
     """Fill a conversation's cache with ctx random tokens (prefill), then time decode steps
     the way Conversation's turn loop runs them: make room, decode, read the greedy token.
@@ -41,7 +50,7 @@ def engine_decode_ms(s: Setup, engine, ctx: int, fused: bool = True) -> float:
     try:
         ids = torch.randint(0, s.geom.vocab_size, (ctx,)).tolist()
         conv.reserve(ctx)
-        logits = conv._prefill(ids, 0)
+        logits = drain(conv._prefill(ids, 0))      # it yields tokens done per chunk, returns the logits
         token, pos = int(logits.argmax()), ctx
         times = []
         for i in range(s.decode_steps + 3):

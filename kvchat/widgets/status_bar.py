@@ -2,7 +2,7 @@
 in the middle, what kvchat is doing on the right; a warning (random weights) before all."""
 from __future__ import annotations
 
-from rich.table import Table
+from rich.cells import cell_len
 from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
@@ -20,30 +20,35 @@ class StatusBar(Widget):
     warning: reactive[str] = reactive("")
     """what the user must not miss: "random weights: gibberish by design\""""
 
-    def render(self) -> Table:
-        t = Table.grid(expand=True, padding=(0, 1))
-        cells = []
-        width = self.content_size.width
-        state = fit_segments(self.state, width - 12) if width else self.state
-        if self.warning:
-            t.add_column(no_wrap=True)
-            cells.append(Text(self.warning, style="bold reverse"))
-        room = width - len(state) - 2 - (len(self.warning) + 1 if self.warning else 0)
-        t.add_column(no_wrap=True, overflow="ellipsis", ratio=3)
-        cells.append(Text(fit_segments(self.info, room) if width else self.info, style="bold"))
-        if self.note:
-            t.add_column(no_wrap=True, overflow="ellipsis", ratio=2, justify="right")
-            cells.append(Text(self.note, style="italic"))
-        t.add_column(justify="right", no_wrap=True)
-        cells.append(Text(state))
-        t.add_row(*cells)
-        return t
+    def render(self) -> Text:
+        """One line laid out by hand: the warning, the settings (whole segments only), the
+        note if there is room for it, and the state on the right."""
+        width = self.content_size.width or 200
+        state = fit_segments(self.state, max(width - 12, 8))
+        warning = f"{self.warning} " if self.warning else ""
+        room = width - cell_len(warning) - cell_len(state) - 1
+        info = fit_segments(self.info, room)
+        note = fit_segments(self.note, room - cell_len(info) - 3) if self.note else ""
+        if note and cell_len(note) > room - cell_len(info) - 3:
+            note = ""                      # no room even for its first segment: the log keeps it
+        line = Text(no_wrap=True, overflow="crop")
+        if warning:
+            line.append(self.warning, style="bold reverse").append(" ")
+        line.append(info, style="bold")
+        gap = width - cell_len(warning) - cell_len(info) - cell_len(state)
+        if note:
+            pad = gap - cell_len(note) - 1
+            line.append(" " * max(pad, 2)).append(note, style="italic").append(" ")
+        else:
+            line.append(" " * max(gap, 1))
+        line.append(state)
+        return line
 
 
 def fit_segments(text: str, room: int, sep: str = " · ") -> str:
     """Drop whole trailing " · " segments until text fits in room columns, so a narrow
     terminal cuts the line between words, never inside one (the first segment stays)."""
     parts = text.split(sep)
-    while len(parts) > 1 and len(sep.join(parts)) > room:
+    while len(parts) > 1 and cell_len(sep.join(parts)) > room:
         parts.pop()
     return sep.join(parts)

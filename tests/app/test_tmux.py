@@ -109,7 +109,7 @@ def tmux_key(key: str) -> str:
     return prefix + name
 
 
-DIALOGS = {"help", "choose_policy", "palette"}      # keys that open a dialog; escape closes it
+DIALOGS = {"help", "choose_policy", "palette", "chat_browser"}   # keys that open a dialog; escape closes it
 
 
 def test_every_default_key_reaches_the_app_in_tmux_with_its_prefix_on_ctrl_b(tmp_path):
