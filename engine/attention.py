@@ -310,7 +310,8 @@ def _scratch(name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
     L2's size, allocated anew each time, cost page faults that showed as system time."""
     buf = getattr(_SCRATCH, name, None)
     if buf is None or buf.numel() < n or buf.dtype != dtype:
-        buf = torch.empty(n, dtype=dtype)
+        with torch.inference_mode(False):   # a normal tensor: writable inside and outside inference mode
+            buf = torch.empty(n, dtype=dtype)
         setattr(_SCRATCH, name, buf)
     return buf[:n]
 

@@ -168,8 +168,8 @@ class Chats(RuleBasedStateMachine):
             assert len(conv.block_table) == -(-conv.tokens_held // bs)
             if conv.mode == "off":
                 assert conv.tokens_held == 0
-            if conv.streaming:
-                assert conv.tokens_held <= conv.cap
+            if conv.streaming:         # the window: the cap, or the model's maximum without one
+                assert conv.tokens_held <= conv.limit
 
     def teardown(self):
         for conv in self.convs:
