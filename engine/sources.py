@@ -246,8 +246,8 @@ def convert_gguf(gguf: Path) -> Path:
         # its de-quantizing progress bar ignores the switch above; keep stderr to one line an error
         with contextlib.redirect_stderr(io.StringIO()):
             import torch
-            model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32,
-                                                         trust_remote_code=False)
+            model = AutoModelForCausalLM.from_pretrained(gguf.parent, trust_remote_code=False, gguf_file=gguf.name,
+                                                         dtype=torch.float32)
             tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name, trust_remote_code=False)
     except Exception as err:  # transformers raises many types for a bad GGUF
         detail = " ".join(str(err).split())[:300]

@@ -17,24 +17,21 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
 from textual import events
 from textual.app import App, ComposeResult
 from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.message import Message
 from textual.widgets import ContentSwitcher, Footer, ProgressBar
 
 from kvchat.engine.errors import KvchatError
-from kvchat.engine.sampler import SamplingParams
 from kvchat.engine.telemetry import CacheSnapshot
 
 from . import keys, theming
 from .backends.protocol import BLOCK_MAP, Backend
 from .browser import Browser
-from .chat_view import ChatOptions, ChatView, RunningTurn, TurnEnded, TurnProgress, open_chat
+from .chat_view import ChatView, RunningTurn, TurnEnded, TurnProgress, open_chat
 from .commands import CommandError, message_text, parse
 from .controls import Controls
 from .conversations import Conversations
@@ -47,37 +44,13 @@ from .palette import KvchatCommands
 from .prefill_line import prefill_line
 from .records import plural
 from .settings import Settings
-from .store import Restored
+from .startup import AppOptions, BackendFailed, BackendReady
 from .turn import Governor
 from .widgets import BlockMap, CachePanel, CapGauge, ChatInput, ConversationBar, LatencyPanel, StatusBar
 
 NARROW = 90   # below this many columns the panels hide themselves (F6 shows them)
 RANDOM_WEIGHTS = ("random weights (--random-weights): the text is gibberish by design; the cache, its blocks "
                   "and the latency are real")
-RANDOM_WEIGHTS_SHORT = "random weights: gibberish by design"
-
-
-@dataclass(slots=True)
-class AppOptions:
-    model: str                                  # a label for the loading line
-    sampling: SamplingParams
-    chat: ChatOptions = field(default_factory=ChatOptions)
-    theme: str = "dark"
-    restored: Restored | None = None            # --resume
-    reopen: list[Path] = field(default_factory=list)   # --resume: the others open at the last quit
-    data_root: Path | None = None               # None: the platform's user data dir
-
-
-class BackendReady(Message):
-    def __init__(self, backend: Backend, seconds: float) -> None:
-        super().__init__()
-        self.backend, self.seconds = backend, seconds
-
-
-class BackendFailed(Message):
-    def __init__(self, error: str) -> None:
-        super().__init__()
-        self.error = error
 
 
 class KvChatApp(App[int], inherit_bindings=False):
@@ -203,14 +176,8 @@ class KvChatApp(App[int], inherit_bindings=False):
         self.part(StatusBar).state = state
 
     def update_status(self) -> None:
-        info, s = self.backend.info(), self.view.state
-        cap = f"cap {s.cap:,}" if s.cap else "no cap"
-        # numbers stay with their conversations (/switch N): after a close, "of N" would lie
-        chat = f"chat {self.view.number} · {len(self.views)} open · " if len(self.views) > 1 else ""
-        self.part(StatusBar).info = (
-            f"{chat}{info.model} · {info.device} · {info.dtype} · KV {info.kv_dtype} · "
-            f"cache {'on' if s.mode == 'cache' else 'off'} · {cap} · {s.policy} · {describe_sampling(self.options.sampling)}")
-        self.part(StatusBar).warning = RANDOM_WEIGHTS_SHORT if info.random_weights else ""
+        self.part(StatusBar).show_settings(self.backend.info(), self.view.state, self.view.number, len(self.views),
+                                           describe_sampling(self.options.sampling))
 
     def status_note(self, text: str) -> None:
         """A setting's change (cap, policy, theme, sampling, a copy): the status line says it

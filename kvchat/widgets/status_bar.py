@@ -8,6 +8,9 @@ from textual.reactive import reactive
 from textual.widget import Widget
 
 
+RANDOM_WEIGHTS_SHORT = "random weights: gibberish by design"
+
+
 class StatusBar(Widget):
     DEFAULT_CSS = "StatusBar { height: 1; background: $panel; padding: 0 1; }"
 
@@ -19,6 +22,15 @@ class StatusBar(Widget):
     """the last setting changed: "cap 2,048 tokens", "theme light", ..."""
     warning: reactive[str] = reactive("")
     """what the user must not miss: "random weights: gibberish by design\""""
+
+    def show_settings(self, info, state, number: int, open_chats: int, sampling: str) -> None:
+        """The model and the focused conversation's settings (a BackendInfo and a ChatState)."""
+        cap = f"cap {state.cap:,}" if state.cap else "no cap"
+        # numbers stay with their conversations (/switch N): after a close, "of N" would lie
+        chat = f"chat {number} · {open_chats} open · " if open_chats > 1 else ""
+        self.info = (f"{chat}{info.model} · {info.device} · {info.dtype} · KV {info.kv_dtype} · "
+                     f"cache {'on' if state.mode == 'cache' else 'off'} · {cap} · {state.policy} · {sampling}")
+        self.warning = RANDOM_WEIGHTS_SHORT if info.random_weights else ""
 
     def render(self) -> Text:
         """One line laid out by hand: the warning, the settings (whole segments only), the
