@@ -236,7 +236,7 @@ def cmd_info(args) -> int:
               f"{out['tokens_that_fit']:,} tokens")
     if args.tokens:
         from .sizing_text import what_if_line
-        print(what_if_line(w, human_bytes))
+        print(what_if_line(w))
     return 0
 
 

@@ -52,17 +52,22 @@ def _one(name: str, usage: str, args: list[str]) -> str:
     return args[0]
 
 
+def token_count(name: str, text: str, alternative: str = "") -> int:
+    """A positive whole number of tokens (1,024 and 1_024 read as 1024)."""
+    try:
+        value = int(text.replace("_", "").replace(",", ""))
+    except ValueError:
+        raise CommandError(f"/{name} needs a whole number of tokens{alternative}, got {text!r}") from None
+    if value <= 0:
+        raise CommandError(f"/{name} must be a positive number of tokens, got {value}")
+    return value
+
+
 def _cap(args, _themes) -> int | None:
     text = _one("cap", "/cap N (tokens) or /cap off", args)
     if text.lower() in ("off", "none"):
         return None
-    try:
-        value = int(text.replace("_", "").replace(",", ""))
-    except ValueError:
-        raise CommandError(f"/cap needs a whole number of tokens or 'off', got {text!r}") from None
-    if value <= 0:
-        raise CommandError(f"/cap must be a positive number of tokens, got {value}")
-    return value
+    return token_count("cap", text, " or 'off'")
 
 
 def _choice(name: str, accepted: Sequence[str], aliases: dict[str, str] | None = None):

@@ -20,7 +20,7 @@ from kvchat.engine.units import human_bytes
 from . import settings as settings_mod
 from .clipboard import copy_last
 from .backends.protocol import CACHE_TOGGLE, KV_DTYPE, REGENERATE, RESET, SINK_WINDOW
-from .commands import Command, CommandError, read_message_file
+from .commands import Command, CommandError, read_message_file, token_count
 from .conversations import Conversations
 from .host import Host
 from .jobs import Busy
@@ -252,8 +252,8 @@ class Controls:
     def what_if(self, model: str, tokens: str, budget: str | None) -> None:
         from .sizing_text import what_if_command
         try:
-            self.app.notice(what_if_command(model, tokens, budget))
-        except KvchatError as err:
+            self.app.notice(what_if_command(model, token_count("whatif", tokens), budget))
+        except (KvchatError, CommandError) as err:
             self.app.notice(str(err), error=True)
 
     # ---- keys and commands -------------------------------------------------------------------

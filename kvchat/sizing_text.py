@@ -2,19 +2,22 @@
 same arithmetic (kvchat/engine/sizing.py) says the same thing in both."""
 from __future__ import annotations
 
-from kvchat.engine.errors import KvchatError
 from kvchat.engine.sizing import WhatIf, what_if
 from kvchat.engine.units import human_bytes, parse_bytes
 
 
-def what_if_line(w: WhatIf, human_bytes=human_bytes) -> str:
-    """One sentence: what `w.users` conversations of `w.tokens` tokens cost, and if they fit."""
+NO_BUDGET = "give --kv-budget to compare it with a budget"
+
+
+def what_if_line(w: WhatIf, no_budget: str = NO_BUDGET) -> str:
+    """One sentence: what `w.users` conversations of `w.tokens` tokens cost, and if they fit
+    (without a budget, `no_budget` says how to give one)."""
     who = f"{w.users:,} conversations of {w.tokens:,} tokens" if w.users > 1 else f"{w.tokens:,} tokens"
     scales = f" + {w.scale_bytes_per_token:,} B of scales" if w.scale_bytes_per_token else ""
     line = (f"What if: {who} x {w.bytes_per_token:,} B{scales} per token = {w.bytes_needed / 1e9:,.2f} GB "
             f"({human_bytes(w.bytes_needed)}) in {w.kv_dtype}")
     if w.budget is None:
-        return line + "; give --kv-budget to compare it with a budget"
+        return f"{line}; {no_budget}"
     fit = (f"{w.users_that_fit:,} such conversation{'s fit' if w.users_that_fit != 1 else ' fits'} at a time"
            if w.users_that_fit else "not even one such conversation fits")
     return line + f": {w.share:.0%} of the {w.budget / 1e9:,.2f} GB budget; {fit}"
@@ -29,21 +32,11 @@ def short_alias(model: str) -> str:
     return ends[0] if m not in KNOWN and len(ends) == 1 else model
 
 
-def what_if_command(model: str, tokens: str, budget: str | None = None, kv_dtype: str = "bf16") -> str:
+def what_if_command(model: str, tokens: int, budget: str | None = None, kv_dtype: str = "bf16") -> str:
     """The app's `/whatif MODEL TOKENS [BUDGET]`: the model's geometry from the known table
     (or a local folder; no weights read), each model in its serving dtype (bf16 unless
     given). Raises KvchatError naming a bad value."""
     from kvchat.engine.sources import resolve
-    try:
-        n = int(tokens.replace(",", "").replace("_", ""))
-    except ValueError:
-        raise KvchatError(f"/whatif needs a whole number of tokens, got {tokens!r}") from None
-    if n <= 0:
-        raise KvchatError(f"/whatif needs a positive number of tokens, got {n}")
     src = resolve(short_alias(model), random_weights=True)        # geometry only
-    w = what_if(src.geometry, kv_dtype, n, 1, parse_bytes(budget) if budget else None)
-    line = f"{src.name}: " + what_if_line(w)
-    if budget is None:
-        line = line.replace("give --kv-budget to compare it with a budget",
-                            f"add a budget to compare, e.g. /whatif {model} {tokens} 15GB")
-    return line
+    w = what_if(src.geometry, kv_dtype, tokens, 1, parse_bytes(budget) if budget else None)
+    return f"{src.name}: " + what_if_line(w, f"add a budget to compare, e.g. /whatif {model} {tokens} 15GB")
