@@ -59,8 +59,8 @@ def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
 
 
 def decode_round(model, engine, ids: list[int], kv_dtype: str, context: int, steps: int) -> float:
-    """Prefill `context` ids, then time `steps` decode steps (first_block given, as the engine
-    does for a fresh pool). Returns the median ms/step."""
+    """Prefill `context` ids, then time `steps` decode steps (the table's runs given, as the engine
+    gives them). Returns the median ms/step."""
     pool, table = pool_for(engine, kv_dtype, context + steps)
     pos = torch.arange(context)
     model.forward(torch.tensor(ids[:context]), pos, Step(table, pos, 0, False), pool)
@@ -68,7 +68,7 @@ def decode_round(model, engine, ids: list[int], kv_dtype: str, context: int, ste
     for p in range(context, context + steps):
         t0 = time.perf_counter()
         model.forward(torch.tensor([ids[p]]), torch.tensor([p]), Step(table, torch.tensor([p]), p, True,
-                                                                      first_block=0), pool)
+                                                                      runs=((0, pool.spec.num_blocks),)), pool)
         times.append((time.perf_counter() - t0) * 1000)
     return statistics.median(times)
 

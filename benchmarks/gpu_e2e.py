@@ -21,8 +21,9 @@ def make_engine(s: Setup, budget_tokens: int):
     real = engine_mod.load_tokenizer
     engine_mod.load_tokenizer = lambda src: None
     try:
-        return Engine(EngineConfig(model=s.geom.name, random_weights=True, kv_budget=budget,
-                                   device="cpu" if s.dry else "auto"), source=src)
+        with kernels_on_cpu(s):  # the dry run's pool takes the kernels' layout ("tokens")
+            return Engine(EngineConfig(model=s.geom.name, random_weights=True, kv_budget=budget,
+                                       device="cpu" if s.dry else "auto"), source=src)
     finally:
         engine_mod.load_tokenizer = real
 

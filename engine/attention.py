@@ -24,6 +24,8 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
+from .sequence import block_runs
+
 FP8 = getattr(torch, "float8_e4m3fn", None)
 _SDPA_GQA = tuple(int(x) for x in torch.__version__.split(".")[:2]) >= (2, 5)  # enable_gqa
 FP8_MAX = 448.0
@@ -111,81 +113,93 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 # ---- gathering a sequence's K/V ---------------------------------------------------------
-def gather_kv(cache: torch.Tensor, scale: torch.Tensor | None, block_table: torch.Tensor,
-              length: int, dtype: torch.dtype, first_block: int | None = None) -> torch.Tensor:
-    """The first `length` cached rows of one sequence in dtype: (length, n_kv_heads, head_dim).
-    A block table that is one ascending run of ids becomes a view, not a copy; a caller that
-    knows the run's first block passes `first_block` and spares the check."""
-    if first_block is None:
-        first_block = run_start(block_table, -(-length // cache.shape[1]))
-    rows = cached_rows(cache, block_table, length, first_block)
-    srows = cached_rows(scale, block_table, length, first_block) if scale is not None else None
-    return dequantize(rows, srows, dtype)
+Runs = tuple[tuple[int, int], ...]   # ((first block id, blocks), ...): a table cut into ascending runs
+MAX_RUNS = 16  # a table cut into more runs is gathered into one copy instead of read run by run
 
 
-def run_start(block_table: torch.Tensor, n: int) -> int | None:
-    """The first id when the table's first n entries are one ascending run of ids, else None."""
-    if not n:
-        return None
-    table = block_table[:n]
-    first = int(table[0])
-    if int(table[-1]) - first == n - 1 and bool((table[1:] - table[:-1] == 1).all()):
-        return first
-    return None
+def row_pieces(cache: torch.Tensor, block_table: torch.Tensor, length: int,
+               runs: Runs | None = None) -> list[torch.Tensor]:
+    """The first `length` rows of one sequence, in the cache's own dtype, as a list of pieces
+    (rows_i, *cache.shape[2:]) in order: one view per run of consecutive block ids, or a
+    single gathered copy when the table has more than MAX_RUNS runs. `runs`, when the
+    caller has them, spare reading the table."""
+    bs, rest = cache.shape[1], cache.shape[2:]
+    n = -(-length // bs)
+    if runs is None:
+        runs = block_runs(block_table[:n].tolist())
+    if len(runs) > MAX_RUNS:
+        rows = bits(cache).index_select(0, block_table[:n]).view(cache.dtype)
+        return [rows.reshape(n * bs, *rest)[:length]]
+    pieces, left = [], length
+    for first, count in runs:
+        if left <= 0:
+            break
+        # (count, bs, ...) -> (count * bs, ...): a view in either pool layout (kv_cache.py)
+        pieces.append(cache[first:first + count].flatten(0, 1)[:left])
+        left -= count * bs
+    return pieces
 
 
 def cached_rows(cache: torch.Tensor, block_table: torch.Tensor, length: int,
-                first_block: int | None = None) -> torch.Tensor:
-    """The first `length` rows of one sequence in the cache's own dtype, not dequantized:
-    (length, *cache.shape[2:]). A view when first_block names the table's ascending run."""
-    bs, rest = cache.shape[1], cache.shape[2:]
-    n = -(-length // bs)
-    if first_block is not None:
-        return cache[first_block:first_block + n].reshape(n * bs, *rest)[:length]
-    return bits(cache).index_select(0, block_table[:n]).view(cache.dtype).reshape(n * bs, *rest)[:length]
+                runs: Runs | None = None) -> torch.Tensor:
+    """The first `length` rows of one sequence in the cache's own dtype: (length, *rest);
+    a view when the table is one run, else a copy."""
+    pieces = row_pieces(cache, block_table, length, runs)
+    return pieces[0] if len(pieces) == 1 else torch.cat([bits(p) for p in pieces]).view(cache.dtype)
+
+
+def gather_kv(cache: torch.Tensor, scale: torch.Tensor | None, block_table: torch.Tensor,
+              length: int, dtype: torch.dtype, runs: Runs | None = None) -> torch.Tensor:
+    """The first `length` cached rows of one sequence in dtype: (length, n_kv_heads, head_dim)."""
+    rows = cached_rows(cache, block_table, length, runs)
+    srows = cached_rows(scale, block_table, length, runs) if scale is not None else None
+    return dequantize(rows, srows, dtype)
 
 
 # ---- decode ---------------------------------------------------------------------------------
 def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                  block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                 max_context: int | None = None, first_block: int | None = None) -> torch.Tensor:
+                 max_context: int | None = None, runs: Runs | None = None) -> torch.Tensor:
     """q: (B, n_heads, head_dim); block_tables: (B, max_blocks) int32; context_lens: (B,)
     int32 (rows to read, the new one included). Returns (B, n_heads, head_dim).
-    `max_context` and `first_block` (B = 1, a table that is one ascending run), when the
-    caller knows them, spare device-to-host reads on the CPU path."""
+    `max_context` and `runs` (B = 1: the table as runs of consecutive ids), when the caller
+    knows them, spare device-to-host reads on the CPU path."""
     if _use_triton(q):
         return _kernels().paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
                                        k_scale, v_scale)
     if q.shape[0] == 1:
         length = int(context_lens[0]) if max_context is None else max_context
         return decode_one(q[0], k_cache, v_cache, block_tables[0], length, scale, k_scale, v_scale,
-                          first_block)[None]
+                          runs)[None]
     return paged_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
 
 
-def decode_one(q, k_cache, v_cache, block_table, length, scale, k_scale=None, v_scale=None, first_block=None):
+def decode_one(q, k_cache, v_cache, block_table, length, scale, k_scale=None, v_scale=None, runs=None):
     """The CPU hot path for one sequence. q: (n_heads, head_dim) -> (n_heads, head_dim).
 
-    Split-K ("flash-decoding", Dao et al. 2023): the context is cut into a few windows run as
-    one batch, and their partial results are merged by log-sum-exp (`merge_partials`). One
-    query per head gives torch's fused CPU kernel only n_kv_heads work items (3 for the
+    The sequence's rows are read run by run (`row_pieces`: views, no copy), each run through
+    split-K ("flash-decoding", Dao et al. 2023): cut into a few windows run as one batch, the
+    partial results of every window of every run merged by log-sum-exp (`merge_partials`).
+    One query per head gives torch's fused CPU kernel only n_kv_heads work items (3 for the
     bundled model, on 2 threads: one thread does two); windows x heads divide evenly.
     An fp8 cache is dequantized one piece at a time inside the loop (`decode_fp8`), so a step
     reads the fp8 bytes and never holds the whole sequence in fp32."""
     if q.device.type != "cpu":
-        k = gather_kv(k_cache, k_scale, block_table, length, q.dtype, first_block)  # (T, hk, d)
-        v = gather_kv(v_cache, v_scale, block_table, length, q.dtype, first_block)
+        k = gather_kv(k_cache, k_scale, block_table, length, q.dtype, runs)  # (T, hk, d)
+        v = gather_kv(v_cache, v_scale, block_table, length, q.dtype, runs)
         return _sdpa_decode(q, k, v, scale)
-    if first_block is None:
-        first_block = run_start(block_table, -(-length // k_cache.shape[1]))
-    k = cached_rows(k_cache, block_table, length, first_block)                      # (T, hk, d) storage dtype
-    v = cached_rows(v_cache, block_table, length, first_block)
+    if runs is None:
+        runs = block_runs(block_table[:-(-length // k_cache.shape[1])].tolist())
+    k = row_pieces(k_cache, block_table, length, runs)                  # [(T_i, hk, d)] storage dtype
+    v = row_pieces(v_cache, block_table, length, runs)
     if k_scale is not None:
-        ks = cached_rows(k_scale, block_table, length, first_block)                 # (T, hk)
-        vs = cached_rows(v_scale, block_table, length, first_block)
-        return decode_fp8(q, k, v, ks, vs, scale)
-    return decode_split(q, k.to(q.dtype), v.to(q.dtype), scale)
+        return decode_fp8(q, k, v, row_pieces(k_scale, block_table, length, runs),
+                          row_pieces(v_scale, block_table, length, runs), scale)
+    if len(k) == 1:
+        return decode_split(q, k[0].to(q.dtype), v[0].to(q.dtype), scale)
+    parts = [split_partials(q, kp.to(q.dtype), vp.to(q.dtype), scale) for kp, vp in zip(k, v)]
+    return merge_partials(torch.cat([o for o, _ in parts]), torch.cat([l for _, l in parts])).reshape(q.shape)
 
 
 def _sdpa_decode(q, k, v, scale):
@@ -266,40 +280,65 @@ def merge_partials(out: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return (out.float() * w[..., None]).sum(0).to(out.dtype)
 
 
-def decode_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                 n: int | None = None) -> torch.Tensor:
-    """Split-K decode over one sequence's rows. q: (H, d); k, v: (T, hk, d) -> (H, d)."""
+def split_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                   n: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K partial results over one stretch of rows. q: (H, d); k, v: (T, hk, d), any
+    strides with unit stride in d. Returns (out (n, hk, g, d), lse (n, hk, g))."""
     h, d = q.shape
     t, hk, _ = k.shape
     g = h // hk
     n = split_count(t, hk, torch.get_num_threads()) if n is None else n
-    if n == 1:
-        return _sdpa_decode(q, k, v, scale)
     kw, s = windows(k, n)                                                  # (n, c, hk, d)
     vw, _ = windows(v, n)
     qn = q.view(1, hk, g, d).expand(n, hk, g, d)                           # (n, hk, g, d)
-    out, lse = partial_attention(qn, kw.transpose(1, 2), vw.transpose(1, 2), scale,
-                                 window_bias(n, kw.shape[1], s))
-    return merge_partials(out, lse).reshape(h, d)
+    return partial_attention(qn, kw.transpose(1, 2), vw.transpose(1, 2), scale,
+                             window_bias(n, kw.shape[1], s))
 
 
-# ---- fp8 ----------------------------------------------------------------------------------------
-@cache
-def _fp8_table(dtype: torch.dtype) -> torch.Tensor:
-    """(256,) the value of every e4m3 byte: CPU torch converts float8 one element at a time
-    (about 3 ns each, measured), a table lookup by byte is about 5x faster."""
-    return torch.arange(256, dtype=torch.uint8).view(FP8).to(dtype)
+def decode_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                 n: int | None = None) -> torch.Tensor:
+    """Split-K decode over one sequence's rows. q: (H, d); k, v: (T, hk, d) -> (H, d)."""
+    n = split_count(k.shape[0], k.shape[1], torch.get_num_threads()) if n is None else n
+    if n == 1:
+        return _sdpa_decode(q, k, v, scale)
+    return merge_partials(*split_partials(q, k, v, scale, n)).reshape(q.shape)
+
+
+# ---- fp8 ------------------------------------------------------------------------------------------
+# An e4m3 byte s.eeee.mmm holds 2^(e-7) (1 + m/8), or 2^-6 m/8 when e = 0. Its bits placed at
+# float32's sign and at the top of float32's exponent and mantissa, s.0000eeee.mmm0..0, read as
+# float32 give 2^(e-127) (1 + m/8), or 2^-126 m/8 as a float32 subnormal: the same value
+# times 2^-120, exactly, every byte (e4m3fn's NaN, 0x7f, becomes 480: our writes never make it).
+# Three integer passes, sign-extend, shift, mask, do it: CPU torch converts float8 one element
+# at a time (about 2.4 ns each, measured) and a 256-entry table lookup by index_select took
+# 7.5 ns; these passes take 0.3 ns an element.
+_FP8_MASK = 0x87F00000 - (1 << 32)    # keep the sign bit and bits 20-26, as a signed int32
+_FP8_UNSCALE = 2.0 ** 120
 
 
 def dequantize_rows(rows: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype,
                     out: torch.Tensor | None = None) -> torch.Tensor:
-    """rows: (..., d) float8 e4m3 on the CPU; scale: (...) fp32 -> (..., d) in dtype, written
-    into `out` (a flat buffer of at least rows.numel() elements) when given."""
+    """rows: (..., d) float8 e4m3 on the CPU, any strides; scale: (...) fp32 -> (..., d) in
+    dtype, contiguous, written into `out` (a flat buffer of at least rows.numel() elements)
+    when given."""
     n = rows.numel()
-    idx = _scratch("index", n, torch.int32).copy_(rows.reshape(-1).view(torch.uint8))
-    out = torch.empty(n, dtype=dtype) if out is None else out[:n]
-    torch.index_select(_fp8_table(dtype), 0, idx, out=out)
-    return out.view(rows.shape).mul_(scale[..., None])
+    if dtype == torch.float32:
+        f32 = out[:n] if out is not None else torch.empty(n)
+    else:  # computed in float32, then converted into out
+        f32 = _scratch("fp8", n, torch.float32)
+    i32 = f32.view(torch.int32).view(rows.shape)
+    i32.copy_(rows.view(torch.int8))                   # sign-extends: the sign lands on bit 31
+    i32.bitwise_left_shift_(20).bitwise_and_(_FP8_MASK)
+    x = i32.view(torch.float32)
+    factor = scale * _FP8_UNSCALE                     # exact: a power of two
+    if not bool(torch.isfinite(factor).all()):        # a scale past 2^8 (|x| > 114,688)
+        x.mul_(_FP8_UNSCALE)
+        factor = scale
+    x.mul_(factor[..., None])
+    if dtype == torch.float32:
+        return x
+    dst = torch.empty(rows.shape, dtype=dtype) if out is None else out[:n].view(rows.shape)
+    return dst.copy_(x)
 
 
 _SCRATCH = threading.local()
@@ -316,24 +355,31 @@ def _scratch(name: str, n: int, dtype: torch.dtype) -> torch.Tensor:
     return buf[:n]
 
 
-def decode_fp8(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ks: torch.Tensor, vs: torch.Tensor,
-               scale: float, piece: int = FP8_PIECE_ROWS) -> torch.Tensor:
-    """Decode over an fp8 sequence, dequantizing FP8_PIECE_ROWS rows at a time and merging
-    the pieces by log-sum-exp. q: (H, d); k, v: (T, hk, d) e4m3; ks, vs: (T, hk) -> (H, d)."""
+def decode_fp8(q: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor], ks: list[torch.Tensor],
+               vs: list[torch.Tensor], scale: float, piece: int = FP8_PIECE_ROWS) -> torch.Tensor:
+    """Decode over an fp8 sequence given as pieces (`row_pieces`), dequantizing at most
+    `piece` rows at a time, head-major, and merging every part by log-sum-exp.
+    q: (H, d); k[i], v[i]: (T_i, hk, d) e4m3; ks[i], vs[i]: (T_i, hk) -> (H, d)."""
     h, d = q.shape
-    t, hk, _ = k.shape
+    hk = k[0].shape[1]
     g = h // hk
-    qg = q.view(1, hk, g, d)
-    kbuf = _scratch("k_piece", min(piece, t) * hk * d, q.dtype)
-    vbuf = _scratch("v_piece", min(piece, t) * hk * d, q.dtype)
+    longest = min(piece, max(x.shape[0] for x in k))
+    kbuf = _scratch("k_piece", longest * hk * d, q.dtype)
+    vbuf = _scratch("v_piece", longest * hk * d, q.dtype)
+    threads = torch.get_num_threads()
     outs, lses = [], []
-    for a in range(0, t, piece):
-        b = min(a + piece, t)
-        kp = dequantize_rows(k[a:b], ks[a:b], q.dtype, kbuf).transpose(0, 1)[None]  # (1, hk, rows, d)
-        vp = dequantize_rows(v[a:b], vs[a:b], q.dtype, vbuf).transpose(0, 1)[None]
-        o, lse = partial_attention(qg, kp, vp, scale)                          # (1, hk, g, d), (1, hk, g)
-        outs.append(o)
-        lses.append(lse)
+    for kp, vp, ksp, vsp in zip(k, v, ks, vs):
+        for a in range(0, kp.shape[0], piece):
+            b = min(a + piece, kp.shape[0])
+            kd = dequantize_rows(kp[a:b].transpose(0, 1), ksp[a:b].t(), q.dtype, kbuf)  # (hk, rows, d)
+            vd = dequantize_rows(vp[a:b].transpose(0, 1), vsp[a:b].t(), q.dtype, vbuf)
+            w = split_count(b - a, hk, threads)    # windows: w x hk work items for the threads
+            w = w if (b - a) % w == 0 else 1
+            kw = kd.view(hk, w, (b - a) // w, d).transpose(0, 1)                       # (w, hk, c, d)
+            vw = vd.view(hk, w, (b - a) // w, d).transpose(0, 1)
+            o, lse = partial_attention(q.view(1, hk, g, d).expand(w, hk, g, d), kw, vw, scale)
+            outs.append(o)
+            lses.append(lse)
     return merge_partials(torch.cat(outs), torch.cat(lses)).reshape(h, d)
 
 
@@ -361,7 +407,7 @@ def paged_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale, k_s
 def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                   block_table: torch.Tensor, prefix_len: int, scale: float,
                   k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                  first_block: int | None = None) -> torch.Tensor:
+                  runs: Runs | None = None) -> torch.Tensor:
     """q: (T, n_heads, head_dim) for positions prefix_len .. prefix_len+T-1, whose K/V are
     already written. Causal over prefix + new. Returns (T, n_heads, head_dim).
 
@@ -369,8 +415,8 @@ def paged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     (flash / memory-efficient kernels on CUDA); see the kernels issue note for the measurement."""
     t = q.shape[0]
     total = prefix_len + t
-    k = gather_kv(k_cache, k_scale, block_table, total, q.dtype, first_block).transpose(0, 1)  # (hk, S, d)
-    v = gather_kv(v_cache, v_scale, block_table, total, q.dtype, first_block).transpose(0, 1)  # (hk, S, d)
+    k = gather_kv(k_cache, k_scale, block_table, total, q.dtype, runs).transpose(0, 1)  # (hk, S, d)
+    v = gather_kv(v_cache, v_scale, block_table, total, q.dtype, runs).transpose(0, 1)  # (hk, S, d)
     return causal_attention(q.transpose(0, 1), k, v, prefix_len, scale).transpose(0, 1)
 
 

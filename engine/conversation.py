@@ -358,7 +358,7 @@ class Conversation:
         recorded in the sequence. Returns logits (1, vocab), or (T, vocab) without last_only."""
         eng, seq = self.engine, self.seq
         step = Step(seq.table, torch.tensor(seq.slots(p0, p0 + len(chunk)), device=eng.device), p0,
-                    decode=False, first_block=seq.first_block)
+                    decode=False, runs=seq.runs)
         logits = eng.model.forward(torch.tensor(chunk, device=eng.device),
                                    torch.arange(p0, p0 + len(chunk), device=eng.device), step, eng.pool,
                                    last_only=last_only)
@@ -373,7 +373,7 @@ class Conversation:
             logits = decoder_for(eng.model, eng.pool)(token, pos, slot, seq.table, pos // seq.block_size + 1)
         else:
             step = Step(seq.table, torch.tensor([slot], device=eng.device), pos, decode=True,
-                        first_block=seq.first_block)
+                        runs=seq.runs)
             logits = eng.model.forward(torch.tensor([token], device=eng.device),
                                        torch.tensor([pos], device=eng.device), step, eng.pool)[0]
         eng.blocks.append(seq, [token])

@@ -32,9 +32,9 @@ class Step:
     # reads its length from the device (a CUDA graph replays it with new values); left
     # None, forward makes it from prefix_len, and the CPU path reads that int directly.
     context_lens: torch.Tensor | None = None
-    # The table's first block when the sequence's blocks are one ascending run of ids (as
-    # a fresh pool hands them out): the CPU path then reads the cache as a view, unchecked.
-    first_block: int | None = None
+    # The table as runs of consecutive block ids, ((first id, blocks), ...), when the caller
+    # knows them (Sequence.runs): the CPU path reads each run as a view without reading the table.
+    runs: tuple[tuple[int, int], ...] | None = None
 
 
 def rope_inv_freq(geom: Geometry) -> torch.Tensor:
@@ -156,15 +156,15 @@ class Llama:
             if step.decode:
                 o = paged_decode(q, k_cache, v_cache, step.block_table[None], context_lens, self.scale,
                                  k_scale, v_scale, max_context=max_context,
-                                 first_block=step.first_block)           # (1, hq, d)
+                                 runs=step.runs)           # (1, hq, d)
             elif i == last and last_only and t > 1:
                 # the last layer's K/V are written; only the last row's output reaches the logits
                 x, q = x[-1:], q[-1:]                                     # (1, hidden), (1, hq, d)
                 o = paged_prefill(q, k_cache, v_cache, step.block_table, step.prefix_len + t - 1, self.scale,
-                                  k_scale, v_scale, first_block=step.first_block)  # (1, hq, d)
+                                  k_scale, v_scale, runs=step.runs)  # (1, hq, d)
             else:
                 o = paged_prefill(q, k_cache, v_cache, step.block_table, step.prefix_len, self.scale,
-                                  k_scale, v_scale, first_block=step.first_block)  # (T, hq, d)
+                                  k_scale, v_scale, runs=step.runs)  # (T, hq, d)
             x = x + linear(o.reshape(x.shape[0], hq * d), layer.wo)
             x = x + self._mlp(x, layer)
         return self._logits(x[-1:] if last_only else x)

@@ -12,6 +12,18 @@ def blocks_for(n_tokens: int, block_size: int) -> int:
     return -(-n_tokens // block_size)
 
 
+def block_runs(table: list[int]) -> tuple[tuple[int, int], ...]:
+    """A block table as maximal runs of consecutive ids, ((first id, blocks), ...):
+    [4, 5, 6, 9, 10] -> ((4, 3), (9, 2))."""
+    runs: list[tuple[int, int]] = []
+    for b in table:
+        if runs and runs[-1][0] + runs[-1][1] == b:
+            runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+        else:
+            runs.append((b, 1))
+    return tuple(runs)
+
+
 class Sequence:
     def __init__(self, block_size: int, table=None) -> None:
         self.block_size = block_size
@@ -44,13 +56,10 @@ class Sequence:
         return [self.block_table[p // bs] * bs + p % bs for p in range(start, end)]
 
     @property
-    def first_block(self) -> int | None:
-        """The first block id when the blocks are one ascending run (a fresh pool hands them
-        out so): the CPU attention path then reads the cache as a view."""
-        bt = self.block_table
-        if bt and bt[-1] - bt[0] == len(bt) - 1 and bt == list(range(bt[0], bt[0] + len(bt))):
-            return bt[0]
-        return None
+    def runs(self) -> tuple[tuple[int, int], ...]:
+        """The block table as runs of consecutive ids: the CPU attention path reads each run
+        of the pool as one view."""
+        return block_runs(self.block_table)
 
     def write_table(self, start: int = 0) -> None:
         """Copy block_table[start:] to the device table."""

@@ -20,25 +20,34 @@ TOL = dict(atol=1e-5, rtol=1e-5)
 HK, G, D, BS = 3, 3, 64, 16  # the bundled model's attention geometry, 16-token blocks
 
 
-def shuffled_cache(length: int, gen: torch.Generator, fp8: bool = False):
+def empty_cache(nb: int, dtype=torch.float32, head_major: bool = False, last=(D,)) -> torch.Tensor:
+    """(nb, BS, HK, *last) in the pool's token-major layout, or a view of head-major storage
+    (HK, nb, BS, *last) as KVPool lays it out on the CPU."""
+    if head_major:
+        return torch.empty(HK, nb, BS, *last, dtype=dtype).movedim(0, 2)
+    return torch.empty(nb, BS, HK, *last, dtype=dtype)
+
+
+def shuffled_cache(length: int, gen: torch.Generator, fp8: bool = False, head_major: bool = False):
     """(k_cache, v_cache, k_scale, v_scale, table) of N(0, 1) rows: the sequence's blocks in a
     random order among spare blocks, which hold NaN so that a read outside it shows."""
     need = -(-length // BS)
     nb = need + 5
-    k = torch.full((nb, BS, HK, D), float("nan"))
-    v = torch.full((nb, BS, HK, D), float("nan"))
+    k = empty_cache(nb, head_major=head_major).fill_(float("nan"))
+    v = empty_cache(nb, head_major=head_major).fill_(float("nan"))
     table = torch.randperm(nb, generator=gen)[:need].to(torch.int32)
     rows = torch.arange(length)
     slots = (table.long()[rows // BS] * BS + rows % BS)
-    k.view(-1, HK, D)[slots] = torch.randn(length, HK, D, generator=gen)
-    v.view(-1, HK, D)[slots] = torch.randn(length, HK, D, generator=gen)
+    kr, vr = torch.randn(length, HK, D, generator=gen), torch.randn(length, HK, D, generator=gen)
+    A.write_kv_ref(k, v, kr, vr, slots)
     if not fp8:
         return k, v, None, None, table
-    k8, v8 = torch.empty(nb, BS, HK, D, dtype=FP8), torch.empty(nb, BS, HK, D, dtype=FP8)
+    k8, v8 = empty_cache(nb, FP8, head_major), empty_cache(nb, FP8, head_major)
     k8.view(torch.uint8).fill_(0x7F)  # e4m3fn's NaN
     v8.view(torch.uint8).fill_(0x7F)
-    ks, vs = torch.full((nb, BS, HK), float("nan")), torch.full((nb, BS, HK), float("nan"))
-    A.write_kv_ref(k8, v8, k.view(-1, HK, D)[slots], v.view(-1, HK, D)[slots], slots, ks, vs)
+    ks = empty_cache(nb, head_major=head_major, last=()).fill_(float("nan"))
+    vs = empty_cache(nb, head_major=head_major, last=()).fill_(float("nan"))
+    A.write_kv_ref(k8, v8, kr, vr, slots, ks, vs)
     return k8, v8, ks, vs, table
 
 
@@ -84,15 +93,38 @@ def test_decode_one_matches_the_reference_with_the_threads_it_has(length):
         torch.set_num_threads(before)
 
 
-def test_decode_one_reads_an_ascending_run_as_a_view_with_the_same_result():
+def runs_table(runs: list[tuple[int, int]]) -> torch.Tensor:
+    return torch.tensor([b for first, n in runs for b in range(first, first + n)], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("head_major", [False, True], ids=["tokens", "heads"])
+@pytest.mark.parametrize("runs", [[(10, 90)], [(40, 30), (3, 1), (75, 20), (5, 34)]], ids=["one run", "four runs"])
+def test_decode_one_reads_runs_of_blocks_as_views_with_the_same_result(runs, head_major):
+    """Runs given (as the engine passes Sequence.runs) or read from the table: the same result."""
+    from kvchat.engine.sequence import block_runs
     gen = torch.Generator().manual_seed(5)
-    length = 1300
-    k = torch.randn(100, BS, HK, D, generator=gen)
-    v = torch.randn(100, BS, HK, D, generator=gen)
+    table = runs_table(runs)
+    length = BS * len(table) - 7
+    k, v = (empty_cache(110, head_major=head_major).normal_(generator=gen) for _ in range(2))
     q = torch.randn(HK * G, D, generator=gen)
-    table = torch.arange(10, 100, dtype=torch.int32)
     want = reference(q, k, v, None, None, table, length)
-    torch.testing.assert_close(A.decode_one(q, k, v, table, length, D ** -0.5, first_block=10), want, **TOL)
+    assert block_runs(table.tolist()) == tuple(runs)
+    for given in (tuple(runs), None):
+        torch.testing.assert_close(A.decode_one(q, k, v, table, length, D ** -0.5, runs=given), want, **TOL)
+    pieces = A.row_pieces(k, table, length, tuple(runs))
+    assert len(pieces) == len(runs)
+    assert all(p.untyped_storage().data_ptr() == k.untyped_storage().data_ptr() for p in pieces), "views"
+
+
+def test_a_table_of_many_short_runs_is_gathered_once_with_the_same_result():
+    gen = torch.Generator().manual_seed(6)
+    table = torch.arange(0, 80, 2, dtype=torch.int32)           # 40 runs of one block
+    length = BS * 40
+    k, v = (empty_cache(80, head_major=True).normal_(generator=gen) for _ in range(2))
+    q = torch.randn(HK * G, D, generator=gen)
+    assert A.MAX_RUNS < 40 and len(A.row_pieces(k, table, length)) == 1
+    torch.testing.assert_close(A.decode_one(q, k, v, table, length, D ** -0.5),
+                               reference(q, k, v, None, None, table, length), **TOL)
 
 
 def test_window_partials_give_the_log_sum_exp_of_plain_torch():
@@ -120,25 +152,35 @@ def test_split_k_without_the_fused_op_falls_back_to_plain_torch(monkeypatch):
     torch.testing.assert_close(got, reference(q, k, v, None, None, table, length), **TOL)
 
 
+@pytest.mark.parametrize("head_major", [False, True], ids=["tokens", "heads"])
 @pytest.mark.parametrize("length", [1, 300, 1024, 2500])
 @pytest.mark.parametrize("piece", [256, 1000, A.FP8_PIECE_ROWS])
-def test_fp8_decode_dequantizing_piece_by_piece_matches_the_reference(length, piece):
+def test_fp8_decode_dequantizing_piece_by_piece_matches_the_reference(length, piece, head_major):
     gen = torch.Generator().manual_seed(length + piece)
-    k, v, ks, vs, table = shuffled_cache(length, gen, fp8=True)
+    k, v, ks, vs, table = shuffled_cache(length, gen, fp8=True, head_major=head_major)
     q = torch.randn(HK * G, D, generator=gen)
-    rows = [A.cached_rows(t, table, length) for t in (k, v, ks, vs)]
-    got = A.decode_fp8(q, *rows, D ** -0.5, piece=piece)
-    torch.testing.assert_close(got, reference(q, k, v, ks, vs, table, length), **TOL)
-    torch.testing.assert_close(A.decode_one(q, k, v, table, length, D ** -0.5, ks, vs),
-                               reference(q, k, v, ks, vs, table, length), **TOL)
+    want = reference(q, k, v, ks, vs, table, length)
+    pieces = [A.row_pieces(t, table, length) for t in (k, v, ks, vs)]
+    torch.testing.assert_close(A.decode_fp8(q, *pieces, D ** -0.5, piece=piece), want, **TOL)
+    torch.testing.assert_close(A.decode_one(q, k, v, table, length, D ** -0.5, ks, vs), want, **TOL)
 
 
-def test_fp8_table_lookup_is_torchs_own_conversion_for_every_byte():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_bit_placement_is_torchs_own_conversion_for_every_byte(dtype):
     every = torch.arange(256, dtype=torch.uint8).view(FP8)
     finite = torch.isfinite(every.float())
     scale = torch.full((256,), 0.5)
-    got = A.dequantize_rows(every[:, None], scale, torch.float32)[:, 0]
-    torch.testing.assert_close(got[finite], every.float()[finite] * 0.5, atol=0, rtol=0)
+    got = A.dequantize_rows(every[:, None], scale, dtype)[:, 0]
+    torch.testing.assert_close(got[finite], (every.float()[finite] * 0.5).to(dtype), atol=0, rtol=0)
+
+
+def test_fp8_dequantization_survives_a_scale_past_the_unscaling_range():
+    """Values past 114,688 give a scale above 2^8, where scale x 2^120 would overflow."""
+    x = torch.tensor([[3.0e5, -1.0, 7.5e4, 0.0]])
+    q, s = A.quantize_fp8(x[:, None, :])                               # (1, 1, 4), (1, 1)
+    got = A.dequantize_rows(q, s, torch.float32)
+    torch.testing.assert_close(got[0, 0], q.float()[0, 0] * s[0, 0], rtol=0, atol=0)
+    assert torch.isfinite(got).all()
 
 
 # ---- the bundled model: decode steps through the split and the fp8 paths ---------------------

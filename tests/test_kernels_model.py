@@ -39,7 +39,7 @@ class Run:
     def __init__(self, model, dtype: str, table: list[int]) -> None:
         self.model = model
         spec = plan_pool(TINY, dtype, 40 * BLOCK * TINY.kv_bytes_per_token(dtype), BLOCK)
-        self.pool = KVPool(TINY, spec, DEVICE)
+        self.pool = KVPool(TINY, spec, DEVICE, layout="tokens")  # the kernels' layout
         # a read of any unwritten slot poisons the logits (0x7F is e4m3fn's NaN)
         if dtype == "fp8":
             self.pool.data.view(torch.uint8).fill_(0x7F)
