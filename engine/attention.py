@@ -426,6 +426,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
     h, t, _ = q.shape
     hk, s, _ = k.shape
     # 4-D inputs: 3-D ones miss torch's flash kernel on CPU (about 6x slower, measured)
+    if prefix_len and q.device.type == "cpu" and _FLASH_LSE is not None and q.dtype in (torch.float32, torch.bfloat16):
+        return prefix_then_causal(q, k, v, prefix_len, scale)
     q, k, v = q[None], k[None], v[None]                                   # (1, H, T, d), (1, Hk, S, d)
     if hk != h and _SDPA_GQA:
         kw = {"enable_gqa": True}
@@ -438,3 +440,25 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **kw)[0]
     mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=prefix_len)  # (T, S)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, **kw)[0]
+
+
+def prefix_then_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int,
+                       scale: float) -> torch.Tensor:
+    """causal_attention for a chunk after a cached prefix, on the CPU, with no mask: the
+    new rows against the prefix (every pair allowed) and against themselves (causal) as two
+    calls of the fused kernel, merged by their log-sum-exp. A (T, S) boolean mask costs its
+    construction and keeps the kernel from skipping the blocks above the diagonal.
+    q: (H, T, d); k, v: (Hk, prefix_len + T, d) -> (H, T, d)."""
+    h, t, d = q.shape
+    hk = k.shape[0]
+    g = h // hk
+    # a KV head's g query heads read the same prefix: fold them into the query length
+    o1, l1 = _FLASH_LSE(q.reshape(1, hk, g * t, d), k[None, :, :prefix_len], v[None, :, :prefix_len],
+                        scale=scale)[:2]                                   # (1, hk, g*T, d), (1, hk, g*T)
+    kn, vn = k[:, prefix_len:], v[:, prefix_len:]                          # (Hk, T, d)
+    if g > 1:
+        kn, vn = kn.repeat_interleave(g, dim=0), vn.repeat_interleave(g, dim=0)  # (H, T, d): T rows, cheap
+    o2, l2 = _FLASH_LSE(q[None], kn[None], vn[None], is_causal=True, scale=scale)[:2]  # (1, H, T, d), (1, H, T)
+    out = torch.stack((o1.reshape(h, t, d), o2[0]))                       # (2, H, T, d)
+    lse = torch.stack((l1.reshape(h, t), l2[0]))                          # (2, H, T)
+    return merge_partials(out, lse)

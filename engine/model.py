@@ -81,10 +81,15 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: (T, H, d); cos, sin: (T, 1, d)."""
+    """x: (T, H, d); cos, sin: (T, 1, d). Rotate-half RoPE, x cos + (-x2, x1) sin, computed
+    half by half into one output (no negated copy, no concatenation): the same roundings, so
+    the same bits as the plain formula and as the Triton rope_write kernel."""
     half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+    x1, x2 = x[..., :half], x[..., half:]
+    out = x * cos
+    out[..., :half].sub_(x2 * sin[..., :half])
+    out[..., half:].add_(x1 * sin[..., half:])
+    return out
 
 
 class Layer:

@@ -233,3 +233,35 @@ def test_fp8_cache_decode_logits_stay_near_the_fp32_cache(engine, text_ids):
     diff = float((full - fp8).abs().mean())
     assert 0 < diff < FP8_MEAN_ABS, f"mean |dlogit| {diff:.3f}"
     assert int((full.argmax(-1) == fp8.argmax(-1)).sum()) >= STEPS - 1
+
+
+# ---- prefill after a cached prefix --------------------------------------------------------------
+@pytest.mark.parametrize("heads", [(9, 3), (4, 4)], ids=["gqa", "mha"])
+@pytest.mark.parametrize("new, prefix", [(1, 1), (5, 100), (300, 700), (1, 4000), (512, 512)])
+def test_prefill_after_a_prefix_without_a_mask_matches_the_masked_reference(new, prefix, heads):
+    """prefix_then_causal (two fused calls merged by log-sum-exp) against SDPA with the (T, S)
+    causal mask in float64, on random queries and keys."""
+    import torch.nn.functional as F
+    h, hk = heads
+    gen = torch.Generator().manual_seed(new * 7 + prefix)
+    q = torch.randn(new, h, D, generator=gen).transpose(0, 1)               # (H, T, d) strided, as the model passes it
+    k = torch.randn(prefix + new, hk, D, generator=gen).transpose(0, 1)     # (Hk, S, d)
+    v = torch.randn(prefix + new, hk, D, generator=gen).transpose(0, 1)
+    mask = torch.ones(new, prefix + new, dtype=torch.bool).tril(diagonal=prefix)
+    want = F.scaled_dot_product_attention(q[None].double(), k.repeat_interleave(h // hk, 0)[None].double(),
+                                          v.repeat_interleave(h // hk, 0)[None].double(), attn_mask=mask,
+                                          scale=D ** -0.5)[0]
+    got = A.causal_attention(q, k, v, prefix, D ** -0.5)
+    torch.testing.assert_close(got.double(), want, **TOL)
+
+
+def test_rope_half_by_half_is_the_plain_formula_bit_for_bit():
+    """The Triton rope_write kernel is checked bit for bit against apply_rope on the GPU."""
+    from kvchat.engine.model import apply_rope
+    gen = torch.Generator().manual_seed(12)
+    for dtype in (torch.float32, torch.bfloat16):
+        x = torch.randn(37, 12, D, generator=gen).to(dtype)
+        ang = torch.rand(37, 1, D // 2, generator=gen) * 6.3
+        cos, sin = (torch.cat((f, f), -1).to(dtype) for f in (ang.cos(), ang.sin()))
+        plain = x * cos + torch.cat((-x[..., D // 2:], x[..., :D // 2]), -1) * sin
+        assert torch.equal(apply_rope(x, cos, sin), plain), dtype
