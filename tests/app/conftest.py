@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -104,3 +105,29 @@ async def send(pilot, text: str, timeout: float = 60.0) -> None:
     await pilot.press("enter")
     await wait_until(pilot, lambda: app.view is not None and len(app.view.turns) > n and app.busy is None,
                      timeout=timeout, what=f"the reply to {text!r}")
+
+
+PREFILL_LINE = re.compile(r"prefilling [█░]+ ([\d,]+) / ([\d,]+) tokens · .* tok/s · ETA")
+
+
+def record_status(app) -> list[str]:
+    """Every state the status line is given from now on, in order (the screen shows only
+    the last)."""
+    seen: list[str] = []
+    shown = app.status
+
+    def status(text: str) -> None:
+        seen.append(text)
+        shown(text)
+    app.status = status
+    return seen
+
+
+def prefill_steps(seen: list[str]) -> list[tuple[int, int]]:
+    """(done, total) of each prefill progress line among the states seen."""
+    out = []
+    for line in seen:
+        m = PREFILL_LINE.search(line)
+        if m:
+            out.append((int(m[1].replace(",", "")), int(m[2].replace(",", ""))))
+    return out
