@@ -18,10 +18,13 @@ from kvchat.engine.sizing import step_reads
 from kvchat.engine.telemetry import CacheSnapshot
 from kvchat.engine.units import human_bytes
 
+from .panel import Panel
+
 COMPARE = (("3.1 8B", "llama-3.1-8b"), ("3.1 70B", "llama-3.1-70b"), ("2 7B", "llama-2-7b"))   # Llama ...
 SERVING = (("bf16", "bf16"), ("fp8", "fp8 + scales"))     # the other models in the dtypes they are served in
 SCALE_BYTES = 4                                           # one fp32 scale per token, layer, K/V, KV head
 GAUGE_WIDTH = 30
+COMPARE_WIDTH = 42       # the comparison's columns ("fp8 + scales", then 3 x "28.4 MiB"), two spaces apart
 UNKNOWN_GEOMETRY = ("unknown geometry: the formula, the step reads and the per-model figures need the "
                     "model's layers, KV heads and head size; give them with --geometry ALIAS "
                     "(e.g. llama-3.1-8b) or --model PATH (a folder with its config.json)")
@@ -75,9 +78,10 @@ def server_lines(s: CacheSnapshot) -> Text:
     return out
 
 
-class CachePanel(Static):
-    """Draws the latest CacheSnapshot; `show` is cheap, called at most a few times a second.
-    `geometry` None means a model of unknown shape (a remote server's): the panel says so."""
+class CachePanel(Panel, Static):
+    """Draws the latest CacheSnapshot; `show` is cheap, called at most a few times a second,
+    and only keeps the snapshot while the panel is hidden. `geometry` None means a model of
+    unknown shape (a remote server's): the panel says so."""
 
     DEFAULT_CSS = """
     CachePanel { height: auto; border: round $primary 50%; padding: 0 1; }
@@ -92,6 +96,8 @@ class CachePanel(Static):
         self.snapshot: CacheSnapshot | None = None
         self.geometry: Geometry | None = None
         self.dtype: str | None = None         # the weights' dtype; unset: taken as the KV dtype (auto)
+        self._drawn_gap = 0
+        self._width = COMPARE_WIDTH
 
     def show(self, snapshot: CacheSnapshot, geometry: Geometry | None = None, dtype: str | None = None) -> None:
         changed = dtype is not None and dtype != self.dtype
@@ -103,8 +109,26 @@ class CachePanel(Static):
         if snapshot == self.snapshot and not changed:
             return
         self.snapshot = snapshot
-        self.border_title = f"KV cache · {snapshot.kv_dtype} · cache {'on' if snapshot.mode == 'cache' else 'off'}"
-        self.update(self.render_snapshot(snapshot))
+        if self.drawing():
+            self.draw()
+
+    def draw(self) -> None:
+        s = self.snapshot
+        if s is None:
+            return
+        self.border_title = f"KV cache · {s.kv_dtype} · cache {'on' if s.mode == 'cache' else 'off'}"
+        self.update(self.render_snapshot(s))
+
+    def on_resize(self) -> None:
+        """The comparison's spacing depends on the width."""
+        self._width = self.content_region.width or self._width
+        if self.snapshot is not None and self._gap() != self._drawn_gap and self.drawing():
+            self.draw()
+
+    def _gap(self) -> int:
+        """Spaces between the comparison's columns: one where two would cut a figure (a 40-column
+        panel). The width is the last one laid out: a hidden panel has none."""
+        return 2 if (self.content_region.width or self._width) >= COMPARE_WIDTH else 1
 
     def weights_dtype(self, s: CacheSnapshot) -> str | None:
         """The weights' dtype as given, else the KV dtype when it can be the weights' (auto)."""
@@ -174,7 +198,8 @@ class CachePanel(Static):
 
     def _compare(self, S: int) -> Table:
         """The same tokens on the well-known Llamas, each in bf16 and fp8 (+ scales), labelled."""
-        cmp = Table(box=None, padding=(0, 0, 0, 2), pad_edge=False, show_edge=False, header_style="bold",
+        self._drawn_gap = gap = self._gap()
+        cmp = Table(box=None, padding=(0, 0, 0, gap), pad_edge=False, show_edge=False, header_style="bold",
                     title=f"the same {S:,} tokens on Llama", title_style="dim", title_justify="left")
         cmp.add_column("", no_wrap=True)
         for name, _ in COMPARE:
