@@ -20,7 +20,7 @@ from kvchat.settings import Settings
 
 from .fake_backend import FakeBackend, FakeConfig
 
-SIZE = (140, 45)
+SIZE = (140, 60)     # the stacked layout (kvchat/layout.py): every panel shown, 62 columns wide
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -76,11 +76,11 @@ def slow_fake() -> FakeBackend:
 @pytest.fixture
 def running_app(fake):
     """`async with running_app() as (app, pilot):` an app on `fake` (or on the backend and
-    options given), at the test screen size, loaded and ready."""
+    options given), at the test screen size (or `size`), loaded and ready."""
     @contextlib.asynccontextmanager
-    async def run(backend: FakeBackend | None = None, **options):
+    async def run(backend: FakeBackend | None = None, size: tuple[int, int] = SIZE, **options):
         app = make_app(backend or fake, **options)
-        async with app.run_test(size=SIZE) as pilot:
+        async with app.run_test(size=size) as pilot:
             await ready(pilot)
             yield app, pilot
     return run
