@@ -100,6 +100,7 @@ class LatencyPanel(Panel, Vertical):
         self.border_title = "latency"
         self.data = LatencyData()
         self._drawn_at = 0.0
+        self._width = 60
 
     def compose(self) -> ComposeResult:
         yield PlotextPlot(id="latency-plot")
@@ -216,12 +217,13 @@ class LatencyPanel(Panel, Vertical):
 
     def on_resize(self) -> None:
         """The turn table is laid out for the panel's width (the plot redraws itself)."""
+        self._width = self.content_region.width or self._width
         if self.drawing():
             self.query_one("#latency-turns", Static).update(self._turn_table())
 
     def _turn_table(self) -> Table | Text:
         """The last turns, fitted to the panel's width: the reused / computed bar narrows,
-        then goes, then the KV column, then "turn" becomes "#" (a narrow switcher column)."""
+        then goes, then the KV column, then the turn numbers (a narrow switcher column)."""
         if not self.data.turns:
             return Text("no turns yet", style="dim")
         heads = ["turn", "TTFT", "reused", "computed", "KV"]
@@ -231,17 +233,16 @@ class LatencyPanel(Panel, Vertical):
             rows.append([str(f("turn")), duration(f("ttft_ms")), f"{f('reused_tokens'):,}",
                          f"{f('computed_tokens'):,}", "off" if f("mode") == "off" else f("kv_dtype", "")])
             shares.append(f("reused_tokens") / max(f("prompt_tokens"), 1))
-        width = self.content_region.width or 60
+        width = self.content_region.width or self._width     # hidden: the width it had
         cols = [0, 1, 2, 3, 4]
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(heads)]
         need = lambda: sum(widths[i] for i in cols) + 2 * (len(cols) - 1)  # noqa: E731  (one space each side)
         bar_w = min(BAR_WIDTH, width - need() - 2)
         if bar_w < 4:
             bar_w = 0
-            if need() > width:
-                cols.remove(4)
-            if need() > width:
-                heads[0], widths[0] = "#", max(len(r[0]) for r in rows)
+            for drop in (4, 0):      # then the KV column, then the turn numbers (the rows keep their order)
+                if need() > width:
+                    cols.remove(drop)
         t = Table(box=None, padding=(0, 1), show_edge=False, pad_edge=False, header_style="bold")
         styles = (None, None, "green", "yellow", None)
         for i in cols:
