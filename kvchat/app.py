@@ -22,7 +22,7 @@ from pathlib import Path
 
 from textual import events
 from textual.app import App, ComposeResult
-from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.containers import Horizontal, Vertical
 from textual.widgets import ContentSwitcher, Footer, ProgressBar
 
 from kvchat.engine.errors import KvchatError
@@ -40,15 +40,16 @@ from .editing import Editor
 from .generation import Generation
 from .generation import describe as describe_sampling
 from .jobs import Busy, Job, JobQueue, Op, OpEnded, one_line, run_op, run_turn
+from .layout import layout_for
 from .palette import KvchatCommands
 from .prefill_line import prefill_line
 from .records import plural
 from .settings import Settings
 from .startup import AppOptions, BackendFailed, BackendReady
 from .turn import Governor
-from .widgets import BlockMap, CachePanel, CapGauge, ChatInput, ConversationBar, LatencyPanel, StatusBar
+from .widgets import (BlockMap, CachePanel, CapGauge, ChatInput, ConversationBar, LatencyPanel, PanelSwitcher,
+                      StatusBar)
 
-NARROW = 90   # below this many columns the panels hide themselves (F6 shows them)
 RANDOM_WEIGHTS = ("random weights (--random-weights): the text is gibberish by design; the cache, its blocks "
                   "and the latency are real")
 
@@ -81,7 +82,6 @@ class KvChatApp(App[int], inherit_bindings=False):
         self.jobs = JobQueue(self._start_job)
         self.turn: RunningTurn | None = None        # the running turn (the last one, once idle)
         self.governor = Governor()
-        self.panels_forced = False
         self.quitting = False
         self.exiting = False
         self.failure: str | None = None         # one line for stderr after exit
@@ -100,11 +100,7 @@ class KvChatApp(App[int], inherit_bindings=False):
                 with ContentSwitcher(id="transcripts", initial="transcript"):
                     yield ChatView(self.conversations.number(), id="transcript")
                 yield ChatInput(id="input")
-            with VerticalScroll(id="panels"):
-                yield CachePanel(id="cache-panel")
-                yield CapGauge(id="cap-gauge")
-                yield BlockMap(id="block-map")
-                yield LatencyPanel(id="latency-panel")
+            yield PanelSwitcher(id="panels")
         yield Footer(compact=True)
 
     def on_mount(self) -> None:
@@ -114,12 +110,12 @@ class KvChatApp(App[int], inherit_bindings=False):
         self.transcript.mount(ProgressBar(total=None, show_eta=False, show_percentage=False, id="loading"))
         self._load_timer = self.set_interval(0.1, self._loading_tick)
         self.part(ChatInput).focus()
-        self.part("#panels").FOCUS_ON_CLICK = False       # a click on a panel leaves the keyboard with the input
+        self.part(PanelSwitcher).set_hint(self.keymap()["next_panel"].split(",")[0])
+        self.part(PanelSwitcher).use_layout(layout_for(self.size.width, self.size.height))
         self.run_worker(self._load, thread=True, group="load", exit_on_error=False)
 
     def on_resize(self, event) -> None:
-        if not self.panels_forced:
-            self.part("#panels").display = event.size.width >= NARROW
+        self.part(PanelSwitcher).use_layout(layout_for(event.size.width, event.size.height))
 
     def apply_theme(self, name: str) -> None:
         for t in self.themes.values():
@@ -167,7 +163,7 @@ class KvChatApp(App[int], inherit_bindings=False):
         if action == "key":
             if len(self.screen_stack) > 1:
                 return False
-            if self.view is None and parameters[0] not in ("help", "quit", "theme", "toggle_panels"):
+            if self.view is None and parameters[0] not in ("help", "quit", "theme", "toggle_panels", "next_panel"):
                 return None
         return True
 

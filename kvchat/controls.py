@@ -25,7 +25,7 @@ from .conversations import Conversations
 from .host import Host
 from .jobs import Busy
 from .store import export
-from .widgets import HelpScreen, PolicyPicker
+from .widgets import HelpScreen, PanelSwitcher, PolicyPicker
 from .widgets.model_info import ModelInfoScreen
 
 MIN_CAP = 64
@@ -196,16 +196,13 @@ class Controls:
         self.app.push_screen(HelpScreen(self.app.keymap(), str(self.app.settings_path)))
 
     def toggle_panels(self) -> None:
-        panels = self.app.part("#panels")
-        panels.display = not panels.display
-        self.app.panels_forced = True
+        self.app.part(PanelSwitcher).toggle()
 
     def toggle_panel(self, name: str) -> None:
-        ids = ["cache-panel", "cap-gauge", "block-map", "latency-panel"] if name == "all" else [
-            {"cache": "cache-panel", "cap": "cap-gauge", "blocks": "block-map", "latency": "latency-panel"}[name]]
-        for wid in ids:
-            w = self.app.part(f"#{wid}")
-            w.display = not w.display
+        self.app.part(PanelSwitcher).toggle_panel(name)
+
+    def next_panel(self) -> None:
+        self.app.part(PanelSwitcher).cycle()
 
     def next_theme(self) -> None:
         names = list(self.app.themes)
@@ -264,6 +261,7 @@ class Controls:
             "help": self.help, "reset_cache": self.reset_cache, "cap_down": lambda: self.step_cap(up=False),
             "cap_up": lambda: self.step_cap(up=True), "choose_policy": self.choose_policy, "stop": self.stop,
             "regenerate": self.regenerate, "kv_dtype": self.next_kv_dtype, "toggle_panels": self.toggle_panels,
+            "next_panel": self.next_panel,
             "cache_mode": lambda: self.set_mode("off" if app.view.mode == "cache" else "cache"),
             "save": lambda: self.save_to(None), "theme": self.next_theme, "quit": lambda: app.quit_when_idle(),
             "new_conversation": lambda: self.conversations.new(),

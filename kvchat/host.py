@@ -38,7 +38,6 @@ class Host(Protocol):
     settings_path: Path | None
     themes: dict[str, ThemeFile]
     theme_name: str
-    panels_forced: bool
     browser: BrowserPart                        # saved conversations (browser.py)
     editor: EditorPart                          # edit and resend (editing.py)
     generation: Any                             # a generation.Generation (which imports this module)

@@ -49,6 +49,8 @@ KEYS: tuple[Key, ...] = (
         "switch the KV cache off (recompute everything each token) or back on"),
     Key("kv_dtype", "f8", "kv_dtype", "kv", "rebuild the pool in the next KV dtype (fp32, bf16, fp16, fp8)"),
     Key("toggle_panels", "f6", "toggle_panels", "panels", "hide or show the telemetry panels"),
+    Key("next_panel", "f10,alt+p", "next_panel", "panel›",
+        "show the next telemetry panel where they are shown one at a time (or click its tab)", footer=False),
     Key("save", "ctrl+s", "save", "save", "write the transcript (Markdown) and telemetry (JSON Lines) here"),
     Key("theme", "ctrl+t", "theme", "theme", "switch to the next theme (remembered)"),
     Key("palette", "ctrl+p", "palette", "palette", "search every key and command by name, and run one",

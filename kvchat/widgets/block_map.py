@@ -15,6 +15,8 @@ from textual.widget import Widget
 from kvchat.engine.telemetry import BLOCK_STATE_NAMES, CACHED, FREE, HELD, OTHER, PARTIAL, REUSED, SHARED, CacheSnapshot
 from kvchat.engine.units import human_bytes
 
+from .panel import Panel
+
 NOTABLE = (FREE, CACHED, OTHER, HELD, PARTIAL, SHARED, REUSED)   # least to most
 _RANK = bytes(NOTABLE.index(c) if c in NOTABLE else 0 for c in range(256))
 _UNRANK = bytes(NOTABLE) + bytes(256 - len(NOTABLE))
@@ -38,9 +40,9 @@ def aggregate(codes: bytes, cells: int) -> tuple[bytes, int]:
     return out.translate(_UNRANK), k
 
 
-class BlockMap(Widget):
+class BlockMap(Panel, Widget):
     """Draws CacheSnapshot.block_map: a glyph per state (GLYPHS), coloured by the component
-    classes (themes)."""
+    classes (themes); while hidden it only keeps the snapshot."""
 
     COMPONENT_CLASSES = {f"blockmap--{name}" for name in BLOCK_STATE_NAMES}
     DEFAULT_CSS = """
@@ -72,13 +74,18 @@ class BlockMap(Widget):
             same_shape = old is not None and old.num_blocks == snapshot.num_blocks and (
                 {c for c in LEGEND_LABELS if old.block_map.count(c)} ==
                 {c for c in LEGEND_LABELS if snapshot.block_map.count(c)})
-            self.refresh(layout=not same_shape)
+            if self.drawing():
+                self.refresh(layout=not same_shape)
 
     def unavailable(self, why: str | None) -> None:
         """Say why there is no block map (None: there is one)."""
         if why != self.why_not:
             self.why_not = why
-            self.refresh(layout=True)
+            if self.drawing():
+                self.draw()
+
+    def draw(self) -> None:
+        self.refresh(layout=True)
 
     def on_resize(self) -> None:
         self.refresh(layout=True)

@@ -18,10 +18,14 @@ from kvchat.engine.sizing import step_reads
 from kvchat.engine.telemetry import CacheSnapshot
 from kvchat.engine.units import human_bytes
 
+from .panel import Panel
+
 COMPARE = (("3.1 8B", "llama-3.1-8b"), ("3.1 70B", "llama-3.1-70b"), ("2 7B", "llama-2-7b"))   # Llama ...
 SERVING = (("bf16", "bf16"), ("fp8", "fp8 + scales"))     # the other models in the dtypes they are served in
 SCALE_BYTES = 4                                           # one fp32 scale per token, layer, K/V, KV head
 GAUGE_WIDTH = 30
+COMPARE_WIDTH = 42       # the comparison's columns ("fp8 + scales", then 3 x "28.4 MiB"), two spaces apart
+NARROW = 39              # narrower than this (a compact column), figures and descriptions go on two lines
 UNKNOWN_GEOMETRY = ("unknown geometry: the formula, the step reads and the per-model figures need the "
                     "model's layers, KV heads and head size; give them with --geometry ALIAS "
                     "(e.g. llama-3.1-8b) or --model PATH (a folder with its config.json)")
@@ -75,9 +79,10 @@ def server_lines(s: CacheSnapshot) -> Text:
     return out
 
 
-class CachePanel(Static):
-    """Draws the latest CacheSnapshot; `show` is cheap, called at most a few times a second.
-    `geometry` None means a model of unknown shape (a remote server's): the panel says so."""
+class CachePanel(Panel, Static):
+    """Draws the latest CacheSnapshot; `show` is cheap, called at most a few times a second,
+    and only keeps the snapshot while the panel is hidden. `geometry` None means a model of
+    unknown shape (a remote server's): the panel says so."""
 
     DEFAULT_CSS = """
     CachePanel { height: auto; border: round $primary 50%; padding: 0 1; }
@@ -92,6 +97,8 @@ class CachePanel(Static):
         self.snapshot: CacheSnapshot | None = None
         self.geometry: Geometry | None = None
         self.dtype: str | None = None         # the weights' dtype; unset: taken as the KV dtype (auto)
+        self._width = COMPARE_WIDTH           # the content width, the last one laid out (a hidden panel has none)
+        self._drawn_width = 0
 
     def show(self, snapshot: CacheSnapshot, geometry: Geometry | None = None, dtype: str | None = None) -> None:
         changed = dtype is not None and dtype != self.dtype
@@ -103,8 +110,21 @@ class CachePanel(Static):
         if snapshot == self.snapshot and not changed:
             return
         self.snapshot = snapshot
-        self.border_title = f"KV cache · {snapshot.kv_dtype} · cache {'on' if snapshot.mode == 'cache' else 'off'}"
-        self.update(self.render_snapshot(snapshot))
+        if self.drawing():
+            self.draw()
+
+    def draw(self) -> None:
+        s = self.snapshot
+        if s is None:
+            return
+        self.border_title = f"KV cache · {s.kv_dtype} · cache {'on' if s.mode == 'cache' else 'off'}"
+        self.update(self.render_snapshot(s))
+
+    def on_resize(self) -> None:
+        """The figures are laid out for the width (wide, 40 columns, narrow): again if that changed."""
+        self._width = self.content_region.width or self._width
+        if self.snapshot is not None and _form(self._width) != _form(self._drawn_width) and self.drawing():
+            self.draw()
 
     def weights_dtype(self, s: CacheSnapshot) -> str | None:
         """The weights' dtype as given, else the KV dtype when it can be the weights' (auto)."""
@@ -116,27 +136,25 @@ class CachePanel(Static):
         S = s.tokens_held
         g = self.geometry
         kv = s.kv_dtype if s.kv_dtype in DTYPE_BYTES else "bf16"
-        t = Table.grid(padding=(0, 1))
-        t.add_column(style="bold", no_wrap=True)
-        t.add_column(justify="right", no_wrap=True)
-        t.add_column(style="dim", overflow="fold")
-        t.add_row("used", _bytes(s.bytes_used), f"{_count(S)} tokens")
-        t.add_row("allocated", _bytes(s.bytes_allocated), f"{_count(s.blocks_used)} blocks of {s.block_size}")
-        t.add_row("pool", _bytes(s.capacity_bytes), f"{s.num_blocks:,} blocks")
+        self._drawn_width = width = self.content_region.width or self._width
+        narrow, gauge, _ = _form(width)
+        rows = [("used", _bytes(s.bytes_used), f"{_count(S)} tokens"),
+                ("allocated", _bytes(s.bytes_allocated), f"{_count(s.blocks_used)} blocks of {s.block_size}"),
+                ("pool", _bytes(s.capacity_bytes), f"{s.num_blocks:,} blocks")]
         if g is None:
-            t.add_row("per token", _bytes(s.bytes_per_token), f"{_count(s.bytes_per_token)} B")
+            rows.append(("per token", _bytes(s.bytes_per_token), f"{_count(s.bytes_per_token)} B"))
         else:
             elems, scales = g.kv_bytes_per_token(kv), scale_bytes_per_token(g, kv)
             how = f"2 × {g.n_layers} × {g.n_kv_heads} × {g.head_dim} × {DTYPE_BYTES[kv]} B"
             if scales:
-                t.add_row("per token", human_bytes(elems + scales),
-                          f"{human_bytes(elems)} + {human_bytes(scales)} scales")
+                rows.append(("per token", human_bytes(elems + scales),
+                             f"{human_bytes(elems)} + {human_bytes(scales)} scales"))
             else:
-                t.add_row("per token", human_bytes(elems), how)
-        t.add_row("evicted", _count(s.evictions), "cached blocks, pool-wide since start")
-        t.add_row("preempted", _count(s.preemptions), "conversations, pool-wide since start")
+                rows.append(("per token", human_bytes(elems), how))
+        rows.append(("evicted", _count(s.evictions), "cached blocks, pool-wide since start"))
+        rows.append(("preempted", _count(s.preemptions), "conversations, pool-wide since start"))
         out = Table.grid()
-        out.add_row(t)
+        out.add_row(_figures(rows, narrow))
         if s.server is not None:
             out.add_row(server_lines(s))
         if S is None:           # a server without a KV-event stream: this conversation's share is unknown
@@ -148,22 +166,22 @@ class CachePanel(Static):
         if s.mode == "off":
             out.add_row(Text("cache off: each token recomputes all S positions", style="italic"))
         if g is not None:
-            out.add_row(self._step_reads(g, kv, S, s))
-        out.add_row(self._compare(S))
+            out.add_row(self._step_reads(g, kv, S, s, gauge))
+        out.add_row(self._compare(S, width))
         return out
 
-    def _step_reads(self, g: Geometry, kv: str, S: int, s: CacheSnapshot) -> Text:
+    def _step_reads(self, g: Geometry, kv: str, S: int, s: CacheSnapshot, gauge: int = GAUGE_WIDTH) -> Text:
         """The lesson: a decode step reads every weight once and the whole cache once; the
         cache read grows with the context until it equals, then passes, the weight read."""
         dtype = self.weights_dtype(s)
         if dtype is None:
             return Text("one decode step reads: the weights' dtype is unknown", style="dim")
         r = step_reads(g, dtype, kv, S)
-        filled = round(GAUGE_WIDTH * r.cache_share)
+        filled = round(gauge * r.cache_share)
         out = Text("one decode step reads\n", style="bold")
         # the cache's share fills the bar (█) as the context grows; the weights' share stays ░
         out.append("█" * filled, self.get_component_rich_style("cachepanel--cache"))
-        out.append("░" * (GAUGE_WIDTH - filled), self.get_component_rich_style("cachepanel--weights"))
+        out.append("░" * (gauge - filled), self.get_component_rich_style("cachepanel--weights"))
         out.append(f" cache {100 * r.cache_share:.1f}%\n")
         out.append("weights ", self.get_component_rich_style("cachepanel--weights"))
         out.append(f"{human_bytes(r.weight_bytes)} ({dtype}) · ")
@@ -172,10 +190,20 @@ class CachePanel(Static):
         out.append(f"cache read = weight read at {r.crossover_tokens:,} tokens", style="dim")
         return out
 
-    def _compare(self, S: int) -> Table:
-        """The same tokens on the well-known Llamas, each in bf16 and fp8 (+ scales), labelled."""
-        cmp = Table(box=None, padding=(0, 0, 0, 2), pad_edge=False, show_edge=False, header_style="bold",
-                    title=f"the same {S:,} tokens on Llama", title_style="dim", title_justify="left")
+    def _compare(self, S: int, width: int) -> Table:
+        """The same tokens on the well-known Llamas, each in bf16 and fp8 (+ scales), labelled;
+        one space between the columns where two would cut a figure, and in a narrow column
+        one model a row, without the per-token rows."""
+        cmp = Table(box=None, padding=(0, 0, 0, 2 if width >= COMPARE_WIDTH else 1), pad_edge=False,
+                    show_edge=False, header_style="bold", title=f"the same {S:,} tokens on Llama", title_style="dim",
+                    title_justify="left")
+        if width < NARROW:
+            cmp.add_column("", no_wrap=True)
+            for dtype, label in SERVING:
+                cmp.add_column(label.replace(" + ", "+"), justify="right", no_wrap=True)
+            for name, key in COMPARE:
+                cmp.add_row(name, *(human_bytes(S * per_token(KNOWN[key], dtype)) for dtype, _ in SERVING))
+            return cmp
         cmp.add_column("", no_wrap=True)
         for name, _ in COMPARE:
             cmp.add_column(name, justify="right", no_wrap=True)
@@ -184,3 +212,27 @@ class CachePanel(Static):
             cmp.add_row(Text("  per token", style="dim"),
                         *(Text(human_bytes(per_token(KNOWN[key], dtype)), style="dim") for _, key in COMPARE))
         return cmp
+
+
+def _form(width: int) -> tuple[bool, int, int]:
+    """What of the panel's layout depends on its width: narrow or not, the step-read gauge's
+    width, the comparison's spacing."""
+    return width < NARROW, min(GAUGE_WIDTH, max(width - 12, 8)), 2 if width >= COMPARE_WIDTH else 1
+
+
+def _figures(rows: list[tuple[str, str, str]], narrow: bool) -> Table | Text:
+    """Label, figure and what it counts, a row each; narrow: the description on a line of
+    its own under the figure, rather than folded into a few columns beside it."""
+    if narrow:
+        out = Text()
+        for label, figure, what in rows:
+            out.append(f"{label} ", style="bold").append(figure).append(f"\n  {what}\n", style="dim")
+        out.rstrip()
+        return out
+    t = Table.grid(padding=(0, 1))
+    t.add_column(style="bold", no_wrap=True)
+    t.add_column(justify="right", no_wrap=True)
+    t.add_column(style="dim", overflow="fold")
+    for row in rows:
+        t.add_row(*row)
+    return t

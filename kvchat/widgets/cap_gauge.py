@@ -4,12 +4,15 @@ from __future__ import annotations
 from rich.text import Text
 from textual.widget import Widget
 
+from .panel import Panel
+
 GAUGE_NEAR = 0.8
 
 
-class CapGauge(Widget):
+class CapGauge(Panel, Widget):
     """`show(tokens, cap, policy, description, max_position, evicted)`; colours from component
-    classes. `evicted` counts the tokens a streaming policy (sink-window) has evicted."""
+    classes. `evicted` counts the tokens a streaming policy (sink-window) has evicted. While
+    hidden it only keeps the figures."""
 
     COMPONENT_CLASSES = {"capgauge--ok", "capgauge--near", "capgauge--over", "capgauge--empty"}
     DEFAULT_CSS = """
@@ -37,7 +40,11 @@ class CapGauge(Widget):
         if state != old:
             self.tokens, self.cap, self.policy, self.description, self.max_position, self.evicted = state
             # only the policy line can change the height
-            self.refresh(layout=state[2:4] != old[2:4] or bool(state[5]) != bool(old[5]))
+            if self.drawing():
+                self.refresh(layout=state[2:4] != old[2:4] or bool(state[5]) != bool(old[5]))
+
+    def draw(self) -> None:
+        self.refresh(layout=True)
 
     @property
     def fraction(self) -> float:

@@ -15,12 +15,14 @@ from textual.widgets import Static
 from textual_plotext import PlotextPlot
 
 from ..latency import MODES, Fit, Key, LatencyData, Turn, duration, fit_slope, series_label, turn_field
+from .panel import Panel
 
 __all__ = ["LatencyPanel", "fit_slope", "nice_ticks"]
 
 MAX_PLOTTED = 600      # points drawn; the fit uses all of them
 REDRAW_S = 1.0         # during a turn the plot is redrawn at most this often
 TURNS_SHOWN = 4
+BAR_WIDTH = 12         # the reused / computed bar of each turn, where the panel is wide enough
 KV_ORDER = ("fp32", "bf16", "fp16", "fp8")
 # plotext colour, rich colour: one per series, the same in the plot and in the fit lines under it
 SERIES_COLOURS = {"fp32": ("cyan", "cyan"), "bf16": ("green", "green"), "fp16": ("blue", "blue"),
@@ -81,9 +83,10 @@ def _colours(key: Key) -> tuple[str, str]:
     return SERIES_COLOURS["off" if key[0] == "off" else key[1] if key[1] in SERIES_COLOURS else ""]
 
 
-class LatencyPanel(Vertical):
+class LatencyPanel(Panel, Vertical):
     """Draws one conversation's LatencyData (`attach` switches to another conversation's);
-    `add_points` during a turn, `end_turn` swaps the live points for the exact ones."""
+    `add_points` during a turn, `end_turn` swaps the live points for the exact ones. While
+    hidden it only keeps the data: the plot is the costliest thing on the screen to draw."""
 
     DEFAULT_CSS = """
     LatencyPanel { height: auto; border: round $primary 50%; padding: 0 1; }
@@ -97,6 +100,7 @@ class LatencyPanel(Vertical):
         self.border_title = "latency"
         self.data = LatencyData()
         self._drawn_at = 0.0
+        self._width = 60
 
     def compose(self) -> ComposeResult:
         yield PlotextPlot(id="latency-plot")
@@ -152,8 +156,11 @@ class LatencyPanel(Vertical):
         self.data.add_turn(summary)
         self._redraw()
 
+    def draw(self) -> None:
+        self._redraw()
+
     def _redraw(self, table: bool = True) -> None:
-        if not self.is_mounted:
+        if not self.drawing():
             return
         self._drawn_at = time.monotonic()
         plot = self.query_one(PlotextPlot)
@@ -208,23 +215,42 @@ class LatencyPanel(Vertical):
             out.append(fit.describe(), style="" if fit.slope is not None else "dim")
         return out
 
+    def on_resize(self) -> None:
+        """The turn table is laid out for the panel's width (the plot redraws itself)."""
+        self._width = self.content_region.width or self._width
+        if self.drawing():
+            self.query_one("#latency-turns", Static).update(self._turn_table())
+
     def _turn_table(self) -> Table | Text:
+        """The last turns, fitted to the panel's width: the reused / computed bar narrows,
+        then goes, then the KV column, then the turn numbers (a narrow switcher column)."""
         if not self.data.turns:
             return Text("no turns yet", style="dim")
-        t = Table(box=None, padding=(0, 1), show_edge=False, header_style="bold")
-        t.add_column("turn", justify="right")
-        t.add_column("TTFT", justify="right")
-        t.add_column("reused", justify="right", style="green")
-        t.add_column("computed", justify="right", style="yellow")
-        t.add_column("KV", no_wrap=True)
-        t.add_column("", no_wrap=True)
+        heads = ["turn", "TTFT", "reused", "computed", "KV"]
+        rows, shares = [], []
         for s in self.data.turns[-TURNS_SHOWN:]:
             f = lambda name, default=0: turn_field(s, name, default)  # noqa: E731
-            total = max(f("prompt_tokens"), 1)
-            bar_w = 12
-            r = round(bar_w * f("reused_tokens") / total)
-            bar = Text("█" * r, style="green") + Text("█" * (bar_w - r), style="yellow")
-            kv = "off" if f("mode") == "off" else f("kv_dtype", "")
-            t.add_row(str(f("turn")), duration(f("ttft_ms")), f"{f('reused_tokens'):,}",
-                      f"{f('computed_tokens'):,}", kv, bar)
+            rows.append([str(f("turn")), duration(f("ttft_ms")), f"{f('reused_tokens'):,}",
+                         f"{f('computed_tokens'):,}", "off" if f("mode") == "off" else f("kv_dtype", "")])
+            shares.append(f("reused_tokens") / max(f("prompt_tokens"), 1))
+        width = self.content_region.width or self._width     # hidden: the width it had
+        cols = [0, 1, 2, 3, 4]
+        widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(heads)]
+        need = lambda: sum(widths[i] for i in cols) + 2 * (len(cols) - 1)  # noqa: E731  (one space each side)
+        bar_w = min(BAR_WIDTH, width - need() - 2)
+        if bar_w < 4:
+            bar_w = 0
+            for drop in (4, 0):      # then the KV column, then the turn numbers (the rows keep their order)
+                if need() > width:
+                    cols.remove(drop)
+        t = Table(box=None, padding=(0, 1), show_edge=False, pad_edge=False, header_style="bold")
+        styles = (None, None, "green", "yellow", None)
+        for i in cols:
+            t.add_column(heads[i], justify="left" if i == 4 else "right", style=styles[i], no_wrap=True)
+        if bar_w:
+            t.add_column("", no_wrap=True)
+        for row, share in zip(rows, shares):
+            r = round(bar_w * share)
+            bar = [Text("█" * r, style="green") + Text("█" * (bar_w - r), style="yellow")] if bar_w else []
+            t.add_row(*(row[i] for i in cols), *bar)
         return t

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import inspect
+import re
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -19,7 +20,7 @@ from kvchat.settings import Settings
 
 from .fake_backend import FakeBackend, FakeConfig
 
-SIZE = (140, 45)
+SIZE = (140, 60)     # the stacked layout (kvchat/layout.py): every panel shown, 62 columns wide
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -75,11 +76,11 @@ def slow_fake() -> FakeBackend:
 @pytest.fixture
 def running_app(fake):
     """`async with running_app() as (app, pilot):` an app on `fake` (or on the backend and
-    options given), at the test screen size, loaded and ready."""
+    options given), at the test screen size (or `size`), loaded and ready."""
     @contextlib.asynccontextmanager
-    async def run(backend: FakeBackend | None = None, **options):
+    async def run(backend: FakeBackend | None = None, size: tuple[int, int] = SIZE, **options):
         app = make_app(backend or fake, **options)
-        async with app.run_test(size=SIZE) as pilot:
+        async with app.run_test(size=size) as pilot:
             await ready(pilot)
             yield app, pilot
     return run
@@ -104,3 +105,29 @@ async def send(pilot, text: str, timeout: float = 60.0) -> None:
     await pilot.press("enter")
     await wait_until(pilot, lambda: app.view is not None and len(app.view.turns) > n and app.busy is None,
                      timeout=timeout, what=f"the reply to {text!r}")
+
+
+PREFILL_LINE = re.compile(r"prefilling [█░]+ ([\d,]+) / ([\d,]+) tokens · .* tok/s · ETA")
+
+
+def record_status(app) -> list[str]:
+    """Every state the status line is given from now on, in order (the screen shows only
+    the last)."""
+    seen: list[str] = []
+    shown = app.status
+
+    def status(text: str) -> None:
+        seen.append(text)
+        shown(text)
+    app.status = status
+    return seen
+
+
+def prefill_steps(seen: list[str]) -> list[tuple[int, int]]:
+    """(done, total) of each prefill progress line among the states seen."""
+    out = []
+    for line in seen:
+        m = PREFILL_LINE.search(line)
+        if m:
+            out.append((int(m[1].replace(",", "")), int(m[2].replace(",", ""))))
+    return out

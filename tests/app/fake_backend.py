@@ -4,7 +4,10 @@ Why a fake: loading the real model costs seconds per app, and UI tests of keys, 
 caps, resets, resizes and error messages need dozens of apps and exact, repeatable
 telemetry. FakeBackend and FakeChat implement the same Protocol as LocalBackend, so the app
 cannot tell them apart, and replay canned replies word by word ("one word = one token")
-with fixed latencies. What decides a turn is the engine's own code: `make_policy` and each
+with fixed latencies. A prompt prefills in chunks (`prefill_chunk` words, 512 as on the
+CPU engine) with a PrefillProgress before the first and after each, and a cancel between
+chunks stops the turn as the engine does: TurnCancelled, the messages as before the call,
+nothing held. What decides a turn is the engine's own code: `make_policy` and each
 policy's `fit` (stop refuses, drop-oldest drops whole turns), `check_window_cap` and
 `sink_blocks` for sink-window. The engine's turn loop itself cannot be reused here: it
 needs the model, the tokenizer and the pool's tensors; the fake's is a prefill and a word
@@ -26,17 +29,19 @@ from __future__ import annotations
 
 import random
 import threading
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 
 from kvchat.backends.protocol import (BLOCK_MAP, CACHE_TOGGLE, KV_DTYPE, RESET, SINK_WINDOW, BackendInfo,
                                       Capabilities, ChatState, Event, Message)
-from kvchat.engine.errors import KvchatError
+from kvchat.engine.errors import KvchatError, TurnCancelled
 from kvchat.engine.geometry import DTYPE_BYTES, KNOWN
 from kvchat.engine.policy import POLICIES, make_policy
 from kvchat.engine.sampler import SamplingParams
 from kvchat.engine.streaming import DEFAULT_SINK_TOKENS, check_window_cap, sink_blocks
-from kvchat.engine.telemetry import FREE, HELD, OTHER, PARTIAL, REUSED, CacheSnapshot, PrefillEvent, TokenEvent, TurnStats
+from kvchat.engine.telemetry import (FREE, HELD, OTHER, PARTIAL, REUSED, CacheSnapshot, PrefillEvent, PrefillProgress,
+                                     TokenEvent, TurnStats)
 
 REPLIES = ("Hello there! The **KV cache** keeps keys and values.",
            "Each new token adds one row per layer.",
@@ -63,6 +68,8 @@ class FakeConfig:
     block_size: int = 16
     kv_dtype: str = "fp32"
     token_delay_s: float = 0.0      # per token; tests of stopping set it > 0
+    prefill_chunk: int = 512        # prompt tokens per prefill chunk (the engine's CPU_PREFILL_CHUNK)
+    prefill_delay_s: float = 0.0    # per chunk; tests of the prefill's progress and of stopping it set it > 0
     replies: tuple[str, ...] = REPLIES
     capabilities: Capabilities = LOCAL_LIKE
     knows_geometry: bool = True     # False: like a server's model that matches no known geometry
@@ -217,6 +224,25 @@ class FakeChat:
             self._hold(prompt)
         return PrefillEvent(prompt, reused, prompt - reused, 1.0)
 
+    def _chunks(self, total: int, cancel) -> Iterator[PrefillProgress]:
+        """The engine's progress through a chunked prefill of `total` computed tokens: done=0
+        first, then after each chunk; a cancel seen after a chunk that is not the last raises
+        TurnCancelled. Times are scripted (0.1 ms per token, as in the TTFT), not measured."""
+        cfg = self.backend.cfg
+        yield PrefillProgress(0, total, 0.0)
+        done = 0
+        while done < total:
+            if cfg.prefill_delay_s:
+                if cancel is not None:
+                    cancel.wait(cfg.prefill_delay_s)
+                else:
+                    time.sleep(cfg.prefill_delay_s)
+            done = min(done + cfg.prefill_chunk, total)
+            yield PrefillProgress(done, total, 0.1 * done)
+            if cancel is not None and cancel.is_set() and done < total:
+                raise TurnCancelled(f"prefill stopped at {done:,} of {total:,} tokens; the fake keeps no prefix "
+                                    "index, so sending again computes them again")
+
     def _turn(self, sp: SamplingParams, cancel, dropped: int, before: list[Message]) -> Iterator[Event]:
         b = self.backend
         with b.lock:
@@ -227,6 +253,13 @@ class FakeChat:
             recomputed, self.preempted_pending, self.turn_preempted = self.preempted_pending, 0, 0
             evicted0 = self.evicted_tokens
             prefill = self._prefill(dropped)
+            if self.mode == "cache":         # like the engine: the dense no-cache pass reports no chunks
+                try:
+                    yield from self._chunks(prefill.computed_tokens, cancel)
+                except TurnCancelled:        # as never sent: the messages back, nothing held
+                    self._drop()
+                    self.messages, self.preempted_pending = before, recomputed
+                    raise
             yield prefill
             words = b.cfg.replies[b.replies_sent % len(b.cfg.replies)].split(" ")   # newlines stay inside words
             b.replies_sent += 1

@@ -24,11 +24,11 @@ async def test_a_narrow_terminal_hides_the_panels_and_f6_brings_them_back(runnin
     async with running_app() as (app, pilot):
         panels = app.query_one("#panels")
         assert panels.display
-        await pilot.resize_terminal(70, 30)
+        await pilot.resize_terminal(60, 30)
         await wait_until(pilot, lambda: not panels.display, what="panels to hide")
         await pilot.press("f6")
         assert panels.display
-        await pilot.resize_terminal(60, 30)   # the user's choice now wins over the width
+        await pilot.resize_terminal(50, 30)   # the user's choice now wins over the width
         await pilot.pause()
         assert panels.display
         await send(pilot, "still chatting in a small window")

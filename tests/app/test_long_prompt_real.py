@@ -3,39 +3,16 @@ status line shows the prefill's progress as it moves, and Escape stops it betwee
 with the message back in the input and nothing of it in the conversation."""
 from __future__ import annotations
 
-import re
-
 import pytest
 
 from kvchat.backends.local import LocalBackend
 from kvchat.widgets import ChatInput, Notice
 
-from .conftest import wait_until
+from .conftest import prefill_steps, record_status, wait_until
 
 pytestmark = pytest.mark.slow
 
 LONG = "\n".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(60))
-PROGRESS = re.compile(r"prefilling [█░]+ ([\d,]+) / ([\d,]+) tokens · .* tok/s · ETA")
-
-
-def record_status(app) -> list[str]:
-    seen: list[str] = []
-    shown = app.status
-
-    def status(text: str) -> None:
-        seen.append(text)
-        shown(text)
-    app.status = status
-    return seen
-
-
-def progress(seen: list[str]) -> list[tuple[int, int]]:
-    out = []
-    for line in seen:
-        m = PROGRESS.search(line)
-        if m:
-            out.append((int(m[1].replace(",", "")), int(m[2].replace(",", ""))))
-    return out
 
 
 async def test_a_long_load_shows_the_prefill_moving_to_its_total(engine, running_app, tmp_path):
@@ -50,7 +27,7 @@ async def test_a_long_load_shows_the_prefill_moving_to_its_total(engine, running
             await pilot.press("enter")
             await wait_until(pilot, lambda: len(app.view.turns) == 1 and app.busy is None, timeout=120,
                              what="the reply to the long text")
-            steps = progress(seen)
+            steps = prefill_steps(seen)
             total = app.view.turns[-1].computed_tokens
             assert len(steps) >= 4 and steps[-1] == (total, total)
             assert [d for d, _ in steps] == sorted(d for d, _ in steps)
@@ -69,14 +46,14 @@ async def test_escape_stops_the_prefill_between_chunks_and_puts_the_message_back
             seen = record_status(app)
             app.query_one("#input").load_text(f"/load {path}")
             await pilot.press("enter")
-            await wait_until(pilot, lambda: any(d >= 64 for d, _ in progress(seen)), timeout=120,
+            await wait_until(pilot, lambda: any(d >= 64 for d, _ in prefill_steps(seen)), timeout=120,
                              what="the first chunk")
             await pilot.press("escape")
             await wait_until(pilot, lambda: app.busy is None, timeout=120, what="the prefill to stop")
             assert app.query_one(ChatInput).text == f"/load {path}"
             assert not any(m["role"] == "user" for m in app.view.chat.state().messages)
             assert app.view.turns == [] and app.view.chat.conv.tokens_held == 0
-            done, total = progress(seen)[-1]
+            done, total = prefill_steps(seen)[-1]
             assert done < total
             notes = [n.text for n in app.view.query(Notice)]
             assert any(f"prefill stopped at {done:,} of {total:,} tokens" in n for n in notes)

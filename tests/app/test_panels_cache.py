@@ -63,3 +63,17 @@ async def test_in_the_app_the_cache_panel_teaches_the_crossover(fake):
         await pilot.pause()
         text = screen_text(app).replace("\u00a0", " ")
     assert "cache read = weight read at 11,677 tokens" in text
+
+
+async def test_narrow_panels_cut_no_figure():
+    """40 columns (the tabs layout): one space between the comparison's columns; narrower
+    (the compact layout): each description under its figure, one model a row."""
+    snap = snapshot(tokens=1000, kv_dtype="fp32")
+    at_40 = await panel_text(snap, width=44)
+    assert "…" not in at_40 and "fp8 + scales 64.5 MiB 161 MiB 258 MiB" in at_40
+    narrow = await panel_text(snap, width=32)
+    lines = [line.strip("│ ") for line in narrow.splitlines()]
+    assert "…" not in narrow
+    assert lines[lines.index("used 43.9 MiB") + 1] == "1,000 tokens"
+    assert lines[lines.index("per token 45 KiB") + 1] == "2 × 30 × 3 × 64 × 4 B"
+    assert "bf16 fp8+scales" in narrow and "3.1 70B 312 MiB    161 MiB" in narrow

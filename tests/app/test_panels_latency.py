@@ -120,3 +120,19 @@ async def test_a_single_point_or_a_flat_series_is_drawn_without_error():
         panel.add_turn(turn(2, 6, 3, "fp32", growth=0.0))
         await pilot.pause()
         assert "fp32 cache: no fit: 4 points, needs 8" in screen_text(pilot.app)
+
+
+async def test_the_turn_table_fits_a_narrow_panel():
+    """The reused / computed bar narrows, then goes, then the KV column, then the turn
+    numbers: the figures themselves are never cut."""
+    for width, bar, kv, turn_col in ((72, True, True, True), (50, True, True, True), (44, False, True, True),
+                                     (38, False, False, True), (32, False, False, False)):
+        panel = LatencyPanel()
+        async with PanelHost(panel).run_test(size=(width, 30)) as pilot:
+            panel.add_turn(turn(1, 0, 40, "fp32", ttft_ms=2_759))
+            await pilot.pause()
+            text = screen_text(pilot.app).replace("\u00a0", " ")
+        table = text[text.index("TTFT") - 10:]
+        assert "…" not in table and "2,759 ms" in table, (width, text)
+        assert ("█" in table) == bar and ("fp32" in table.split("\n", 1)[1]) == kv, (width, text)
+        assert ("turn" in table) == turn_col, (width, text)

@@ -19,27 +19,40 @@ def test_the_screen_after_one_turn(snap_compare, fake):
         await send(pilot, "And per token?")
         await pilot.pause()
 
-    assert snap_compare(app, terminal_size=(140, 48), run_before=run_before)
+    assert snap_compare(app, terminal_size=(160, 48), run_before=run_before)     # two columns of panels
 
 
-def _small_screen(fake):
+def _small_screen(fake, keys: tuple[str, ...] = ()):
     app = make_app(fake, cap=256)
 
     async def run_before(pilot) -> None:
         app.query_one("#input").cursor_blink = False
         await ready(pilot)
         await send(pilot, "What does the KV cache hold?")
+        await pilot.press(*keys)
         await pilot.pause()
     return app, run_before
 
 
 def test_the_screen_at_80x24(snap_compare, fake):
-    """Panels hidden below 90 columns (ctrl+b shows them); the status line cut between
-    segments, not mid-word."""
+    """The compact layout: the chat keeps most of the width, one panel beside it under its
+    tabs; the status line cut between segments, not mid-word."""
     app, run_before = _small_screen(fake)
     assert snap_compare(app, terminal_size=(80, 24), run_before=run_before)
 
 
+def test_the_screen_at_80x24_on_the_latency_panel(snap_compare, fake):
+    """Three presses of the cycle key: the latency panel, whole, in the narrow column."""
+    app, run_before = _small_screen(fake, ("f10", "f10", "f10"))
+    assert snap_compare(app, terminal_size=(80, 24), run_before=run_before)
+
+
 def test_the_screen_at_100x30(snap_compare, fake):
+    """The tabs layout: one panel at a time in a 45-column column."""
     app, run_before = _small_screen(fake)
+    assert snap_compare(app, terminal_size=(100, 30), run_before=run_before)
+
+
+def test_the_screen_at_100x30_on_the_latency_panel(snap_compare, fake):
+    app, run_before = _small_screen(fake, ("f10", "f10", "f10"))
     assert snap_compare(app, terminal_size=(100, 30), run_before=run_before)

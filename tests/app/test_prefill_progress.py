@@ -1,0 +1,60 @@
+"""A long prompt on the FakeBackend, which prefills in chunks with the engine's
+PrefillProgress events: the status line's progress moves up to the total, and Escape
+between chunks stops the turn with the message back in the input and nothing recorded.
+(tests/app/test_long_prompt_real.py does the same on the real engine, slowly.)"""
+from __future__ import annotations
+
+from kvchat.engine.telemetry import PrefillProgress
+from kvchat.widgets import ChatInput, Notice, StatusBar
+
+from .conftest import prefill_steps, record_status, send, wait_until
+from .fake_backend import FakeBackend, FakeConfig
+
+LONG = " ".join(f"w{i}" for i in range(600))     # 600 words: 600 tokens to the fake
+
+
+def test_the_fake_prefills_in_chunks_with_the_engines_progress_events():
+    chat = FakeBackend(FakeConfig(prefill_chunk=256)).open()
+    events = list(chat.send(LONG))
+    progress = [e for e in events if isinstance(e, PrefillProgress)]
+    total = progress[-1].total
+    assert [p.done for p in progress] == [0, 256, 512, total] and total > 600
+    assert all(e.total == total for e in progress)
+    assert events.index(progress[-1]) < next(i for i, e in enumerate(events) if not isinstance(e, PrefillProgress))
+
+
+async def test_a_long_prompt_shows_the_prefill_moving_to_its_total(running_app):
+    backend = FakeBackend(FakeConfig(prefill_chunk=64, prefill_delay_s=0.02))
+    async with running_app(backend, max_tokens=4) as (app, pilot):
+        seen = record_status(app)
+        shown: list[str] = []
+        app.part(StatusBar).watch(app.part(StatusBar), "state", lambda s: shown.append(s), init=False)
+        await send(pilot, LONG)
+        steps = prefill_steps(seen)
+        total = app.view.turns[-1].computed_tokens
+        assert len(steps) >= 8 and steps[0] == (0, total) and steps[-1] == (total, total)
+        assert [d for d, _ in steps] == sorted(d for d, _ in steps) and len({d for d, _ in steps}) == len(steps)
+        assert len(prefill_steps(shown)) >= 4        # the status bar itself showed it moving
+
+
+async def test_escape_during_the_prefill_stops_it_and_puts_the_message_back(running_app):
+    backend = FakeBackend(FakeConfig(prefill_chunk=64, prefill_delay_s=0.1))
+    async with running_app(backend, max_tokens=4) as (app, pilot):
+        await send(pilot, "a short first turn")
+        held = app.view.chat.state().tokens_held
+        seen = record_status(app)
+        app.query_one(ChatInput).load_text(LONG)
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: any(d >= 64 for d, _ in prefill_steps(seen)), what="the first chunk")
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: app.busy is None, what="the prefill to stop")
+        assert app.query_one(ChatInput).text == LONG
+        state = app.view.chat.state()
+        assert [m["content"] for m in state.messages if m["role"] == "user"] == ["a short first turn"]
+        assert len(app.view.turns) == 1 and state.turns == 1 and held > 0 and state.tokens_held == 0
+        done, total = prefill_steps(seen)[-1]
+        assert 0 < done < total
+        notes = [n.text for n in app.view.query(Notice)]
+        assert any(f"prefill stopped at {done:,} of {total:,} tokens" in n for n in notes)
+        await send(pilot, "and the chat goes on")          # nothing is left stuck
+        assert len(app.view.turns) == 2
