@@ -1,6 +1,6 @@
 """What drawing the panels costs the decode steps it measures: the real app, headless
 (Textual's Pilot), on the real engine and the bundled model, regenerating the same reply
-(greedy: the same tokens at the same positions) with the panels hidden (ctrl+b) and shown,
+(greedy: the same tokens at the same positions) with the panels hidden (F6) and shown,
 and shown with the old behaviour (the worker does not wait for the UI to draw each batch).
 
     python scripts/redraw_cost.py [--tokens 96] [--rounds 3]

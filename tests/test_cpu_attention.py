@@ -183,6 +183,18 @@ def test_fp8_dequantization_survives_a_scale_past_the_unscaling_range():
     assert torch.isfinite(got).all()
 
 
+def test_fp8_decode_recomputes_exactly_when_a_scale_is_past_the_unscaling_range():
+    gen = torch.Generator().manual_seed(13)
+    length = 600
+    k, v, ks, vs, table = shuffled_cache(length, gen, fp8=True, head_major=True)
+    for t, x in ((k, ks), (v, vs)):
+        x[table[2], 3] *= 1e5                       # one row's scale past 2^8 (about 560): values near 10^5
+    q = torch.randn(HK * G, D, generator=gen) * 1e-4   # keeps the softmax of huge keys finite
+    got = A.decode_one(q, k, v, table, length, D ** -0.5, ks, vs)
+    assert torch.isfinite(got).all()
+    torch.testing.assert_close(got, reference(q, k, v, ks, vs, table, length), atol=1e-5, rtol=1e-4)
+
+
 # ---- the bundled model: decode steps through the split and the fp8 paths ---------------------
 PREFIX, STEPS = 1300, 6   # past 2 x SPLIT_MIN_ROWS, so decode splits; two fp8 pieces
 REL_TOL = 1e-3            # tests/test_model_reference.py: max |diff| / max |logit|
