@@ -143,6 +143,17 @@ def test_bench_json_holds_the_floor_and_its_ratios(bench_run):
     assert "| context | weights read | cache read | floor ms |" in bench_run["out"]
 
 
+def test_the_bandwidth_is_sampled_between_contexts_and_the_floor_takes_the_median(bench_run):
+    """5 sums before, 3 before each context of each run, 5 after; the floor's GB/s is their median."""
+    rec = json.loads(bench_run["json"].read_text())
+    bw = rec["floor"]["bandwidth"]
+    runs, contexts = rec["runs"], len(rec["summary"]["floor_ratio"])
+    assert len(bw["samples_ms"]) == 5 + 3 * runs * contexts + 5
+    median_ms = sorted(bw["samples_ms"])[len(bw["samples_ms"]) // 2]
+    assert bw["gb_s"] == pytest.approx(bw["buffer_bytes"] / median_ms / 1e6, rel=1e-3)
+    assert bw["slowest_gb_s"] <= bw["gb_s"] <= bw["fastest_gb_s"]
+
+
 def test_a_tied_models_step_reads_each_weight_once():
     from kvchat.bench.floor import step_weight_bytes
     from kvchat.engine.geometry import Geometry

@@ -18,33 +18,54 @@ MIN_BUFFER = 512 * 2**20   # bytes: well past any last-level cache
 
 @dataclass(frozen=True, slots=True)
 class Bandwidth:
-    """Read bandwidth from `repeats` timed sums over one buffer; the floor uses the fastest."""
+    """Read bandwidth from timed sums over one buffer, taken before, between and after the
+    measured contexts. The floor uses their median: on a shared host the bandwidth drifts
+    within a run (measured here: 29 GB/s at the start of one run, 53 GB/s in its last
+    minute), and the median stands for the conditions the timed steps ran in; the fastest
+    and slowest are reported beside it."""
     buffer_bytes: int
     samples_ms: tuple[float, ...]
 
+    def _gb_s(self, ms: float) -> float:
+        return self.buffer_bytes / (ms / 1000) / 1e9
+
     @property
     def gb_s(self) -> float:
-        return self.buffer_bytes / (min(self.samples_ms) / 1000) / 1e9
+        ms = sorted(self.samples_ms)
+        return self._gb_s(ms[len(ms) // 2])
 
     def to_dict(self) -> dict:
-        ms = sorted(self.samples_ms)
-        return {"gb_s": round(self.gb_s, 2), "buffer_bytes": self.buffer_bytes,
-                "median_gb_s": round(self.buffer_bytes / (ms[len(ms) // 2] / 1000) / 1e9, 2),
+        return {"gb_s": round(self.gb_s, 2), "buffer_bytes": self.buffer_bytes, "estimator": "median",
+                "fastest_gb_s": round(self._gb_s(min(self.samples_ms)), 2),
+                "slowest_gb_s": round(self._gb_s(max(self.samples_ms)), 2),
                 "samples_ms": [round(x, 3) for x in self.samples_ms]}
+
+
+class BandwidthProbe:
+    """A float32 buffer of about buffer_bytes (at least MIN_BUFFER), summed on demand: the
+    bench samples it between contexts so that the floor follows the run's conditions."""
+
+    def __init__(self, buffer_bytes: int) -> None:
+        import torch
+        self.buf = torch.ones(max(buffer_bytes, MIN_BUFFER) // 4, dtype=torch.float32)  # every page resident
+        self.buf.sum()                              # warm: threads started, code paged in
+        self.samples: list[float] = []
+
+    def sample(self, repeats: int = 3) -> None:
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            self.buf.sum()
+            self.samples.append((time.perf_counter() - t0) * 1000)
+
+    def result(self) -> Bandwidth:
+        return Bandwidth(self.buf.nbytes, tuple(self.samples))
 
 
 def measure_bandwidth(buffer_bytes: int, repeats: int = 7) -> Bandwidth:
     """Time `repeats` sums over a float32 buffer of about buffer_bytes (at least MIN_BUFFER)."""
-    import torch
-    n = max(buffer_bytes, MIN_BUFFER) // 4
-    buf = torch.ones(n, dtype=torch.float32)   # written once, so every page is resident
-    buf.sum()                                   # warm: threads started, code paged in
-    samples = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        buf.sum()
-        samples.append((time.perf_counter() - t0) * 1000)
-    return Bandwidth(buf.nbytes, tuple(samples))
+    probe = BandwidthProbe(buffer_bytes)
+    probe.sample(repeats)
+    return probe.result()
 
 
 def step_weight_bytes(model) -> int:

@@ -163,6 +163,7 @@ class Bench:
         self.cfg, self.engine = cfg, engine
         self.hf = self.llama = None           # the peers, when measured
         self.server = None                    # a vLLM server (--server), server_peer.VllmPeer
+        self.probe = None                     # floor.BandwidthProbe, sampled before each context
         self.base_kv = engine.kv_dtype
         renderer = engine.new_conversation()   # only its render() is used
         engine.close_conversation(renderer)
@@ -270,6 +271,8 @@ class Bench:
         results: dict[int, dict[str, Series]] = {ctx: {} for ctx in cfg.contexts}
         for run in range(cfg.runs):  # runs outermost, so slow drift on a shared machine hits every context
             for ctx in cfg.contexts:
+                if self.probe is not None:
+                    self.probe.sample()
                 self.context(ctx, run, cfg.new_tokens, results[ctx])
         return {ctx: {k: row[k] for k in bench_report.SERIES if k in row} for ctx, row in results.items()}
 
@@ -334,16 +337,21 @@ def run(args) -> int:
     load0 = busy_note(notes)
     weights = bench_floor.step_weight_bytes(engine.model)
     buffer = int(1.5 * (weights + (max(cfg.contexts) + cfg.new_tokens + NEXT_TURN_MARGIN) * engine.bytes_per_token))
-    bench.say(f"measuring read bandwidth (sums over a {max(buffer, bench_floor.MIN_BUFFER) / 2**20:,.0f} MiB buffer)")
-    bw_before = bench_floor.measure_bandwidth(buffer)
+    bench.say(f"measuring read bandwidth (sums over a {max(buffer, bench_floor.MIN_BUFFER) / 2**20:,.0f} MiB buffer, "
+              "before, between and after the contexts)")
+    bench.probe = bench_floor.BandwidthProbe(buffer)
+    bench.probe.sample(5)
     try:
         results = bench.measure()
     finally:
         if bench.server is not None:
             bench.server.close()
-    bw_after = bench_floor.measure_bandwidth(buffer)
-    bw = bench_floor.Bandwidth(bw_before.buffer_bytes, bw_before.samples_ms + bw_after.samples_ms)
-    bench.say(f"read bandwidth {bw.gb_s:.1f} GB/s (best of {len(bw.samples_ms)}, before and after the run)")
+    bench.probe.sample(5)
+    bw = bench.probe.result()
+    bench.probe = None  # the buffer goes
+    d = bw.to_dict()
+    bench.say(f"read bandwidth {bw.gb_s:.1f} GB/s (median of {len(bw.samples_ms)}; fastest {d['fastest_gb_s']:.1f}, "
+              f"slowest {d['slowest_gb_s']:.1f})")
 
     meta = {
         "command": cfg.command(args), "model": engine.describe(), "threads": threads,
@@ -355,7 +363,8 @@ def run(args) -> int:
                     "load_average_before": load0, "load_average_after": _load()},
         "floor": {"bandwidth": bw.to_dict(), "weight_bytes": weights,
                   "method": "bytes one decode step reads (every weight once, plus the cache at the mean length of the "
-                            "timed steps) over the fastest timed torch.sum of a buffer larger than them, in this run"},
+                            "timed steps) over the median of timed torch.sum calls over a buffer larger than them, "
+                            "taken before, between and after the contexts of this run"},
     }
     summary = bench_report.summarise(results, {"gb_s": bw.gb_s, "weight_bytes": weights, "new_tokens": cfg.new_tokens})
     try:  # the files first: minutes of measuring must survive a closed stdout (| head)
