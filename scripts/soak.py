@@ -15,7 +15,7 @@ import sys
 import time
 
 from kvchat.engine import CapExceeded, Engine, EngineConfig, SamplingParams, TurnStats
-from kvchat.engine.weights import resolve
+from kvchat.engine.sources import resolve
 
 PROMPTS = ("Name a fruit.", "Why is the sky blue?", "Count to five.", "What is a noun?", "Say something kind.",
            "Give me a word that rhymes with cat.", "What is two plus two?", "Name a river.",

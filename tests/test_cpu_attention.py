@@ -201,26 +201,35 @@ REL_TOL = 1e-3            # tests/test_model_reference.py: max |diff| / max |log
 FP8_MEAN_ABS = 0.35       # tests/test_experiments.py FP8_LIMITS: mean |dlogit|, fp8 vs fp32 cache
 
 
-def decode_logits(engine, ids: list[int], kv_dtype: str) -> torch.Tensor:
-    """Prefill ids[:PREFIX] into a fresh pool with a shuffled table, then decode the next
-    STEPS ids teacher-forced. Returns their logits (STEPS, vocab)."""
+def decode_logits(engine, ids: list[int], kv_dtype: str, table_kind: str = "shuffled") -> torch.Tensor:
+    """Prefill ids[:PREFIX] into a fresh pool in two chunks (the second after a cached
+    prefix), then decode the next STEPS ids teacher-forced. Returns their logits (STEPS, vocab).
+    table_kind "shuffled": every block in a random order (more runs than MAX_RUNS: gathered);
+    "runs": three runs of consecutive ids out of order, passed as Step.runs as the engine does."""
     from kvchat.engine.kv_cache import KVPool, plan_pool
     from kvchat.engine.model import Step
+    from kvchat.engine.sequence import block_runs
     g = engine.geometry
     spec = plan_pool(g, kv_dtype, 2 * (PREFIX + STEPS + 32) * g.kv_bytes_per_token(kv_dtype), 16)
     pool = KVPool(g, spec, engine.device)
-    table = torch.randperm(spec.num_blocks, generator=torch.Generator().manual_seed(3)).to(torch.int32)
+    n = spec.num_blocks
+    if table_kind == "shuffled":
+        table = torch.randperm(n, generator=torch.Generator().manual_seed(3)).to(torch.int32)
+    else:
+        table = torch.cat((torch.arange(n // 2, n), torch.arange(0, n // 4), torch.arange(n // 4, n // 2))).to(torch.int32)
+    runs = block_runs(table.tolist()) if table_kind == "runs" else None
 
     def slots(a: int, b: int) -> torch.Tensor:
         pos = torch.arange(a, b)
         return table.long()[pos // 16] * 16 + pos % 16
 
     model = engine.model
-    model.forward(torch.tensor(ids[:PREFIX]), torch.arange(PREFIX), Step(table, slots(0, PREFIX), 0, False), pool)
+    for a, b in ((0, 700), (700, PREFIX)):
+        model.forward(torch.tensor(ids[a:b]), torch.arange(a, b), Step(table, slots(a, b), a, False, runs=runs), pool)
     out = []
     for p in range(PREFIX, PREFIX + STEPS):
         out.append(model.forward(torch.tensor([ids[p]]), torch.tensor([p]),
-                                 Step(table, slots(p, p + 1), p, True), pool)[0])
+                                 Step(table, slots(p, p + 1), p, True, runs=runs), pool)[0])
     return torch.stack(out)
 
 
@@ -231,17 +240,19 @@ def text_ids(engine) -> list[int]:
     return engine.tokenizer.encode(text[: 8 * (PREFIX + STEPS)])[:PREFIX + STEPS]
 
 
-def test_split_k_decode_steps_give_the_logits_of_a_full_forward(engine, text_ids):
-    got = decode_logits(engine, text_ids, "fp32")
+@pytest.mark.parametrize("table_kind", ["shuffled", "runs"])
+def test_split_k_decode_steps_give_the_logits_of_a_full_forward(engine, text_ids, table_kind):
+    got = decode_logits(engine, text_ids, "fp32", table_kind)
     # logits at position p predict p + 1: decode step p's logits are the dense forward's row p
     want = engine.model.forward_dense(torch.tensor(text_ids), last_only=False)[PREFIX:PREFIX + STEPS]
     err = float((got - want).abs().max() / want.abs().max())
     assert err < REL_TOL, f"max |diff| / max |logit| = {err:.2e}"
 
 
-def test_fp8_cache_decode_logits_stay_near_the_fp32_cache(engine, text_ids):
-    full = decode_logits(engine, text_ids, "fp32")
-    fp8 = decode_logits(engine, text_ids, "fp8")
+@pytest.mark.parametrize("table_kind", ["shuffled", "runs"])
+def test_fp8_cache_decode_logits_stay_near_the_fp32_cache(engine, text_ids, table_kind):
+    full = decode_logits(engine, text_ids, "fp32", table_kind)
+    fp8 = decode_logits(engine, text_ids, "fp8", table_kind)
     diff = float((full - fp8).abs().mean())
     assert 0 < diff < FP8_MEAN_ABS, f"mean |dlogit| {diff:.3f}"
     assert int((full.argmax(-1) == fp8.argmax(-1)).sum()) >= STEPS - 1
