@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from kvchat.engine import attention as A
+from kvchat.engine import cpu_attention as C
 
 FP8 = torch.float8_e4m3fn
 TOL = dict(atol=1e-5, rtol=1e-5)
@@ -73,7 +74,7 @@ def test_split_k_decode_matches_the_reference_on_a_shuffled_table(length, window
     q = torch.randn(HK * G, D, generator=gen)
     rows_k = A.gather_kv(k, None, table, length, torch.float32)
     rows_v = A.gather_kv(v, None, table, length, torch.float32)
-    got = A.decode_split(q, rows_k, rows_v, D ** -0.5, n=min(windows, length))
+    got = C.decode_split(q, rows_k, rows_v, D ** -0.5, n=min(windows, length))
     torch.testing.assert_close(got, reference(q, k, v, None, None, table, length), **TOL)
 
 
@@ -134,34 +135,34 @@ def test_window_partials_give_the_log_sum_exp_of_plain_torch():
     q = torch.randn(3, HK, G, D, generator=gen)
     k = torch.randn(3, HK, 300, D, generator=gen)
     v = torch.randn(3, HK, 300, D, generator=gen)
-    bias = A.window_bias(3, 300, 290)
-    out, lse = A.partial_attention(q, k, v, 0.125, bias)
-    ref_out, ref_lse = A.partial_attention_ref(q, k, v, 0.125, bias)
+    bias = C.window_bias(3, 300, 290)
+    out, lse = C.partial_attention(q, k, v, 0.125, bias)
+    ref_out, ref_lse = C.partial_attention_ref(q, k, v, 0.125, bias)
     torch.testing.assert_close(out, ref_out, **TOL)
     torch.testing.assert_close(lse, ref_lse, **TOL)
 
 
 def test_split_k_without_the_fused_op_falls_back_to_plain_torch(monkeypatch):
-    monkeypatch.setattr(A, "_FLASH_LSE", None)
+    monkeypatch.setattr(C, "_FLASH_LSE", None)
     gen = torch.Generator().manual_seed(11)
     length = 1500
     k, v, _, _, table = shuffled_cache(length, gen)
     q = torch.randn(HK * G, D, generator=gen)
-    got = A.decode_split(q, A.gather_kv(k, None, table, length, torch.float32),
+    got = C.decode_split(q, A.gather_kv(k, None, table, length, torch.float32),
                          A.gather_kv(v, None, table, length, torch.float32), D ** -0.5, n=4)
     torch.testing.assert_close(got, reference(q, k, v, None, None, table, length), **TOL)
 
 
 @pytest.mark.parametrize("head_major", [False, True], ids=["tokens", "heads"])
 @pytest.mark.parametrize("length", [1, 300, 1024, 2500])
-@pytest.mark.parametrize("piece", [256, 1000, A.FP8_PIECE_ROWS])
+@pytest.mark.parametrize("piece", [256, 1000, C.FP8_PIECE_ROWS])
 def test_fp8_decode_dequantizing_piece_by_piece_matches_the_reference(length, piece, head_major):
     gen = torch.Generator().manual_seed(length + piece)
     k, v, ks, vs, table = shuffled_cache(length, gen, fp8=True, head_major=head_major)
     q = torch.randn(HK * G, D, generator=gen)
     want = reference(q, k, v, ks, vs, table, length)
     pieces = [A.row_pieces(t, table, length) for t in (k, v, ks, vs)]
-    torch.testing.assert_close(A.decode_fp8(q, *pieces, D ** -0.5, piece=piece), want, **TOL)
+    torch.testing.assert_close(C.decode_fp8(q, *pieces, D ** -0.5, piece=piece), want, **TOL)
     torch.testing.assert_close(A.decode_one(q, k, v, table, length, D ** -0.5, ks, vs), want, **TOL)
 
 
@@ -170,7 +171,7 @@ def test_fp8_bit_placement_is_torchs_own_conversion_for_every_byte(dtype):
     every = torch.arange(256, dtype=torch.uint8).view(FP8)
     finite = torch.isfinite(every.float())
     scale = torch.full((256,), 0.5)
-    got = A.dequantize_rows(every[:, None], scale, dtype)[:, 0]
+    got = C.dequantize_rows(every[:, None], scale, dtype)[:, 0]
     torch.testing.assert_close(got[finite], (every.float()[finite] * 0.5).to(dtype), atol=0, rtol=0)
 
 
@@ -178,7 +179,7 @@ def test_fp8_dequantization_survives_a_scale_past_the_unscaling_range():
     """Values past 114,688 give a scale above 2^8, where scale x 2^120 would overflow."""
     x = torch.tensor([[3.0e5, -1.0, 7.5e4, 0.0]])
     q, s = A.quantize_fp8(x[:, None, :])                               # (1, 1, 4), (1, 1)
-    got = A.dequantize_rows(q, s, torch.float32)
+    got = C.dequantize_rows(q, s, torch.float32)
     torch.testing.assert_close(got[0, 0], q.float()[0, 0] * s[0, 0], rtol=0, atol=0)
     assert torch.isfinite(got).all()
 
