@@ -15,16 +15,23 @@ pytestmark = pytest.mark.slow
 LONG = "\n".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(60))
 
 
+async def load_in_small_chunks(app, pilot, path) -> list:
+    """Send `/load path` with the conversation prefilling 64 tokens a chunk; returns the
+    status lines recorded from then on."""
+    app.view.chat.conv.prefill_chunk_size = 64
+    seen = record_status(app)
+    app.query_one("#input").load_text(f"/load {path}")
+    await pilot.press("enter")
+    return seen
+
+
 async def test_a_long_load_shows_the_prefill_moving_to_its_total(engine, running_app, tmp_path):
     path = tmp_path / "long.txt"
     path.write_text(LONG)
     backend = LocalBackend(engine)
     async with running_app(factory=lambda: backend, max_tokens=2) as (app, pilot):
         try:
-            app.view.chat.conv.prefill_chunk_size = 64
-            seen = record_status(app)
-            app.query_one("#input").load_text(f"/load {path}")
-            await pilot.press("enter")
+            seen = await load_in_small_chunks(app, pilot, path)
             await wait_until(pilot, lambda: len(app.view.turns) == 1 and app.busy is None, timeout=120,
                              what="the reply to the long text")
             steps = prefill_steps(seen)
@@ -42,10 +49,7 @@ async def test_escape_stops_the_prefill_between_chunks_and_puts_the_message_back
     backend = LocalBackend(engine)
     async with running_app(factory=lambda: backend, max_tokens=2) as (app, pilot):
         try:
-            app.view.chat.conv.prefill_chunk_size = 64
-            seen = record_status(app)
-            app.query_one("#input").load_text(f"/load {path}")
-            await pilot.press("enter")
+            seen = await load_in_small_chunks(app, pilot, path)
             await wait_until(pilot, lambda: any(d >= 64 for d, _ in prefill_steps(seen)), timeout=120,
                              what="the first chunk")
             await pilot.press("escape")
