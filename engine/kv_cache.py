@@ -18,7 +18,6 @@ if FP8 is not None:
 
 
 
-
 LAYOUTS = ("tokens", "heads")
 
 
@@ -51,10 +50,9 @@ class KVPool:
         self.data = torch.empty((geom.n_layers, 2, *shape), dtype=dtype, device=device)
         self.scales = (torch.empty((geom.n_layers, 2, *shape[:-1]), dtype=torch.float32, device=device)
                        if spec.kv_dtype == "fp8" else None)
+        self._layers = [self._views(i) for i in range(geom.n_layers)]   # made once, not every step
 
-    def layer(self, i: int):
-        """(k_cache, v_cache, k_scale, v_scale) for layer i; caches (num_blocks, bs, H_kv, d),
-        scales (num_blocks, bs, H_kv): views of the storage in either layout."""
+    def _views(self, i: int):
         k, v = self.data[i, 0], self.data[i, 1]
         ks = self.scales[i, 0] if self.scales is not None else None
         vs = self.scales[i, 1] if self.scales is not None else None
@@ -63,6 +61,11 @@ class KVPool:
             if ks is not None:
                 ks, vs = ks.permute(1, 2, 0), vs.permute(1, 2, 0)
         return k, v, ks, vs
+
+    def layer(self, i: int):
+        """(k_cache, v_cache, k_scale, v_scale) for layer i; caches (num_blocks, bs, H_kv, d),
+        scales (num_blocks, bs, H_kv): views of the storage in either layout."""
+        return self._layers[i]
 
     @property
     def nbytes(self) -> int:

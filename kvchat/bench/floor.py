@@ -61,13 +61,6 @@ class BandwidthProbe:
         return Bandwidth(self.buf.nbytes, tuple(self.samples))
 
 
-def measure_bandwidth(buffer_bytes: int, repeats: int = 7) -> Bandwidth:
-    """Time `repeats` sums over a float32 buffer of about buffer_bytes (at least MIN_BUFFER)."""
-    probe = BandwidthProbe(buffer_bytes)
-    probe.sample(repeats)
-    return probe.result()
-
-
 def step_weight_bytes(model) -> int:
     """Bytes of weights one decode step reads: every matrix and norm, but of an embedding
     table not shared with the output head only the one row it looks up."""
