@@ -23,6 +23,7 @@ from functools import cache
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .cpu_attention import (decode_fp8, decode_split, dequantize_rows, fused_lse, merge_partials,
                             prefix_then_causal, sdpa_decode, split_partials)
 from .sequence import block_runs
@@ -190,6 +191,10 @@ def decode_one(q, k_cache, v_cache, block_table, length, scale, k_scale=None, v_
         k = gather_kv(k_cache, k_scale, block_table, length, q.dtype, runs)  # (T, hk, d)
         v = gather_kv(v_cache, v_scale, block_table, length, q.dtype, runs)
         return sdpa_decode(q, k, v, scale)
+    if native.decode_serves(q, k_cache):
+        out = native.decode(q, k_cache, v_cache, block_table, length, scale, k_scale, v_scale)
+        if out is not None:
+            return out
     if runs is None:
         runs = block_runs(block_table[:-(-length // k_cache.shape[1])].tolist())
     k = row_pieces(k_cache, block_table, length, runs)                  # [(T_i, hk, d)] storage dtype

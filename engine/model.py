@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from . import native
 from .attention import causal_attention, paged_decode, paged_prefill, write_kv
 from .geometry import Geometry
 from .kv_cache import KVPool
@@ -69,10 +70,12 @@ _FUSED_RMS_NORM = hasattr(F, "rms_norm")
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T. For one CPU row, split w's rows across a batched matmul: a single-row
-    product runs on one thread in MKL, a batch of S runs on S threads (the same dot
-    products, so the same numbers; a decode step's weight reads went 45 ms -> 25 ms on 2
-    cores, measured in the bench issue)."""
+    """x @ w.T. One fp32 CPU row takes the C kernel (engine/native.py) where it compiled.
+    Otherwise w's rows are split across a batched matmul: a single-row product runs on one
+    thread in MKL, a batch of S runs on S threads (the same dot products, so the same
+    numbers; a decode step's weight reads went 45 ms -> 25 ms on 2 cores)."""
+    if native.gemv_serves(x, w):
+        return native.gemv(x, w)
     s = torch.get_num_threads()
     if x.shape[0] != 1 or s < 2 or x.device.type != "cpu" or w.shape[0] % s:
         return x @ w.T

@@ -1,0 +1,169 @@
+"""The C kernels (engine/native.py, engine/csrc/kvchat_cpu.c), compiled here with the
+machine's own compiler, against plain-torch references on fresh random data.
+
+Tolerances: the one-row product sums in another order than MKL's, so it is held to fp32
+accumulation error for sums of ~1,500 N(0, 1) products (atol 1e-4 on values of magnitude ~40,
+rtol 1e-5). Decode attention reorders softmax sums and uses its own exp (error under 1e-8
+relative): atol/rtol 1e-5 on outputs of magnitude ~1, as tests/test_cpu_attention.py holds
+the torch path and tests/test_kernels.py the Triton kernels.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvchat.engine import attention as A
+from kvchat.engine import native
+
+FP8 = torch.float8_e4m3fn
+TOL = dict(atol=1e-5, rtol=1e-5)
+BS = 16
+
+
+def test_the_kernels_compile_and_load_here():
+    """CI and the README's machines have a C compiler: the kernels must serve there."""
+    assert native.status().startswith("on:"), native.status()
+    assert native.lib() is not None
+
+
+@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (49152, 576), (7, 100), (13, 33), (8, 16), (1, 1)])
+def test_gemv_is_the_matmul(n, k):
+    gen = torch.Generator().manual_seed(n * 7 + k)
+    w, x = torch.randn(n, k, generator=gen), torch.randn(1, k, generator=gen)
+    got = native.gemv(x, w)
+    assert got.shape == (1, n)
+    torch.testing.assert_close(got, (x.double() @ w.double().T).float(), atol=1e-4, rtol=1e-5)
+
+
+def test_gemv_declines_what_it_does_not_serve():
+    w, x = torch.randn(8, 16), torch.randn(1, 16)
+    assert native.gemv_serves(x, w)
+    assert not native.gemv_serves(torch.randn(2, 16), w)                # a prefill: MKL's GEMM
+    assert not native.gemv_serves(x, w.t().contiguous().t())            # strided weights
+    assert not native.gemv_serves(x.bfloat16(), w.bfloat16())
+    with native.disabled():
+        assert not native.gemv_serves(x, w)
+
+
+def paged(length: int, hk: int, d: int, gen: torch.Generator, fp8: bool, head_major: bool):
+    """A sequence of N(0, 1) K/V rows written through write_kv_ref into a pool of 5 spare
+    blocks more than it needs, its blocks in a random order. Slots the sequence does not own,
+    and the tail of its last block, hold NaN (fp8: e4m3fn's NaN byte, NaN scales), so a read
+    outside the sequence shows in the result. Returns (k, v, ks, vs, table, clean) where
+    clean is the same pool with the poison zeroed, for the reference."""
+    need = -(-length // BS)
+    nb = need + 5
+
+    def empty(dtype, *last):
+        if head_major:   # KVPool's CPU layout: (H_kv, blocks, bs, d) storage, viewed token-major
+            return torch.empty(hk, nb, BS, *last, dtype=dtype).movedim(0, 2)
+        return torch.empty(nb, BS, hk, *last, dtype=dtype)
+
+    table = torch.randperm(nb, generator=gen)[:need].to(torch.int32)
+    rows = torch.arange(length)
+    slots = table.long()[rows // BS] * BS + rows % BS
+    kr, vr = torch.randn(length, hk, d, generator=gen), torch.randn(length, hk, d, generator=gen)
+    dtype = FP8 if fp8 else torch.float32
+    k, v = empty(dtype, d), empty(dtype, d)
+    for t in (k, v):
+        (t.view(torch.uint8).fill_(0x7F) if fp8 else t.fill_(float("nan")))
+    ks = vs = None
+    if fp8:
+        ks, vs = empty(torch.float32).fill_(float("nan")), empty(torch.float32).fill_(float("nan"))
+    A.write_kv_ref(k, v, kr, vr, slots, ks, vs)
+    clean = []
+    for t in (k, v, ks, vs):
+        if t is None:
+            clean.append(None)
+            continue
+        c = t.clone()
+        bad = c.view(torch.uint8) == 0x7F if t.dtype == FP8 else c.isnan()
+        (c.view(torch.uint8) if t.dtype == FP8 else c)[bad] = 0
+        clean.append(c)
+    return k, v, ks, vs, table, clean
+
+
+def reference(q, clean, table, length):
+    k, v, ks, vs = clean
+    return A.paged_decode_ref(q[None], k, v, table[None], torch.tensor([length], dtype=torch.int32),
+                              q.shape[-1] ** -0.5, ks, vs)[0]
+
+
+# the bundled model (3 KV heads x 3), Llama 3.1 8B (8 x 4, d 128), MHA, a group past the
+# specialised ones (10) and head sizes that take the general code (d 32, 96)
+GEOMETRIES = [(3, 3, 64), (8, 4, 128), (4, 1, 64), (2, 10, 64), (2, 2, 32), (1, 5, 96)]
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+@pytest.mark.parametrize("head_major", [False, True], ids=["tokens", "heads"])
+@pytest.mark.parametrize("hk, g, d", GEOMETRIES, ids=[f"{a}x{b}x{c}" for a, b, c in GEOMETRIES])
+@pytest.mark.parametrize("length", [1, 15, 17, 333, 2049])
+def test_decode_matches_the_reference_on_a_shuffled_table(length, hk, g, d, head_major, fp8):
+    gen = torch.Generator().manual_seed(length * 131 + hk * 17 + g * 5 + d + fp8)
+    k, v, ks, vs, table, clean = paged(length, hk, d, gen, fp8, head_major)
+    q = torch.randn(hk * g, d, generator=gen)
+    assert native.decode_serves(q, k)
+    got = native.decode(q, k, v, table, length, d ** -0.5, ks, vs)
+    assert got is not None and got.isfinite().all()
+    torch.testing.assert_close(got, reference(q, clean, table, length), **TOL)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_decode_gives_the_same_result_on_any_thread_count(threads):
+    """Splits follow the thread count; the result must not (within fp32 tolerance)."""
+    gen = torch.Generator().manual_seed(threads)
+    k, v, ks, vs, table, clean = paged(1500, 3, 64, gen, False, True)
+    q = torch.randn(9, 64, generator=gen)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = native.decode(q, k, v, table, 1500, 0.125)
+    finally:
+        torch.set_num_threads(before)
+    want = A.paged_decode_ref(q[None], clean[0], clean[1], table[None], torch.tensor([1500], dtype=torch.int32),
+                              0.125)[0]
+    torch.testing.assert_close(got, want, **TOL)
+
+
+def test_decode_declines_what_it_does_not_serve():
+    q = torch.randn(9, 64)
+    k = torch.empty(4, BS, 3, 64)
+    assert native.decode_serves(q, k)
+    assert not native.decode_serves(torch.randn(9, 40), torch.empty(4, BS, 3, 40))     # d not a multiple of 16
+    assert not native.decode_serves(q.bfloat16(), k.bfloat16())
+    assert not native.decode_serves(torch.randn(34, 64), torch.empty(4, BS, 2, 64))    # 17 queries per KV head
+
+
+def test_large_scores_do_not_overflow_the_softmax():
+    """Scores far from 0 (here about +-2,000): the running max must keep exp in range."""
+    gen = torch.Generator().manual_seed(5)
+    k, v, ks, vs, table, clean = paged(700, 3, 64, gen, False, True)
+    q = torch.randn(9, 64, generator=gen) * 40
+    got = native.decode(q, k, v, table, 700, 64 ** -0.5)
+    torch.testing.assert_close(got, reference(q, clean, table, 700), **TOL)
+
+
+def test_the_engine_takes_the_kernels_for_a_decode_step(engine, monkeypatch):
+    """The model's decode step goes through both kernels, and their logits are the torch
+    path's within the model-level tolerance of tests/test_model_reference.py."""
+    from test_cpu_attention import PREFIX, REL_TOL, STEPS, decode_logits  # noqa: PLC0415
+    from pydoc_data.topics import topics  # noqa: PLC0415
+
+    ids = engine.tokenizer.encode(topics["if"] * 40)[:PREFIX + STEPS]
+    calls = {"gemv": 0, "decode": 0}
+    for name in calls:
+        real = getattr(native, name)
+
+        def counted(*a, _real=real, _name=name, **kw):
+            calls[_name] += 1
+            return _real(*a, **kw)
+        monkeypatch.setattr(native, name, counted)
+    for kv in ("fp32", "fp8"):
+        got = decode_logits(engine, ids, kv, "runs")
+        with native.disabled():
+            want = decode_logits(engine, ids, kv, "runs")
+        err = float((got - want).abs().max() / want.abs().max())
+        assert err < REL_TOL, f"{kv}: max |diff| / max |logit| = {err:.2e}"
+    layers = engine.geometry.n_layers
+    assert calls["decode"] == 2 * STEPS * layers
+    assert calls["gemv"] >= 2 * STEPS * (4 * layers + 1)   # qkv, o, gate_up, down per layer, and the logits
