@@ -95,6 +95,8 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
     """k, v: (T, n_kv_heads, head_dim); slots: (T,) int64 flat slot ids."""
     if _use_triton(k_cache):
         return _kernels().write_kv(k_cache, v_cache, k, v, slots, k_scale, v_scale)
+    if native.write_serves(k_cache, k, v, slots):
+        return native.write(k_cache, v_cache, k, v, slots, k_scale, v_scale)
     return write_kv_ref(k_cache, v_cache, k, v, slots, k_scale, v_scale)
 
 

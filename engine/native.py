@@ -3,9 +3,11 @@
 A batch-1 decode step on the CPU reads every weight once and the whole cache once; torch's
 one-row product and its per-piece attention calls left a step at 2.7x the memory floor
 (docs/bench.md). Two C kernels take those reads:
-- `gemv(x, w)`: x @ w.T for one fp32 row;
+- `gemv(x, w)`: x @ w.T for one fp32 row, and `rms_norm` for one row;
 - `decode(q, ...)`: one query per head against a sequence's cache through its block table,
-  fp32 or fp8, read in place, split-K, merged by log-sum-exp.
+  fp32 or fp8, read in place, split-K, merged by log-sum-exp;
+- `write(...)`: a step's new K/V rows into their slots, quantized for an fp8 cache with the
+  bytes torch's own conversion gives.
 
 The source is compiled with the system's C compiler (`cc`, or $CC) with -O3 -march=native
 -fopenmp into the kvchat cache folder, keyed by the source, flags and compiler, so that a
@@ -39,8 +41,16 @@ class DecodeArgs(ctypes.Structure):
     _fields_ = [("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("ks", ctypes.c_void_p), ("vs", ctypes.c_void_p),
                 ("table", ctypes.c_void_p)] + [
         (name, ctypes.c_int64) for name in
+        ("block_stride", "row_stride", "head_stride", "sblock_stride", "srow_stride", "shead_stride", "length", "block_size", "kv_heads", "group", "dim")] + [("scale", ctypes.c_float)]
+
+
+class WriteArgs(ctypes.Structure):
+    _fields_ = [("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("ks", ctypes.c_void_p), ("vs", ctypes.c_void_p)] + [
+        (name, ctypes.c_int64) for name in
         ("block_stride", "row_stride", "head_stride", "sblock_stride", "srow_stride", "shead_stride",
-         "length", "block_size", "kv_heads", "group", "dim")] + [("scale", ctypes.c_float)]
+         "block_size", "kv_heads", "dim")] + [
+        ("src_k", ctypes.c_void_p), ("src_v", ctypes.c_void_p), ("k_row_stride", ctypes.c_int64),
+        ("v_row_stride", ctypes.c_int64), ("src_head_stride", ctypes.c_int64)]
 
 
 def _compiler() -> str | None:
@@ -81,6 +91,10 @@ def _load():
     lib.kv_gemv.restype = None
     lib.kv_decode.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
     lib.kv_decode.restype = ctypes.c_int
+    lib.kv_write.argtypes = [ctypes.POINTER(WriteArgs), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.kv_write.restype = None
+    lib.kv_rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_float]
+    lib.kv_rms_norm.restype = None
     return lib, f"on: {Path(cc).name} -march=native, {torch.get_num_threads()} threads"
 
 
@@ -114,6 +128,10 @@ def disabled():
         _disabled = previous
 
 
+def _scale_strides(s: torch.Tensor | None) -> tuple[int, int, int]:
+    return (s.stride(0), s.stride(1), s.stride(2)) if s is not None else (0, 0, 0)
+
+
 # ---- the calls -----------------------------------------------------------------------------
 def gemv_serves(x: torch.Tensor, w: torch.Tensor) -> bool:
     return (x.shape[0] == 1 and x.dtype == torch.float32 and w.dtype == torch.float32
@@ -126,6 +144,13 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     n, k = w.shape
     y = torch.empty(1, n)
     lib().kv_gemv(x.data_ptr(), w.data_ptr(), y.data_ptr(), n, k, torch.get_num_threads())
+    return y
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: (1, k) fp32 contiguous; w: (k,) fp32 -> (1, k). Callers check gemv_serves(x, w[None])."""
+    y = torch.empty_like(x)
+    lib().kv_rms_norm(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[1], eps)
     return y
 
 
@@ -159,7 +184,7 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
                    k_scale.data_ptr() if k_scale is not None else None,
                    v_scale.data_ptr() if v_scale is not None else None, table.data_ptr(),
                    k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-                   *((k_scale.stride(0), k_scale.stride(1), k_scale.stride(2)) if k_scale is not None else (0, 0, 0)),
+                   *_scale_strides(k_scale),
                    length, bs, hk, hq // hk, d, scale)
     threads = torch.get_num_threads()
     splits = max(1, -(-SPLITS_PER_THREAD * threads // hk))
@@ -167,3 +192,27 @@ def decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_
     if lib().kv_decode(ctypes.byref(a), q.data_ptr(), out.data_ptr(), splits, threads) != 0:
         return None
     return out
+
+
+def write_serves(k_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> bool:
+    """Whether write() takes these: CPU, fp32 rows with unit stride in head_dim (the same
+    head stride for K and V; row strides may differ: K comes out of RoPE, V out of the projection), an fp32 or e4m3 cache with unit-stride rows, int64 slots."""
+    return (k.device.type == "cpu" and k_cache.device.type == "cpu" and k.dtype == torch.float32
+            and v.dtype == torch.float32 and k.stride(1) == v.stride(1) and k.stride(-1) == v.stride(-1) == 1
+            and k_cache.dtype in (torch.float32, FP8) and k_cache.stride(-1) == 1
+            and slots.dtype == torch.int64 and lib() is not None)
+
+
+def write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+          k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
+    """k, v: (T, n_kv_heads, head_dim) fp32 into flat slots (T,): copied, or for an fp8 cache
+    quantized per (row, head) with the bytes and scales attention.quantize_fp8 gives."""
+    nb, bs, hk, d = k_cache.shape
+    assert v_cache.stride() == k_cache.stride()
+    slots = slots.contiguous()
+    a = WriteArgs(k_cache.data_ptr(), v_cache.data_ptr(),
+                  k_scale.data_ptr() if k_scale is not None else None,
+                  v_scale.data_ptr() if v_scale is not None else None,
+                  k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *_scale_strides(k_scale),
+                  bs, hk, d, k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k.stride(1))
+    lib().kv_write(ctypes.byref(a), slots.data_ptr(), slots.shape[0], torch.get_num_threads())

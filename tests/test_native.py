@@ -167,3 +167,67 @@ def test_the_engine_takes_the_kernels_for_a_decode_step(engine, monkeypatch):
     layers = engine.geometry.n_layers
     assert calls["decode"] == 2 * STEPS * layers
     assert calls["gemv"] >= 2 * STEPS * (4 * layers + 1)   # qkv, o, gate_up, down per layer, and the logits
+
+
+@pytest.mark.parametrize("head_major", [False, True], ids=["tokens", "heads"])
+@pytest.mark.parametrize("kv", ["fp32", "fp8"])
+@pytest.mark.parametrize("rows", [1, 37, 3000])
+def test_write_puts_the_bytes_and_scales_of_the_torch_path(rows, kv, head_major):
+    """Rows of a wide dynamic range (N(0, 1) times e^(3 N(0, 1)), some all zero, some
+    with values at the e4m3 subnormal end), K and V as views with different row strides, as
+    the model hands them over (K out of RoPE, V out of the projection), into shuffled slots: every byte and scale equal to write_kv_ref's."""
+    gen = torch.Generator().manual_seed(rows + (kv == "fp8"))
+    hk, d, nb = 3, 64, 200
+    proj = torch.randn(rows, 5, hk, d, generator=gen) * torch.exp(3 * torch.randn(rows, 5, hk, 1, generator=gen))
+    proj[::7, :, 1] = 0.0
+    proj[::5, :, 2, :8] *= 1e-4
+    k, v = proj[:, 1], proj[:, 2:4].reshape(rows, 2, hk * d)[:, 1].view(rows, hk, d)  # (rows, hk, d) each
+    v = torch.cat((v, proj[:, 0, :1]), dim=1)[:, :hk]                 # a row stride of (hk + 1) d, not 5 hk d
+    assert k.stride(0) != v.stride(0) and k.stride(1) == v.stride(1)
+    slots = torch.randperm(nb * BS, generator=gen)[:rows]
+    dtype = FP8 if kv == "fp8" else torch.float32
+
+    def pool():
+        shape = (hk, nb, BS) if head_major else (nb, BS, hk)
+        c = [torch.zeros(*shape, d, dtype=dtype) for _ in range(2)]
+        s = [torch.zeros(*shape) for _ in range(2)] if kv == "fp8" else [None, None]
+        if head_major:
+            c, s = [t.movedim(0, 2) for t in c], [t.movedim(0, 2) if t is not None else None for t in s]
+        return c + s
+    got, want = pool(), pool()
+    assert native.write_serves(got[0], k, v, slots)
+    native.write(got[0], got[1], k, v, slots, got[2], got[3])
+    A.write_kv_ref(want[0], want[1], k, v, slots, want[2], want[3])
+    for g, w in zip(got, want):
+        if g is not None:
+            assert torch.equal(g.view(torch.uint8) if g.dtype == FP8 else g, w.view(torch.uint8) if w.dtype == FP8 else w)
+
+
+def test_e4m3_rounding_is_torchs_for_a_sweep_of_values():
+    """Every float32 from 2^-12 to 448 at a step of 1/64 of an e4m3 step, both signs, through
+    the write kernel with a scale of exactly 1 (a row whose absolute maximum is 448)."""
+    vals = []
+    e = -12.0
+    while e < 9:
+        vals.append(torch.arange(2 ** e, 2 ** (e + 1), 2 ** (e - 9)))
+        e += 1
+    x = torch.cat(vals)
+    x = torch.cat((x[x <= 448], -x[x <= 448]))
+    d = 64
+    x = x[: x.numel() // (d - 1) * (d - 1)].view(-1, d - 1)
+    rows = torch.cat((x, torch.full((x.shape[0], 1), 448.0)), dim=1)[:, None, :]   # (n, 1, d)
+    nb = -(-rows.shape[0] // BS)
+    cache = [torch.zeros(nb, BS, 1, d, dtype=FP8) for _ in range(2)]
+    scales = [torch.zeros(nb, BS, 1) for _ in range(2)]
+    native.write(cache[0], cache[1], rows, rows, torch.arange(rows.shape[0]), scales[0], scales[1])
+    assert torch.equal(scales[0].flatten()[: rows.shape[0]], torch.ones(rows.shape[0]))
+    got = cache[0].view(torch.uint8).reshape(-1, d)[: rows.shape[0]]
+    assert torch.equal(got, rows[:, 0].to(FP8).view(torch.uint8))
+
+
+@pytest.mark.parametrize("k", [576, 4096, 100])
+def test_rms_norm_is_torchs(k):
+    gen = torch.Generator().manual_seed(k)
+    x, w = torch.randn(1, k, generator=gen) * 3, torch.randn(k, generator=gen)
+    want = (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()).float()
+    torch.testing.assert_close(native.rms_norm(x, w, 1e-5), want, atol=1e-5, rtol=1e-5)
