@@ -316,6 +316,9 @@ def run(args) -> int:
     print(f"kvchat bench: {d['model']} in {d['dtype']} on {d['device']}, KV {d['kv_dtype']}, {threads} thread(s); "
           f"contexts {', '.join(map(str, cfg.contexts))} x {cfg.runs} run(s)", file=sys.stderr, flush=True)
     notes = [f"torch threads: {threads} for kvchat and transformers (one process)"]
+    if engine.device.type == "cpu":
+        from kvchat.engine import native
+        notes.append(f"kvchat's C kernels (engine/native.py; KVCHAT_NATIVE=0 sets them aside): {native.status()}")
     if cfg.peers:
         bench.hf = bench_peers.HFPeer(engine.source, engine.device, engine.dtype)
         n_ctx = min(max(cfg.contexts) + 2 * cfg.new_tokens + NEXT_TURN_MARGIN, engine.geometry.max_position)
