@@ -146,8 +146,8 @@ typedef struct {
 
 /* rows of e4m3 bytes into fp32, unscaled: each byte's sign placed at bit 31 and its exponent
  * and mantissa at bits 20-26 of a float32 give the value times 2^-120, exactly (see
- * engine/cpu_attention.py); times 2^120, also exact, gives the value. Kept at 2^-120, products
- * with the queries would be float32 subnormals, which the CPU handles about 3x slower (measured). */
+ * engine/cpu_attention.py); times 2^120, also exact, gives the value, so that the products
+ * with the queries are ordinary floats rather than subnormals. */
 static inline void fp8_rows(const int8_t *src, int64_t stride, int rows, int64_t dim, float *dst) {
     for (int r = 0; r < rows; r++)
         for (int64_t c = 0; c < dim; c += LANES) {
