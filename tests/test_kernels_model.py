@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from counting import count_calls
 from kvchat.engine import kernels
 from kvchat.engine import native
 from kvchat.engine.attention import force_triton
@@ -97,15 +98,7 @@ def model_for(dtype: str):
 def kernel_calls(monkeypatch) -> dict[str, int]:
     """Counts the calls that reach the Triton kernels, so a test knows it did not silently
     compare the torch path with itself."""
-    calls = {"write_kv": 0, "paged_decode": 0}
-    for name in calls:
-        real = getattr(kernels, name)
-
-        def counted(*args, _real=real, _name=name, **kwargs):
-            calls[_name] += 1
-            return _real(*args, **kwargs)
-        monkeypatch.setattr(kernels, name, counted)
-    return calls
+    return count_calls(monkeypatch, kernels, "write_kv", "paged_decode")
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "bf16", "fp8"])  # fp8: a bf16 model over an fp8 pool

@@ -12,6 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from counting import count_calls
 from kvchat.engine import attention as A
 from kvchat.engine import native
 
@@ -150,14 +151,7 @@ def test_the_engine_takes_the_kernels_for_a_decode_step(engine, monkeypatch):
     from pydoc_data.topics import topics  # noqa: PLC0415
 
     ids = engine.tokenizer.encode(topics["if"] * 40)[:PREFIX + STEPS]
-    calls = {"gemv": 0, "decode": 0}
-    for name in calls:
-        real = getattr(native, name)
-
-        def counted(*a, _real=real, _name=name, **kw):
-            calls[_name] += 1
-            return _real(*a, **kw)
-        monkeypatch.setattr(native, name, counted)
+    calls = count_calls(monkeypatch, native, "gemv", "decode")
     for kv in ("fp32", "fp8"):
         got = decode_logits(engine, ids, kv, "runs")
         with native.disabled():
