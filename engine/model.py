@@ -60,7 +60,7 @@ def rope_inv_freq(geom: Geometry) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    if native.gemv_serves(x, w[None]):  # one fp32 CPU row: one C call, not torch's eight ops
+    if native.gemv_serves(x, w):  # one fp32 CPU row: one C call, not torch's eight ops
         return native.rms_norm(x, w, eps)
     if x.dtype == torch.float32 and _FUSED_RMS_NORM:
         return F.rms_norm(x, w.shape, w, eps)  # one op instead of eight: decode is op-bound on CPU

@@ -10,7 +10,7 @@ one-row product and its per-piece attention calls left a step at 2.7x the memory
   bytes torch's own conversion gives.
 
 The source is compiled with the system's C compiler (`cc`, or $CC) with -O3 -march=native
--fopenmp into the kvchat cache folder, keyed by the source, flags and compiler, so that a
+-fopenmp into the kvchat cache folder, keyed by the source, flags, compiler and CPU, so that a
 machine compiles it once (about a second). Where there is no compiler, the compile fails, or
 KVCHAT_NATIVE=0 is set, `lib()` is None and every caller keeps its torch path; `status()` says
 which and why. No C++ or torch headers: torch's C++ ABI differs between versions, plain C does not.
@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -58,9 +59,20 @@ def _compiler() -> str | None:
     return cc if cc and shutil.which(cc) else None
 
 
+def _cpu_features() -> str:
+    """What -march=native compiles for: the CPU's flags, so that a cache folder shared by
+    machines with other CPUs (a network home) never hands one a library it cannot run."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line for line in f if line.startswith(("flags", "Features"))), platform.machine())
+    except OSError:
+        return platform.machine() + platform.processor()
+
+
 def _build(cc: str) -> Path:
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + repr(FLAGS).encode() + version.encode()).hexdigest()[:16]
+    key = hashlib.sha256(SOURCE.read_bytes() + repr(FLAGS).encode() + version.encode()
+                         + _cpu_features().encode()).hexdigest()[:16]
     from .sources import cache_dir  # noqa: PLC0415  (platformdirs, only when compiling)
     out = cache_dir() / "native" / f"kvchat_cpu-{key}.so"
     if out.exists():
@@ -134,6 +146,8 @@ def _scale_strides(s: torch.Tensor | None) -> tuple[int, int, int]:
 
 # ---- the calls -----------------------------------------------------------------------------
 def gemv_serves(x: torch.Tensor, w: torch.Tensor) -> bool:
+    """Whether gemv (w: (n, k)) or rms_norm (w: (k,)) takes these: one fp32 CPU row x, fp32
+    contiguous CPU weights, and the kernels loaded."""
     return (x.shape[0] == 1 and x.dtype == torch.float32 and w.dtype == torch.float32
             and x.device.type == "cpu" and w.device.type == "cpu" and w.is_contiguous()
             and x.is_contiguous() and lib() is not None)
@@ -148,7 +162,7 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: (1, k) fp32 contiguous; w: (k,) fp32 -> (1, k). Callers check gemv_serves(x, w[None])."""
+    """x: (1, k) fp32 contiguous; w: (k,) fp32 -> (1, k). Callers check gemv_serves(x, w)."""
     y = torch.empty_like(x)
     lib().kv_rms_norm(x.data_ptr(), w.data_ptr(), y.data_ptr(), x.shape[1], eps)
     return y

@@ -264,7 +264,7 @@ static void item_any(const DecodeArgs *a, const float *q, int64_t h, int64_t b0,
  * outside what this kernel serves (the caller then takes the torch path). */
 int kv_decode(const DecodeArgs *a, const float *q, float *out, int splits, int threads) {
     const int64_t g = a->group, d = a->dim, hk = a->kv_heads;
-    if (g < 1 || g > MAX_GROUP || d % LANES || d > MAX_DIM || a->length < 1 || a->block_size > (1 << 20))
+    if (g < 1 || g > MAX_GROUP || d % LANES || d > MAX_DIM || a->length < 1)
         return -1;
     const int64_t blocks = (a->length + a->block_size - 1) / a->block_size;
     if (splits > blocks) splits = (int)blocks;
