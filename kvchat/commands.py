@@ -15,7 +15,7 @@ from typing import Any
 from kvchat.engine.engine import KV_DTYPES
 from kvchat.engine.policy import POLICIES
 
-from .files import FileRefused, read_text
+from .store.files import FileRefused, read_text
 
 MAX_LOAD_BYTES = 1 << 20
 PANELS = ("cache", "cap", "blocks", "latency", "all")

@@ -20,7 +20,6 @@ from typing import Any
 MIN_FIT_POINTS = 8
 MIN_FIT_SPAN = 256      # positions; a slope fitted over fewer is mostly timing noise scaled up to 1k tokens
 MODES = ("cache", "off")
-SLOW_MS = 10_000.0      # durations from here on read in seconds
 
 Key = tuple[str, str]   # (cache mode, KV dtype); the KV dtype is "" with the cache off (nothing is stored)
 Turn = Any              # one turn's telemetry: a TurnStats.summary() dict or a typed record with those fields
@@ -39,11 +38,6 @@ def series_key(mode: str, kv_dtype: str | None) -> Key:
 def series_label(key: Key) -> str:
     mode, kv = key
     return "cache off" if mode == "off" else f"{kv} cache" if kv else "cache on"
-
-
-def duration(ms: float) -> str:
-    """212 ms, 9,870 ms, then 10.2 s and 212.2 s: no one reads '212234 ms'."""
-    return f"{ms / 1000:,.1f} s" if ms >= SLOW_MS else f"{ms:,.0f} ms"
 
 
 def fit_slope(points: list[tuple[int, float]]) -> float | None:

@@ -30,8 +30,8 @@ def p90(xs: list[float]) -> float:
 
 
 async def measure(tokens: int, rounds: int, size: tuple[int, int]) -> dict[str, list[float]]:
-    from kvchat import jobs
-    from kvchat.app import AppOptions, KvChatApp
+    from kvchat.chat import jobs
+    from kvchat.app.shell import AppOptions, KvChatApp
     from kvchat.backends.local import LocalBackend
     from kvchat.engine import Engine, EngineConfig
     from kvchat.engine.sampler import SamplingParams

@@ -6,7 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from kvchat.cli import main
+from kvchat.cli.command import main
 
 
 def fails_with(capsys, argv, *fragments):

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from cli_helpers import ROOT
-from kvchat.cli import main
+from kvchat.cli.command import main
 from kvchat.engine.sources import bundled_dir
 
 TINY = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
@@ -295,7 +295,7 @@ def test_cuda_only_limits_are_refused_at_start(block_size, head_dim, fragment):
     import argparse
     from dataclasses import replace
 
-    from kvchat.args import check_start
+    from kvchat.cli.args import check_start
     from kvchat.engine.errors import KvchatError
     from kvchat.engine.geometry import KNOWN
     from kvchat.engine.sources import ModelSource

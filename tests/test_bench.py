@@ -14,7 +14,7 @@ import torch
 
 from kvchat.bench.peers import LLAMA_CPP_MISSING
 from kvchat.bench.report import Series, floors, percentile, summarise
-from kvchat.cli import main
+from kvchat.cli.command import main
 from cli_helpers import fails_with
 
 # One thread: on a shared 2-core machine, two OpenMP threads per process made this run five

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from kvchat.engine.sources import bundled_dir
-from kvchat.cli import main
+from kvchat.cli.command import main
 from cli_helpers import fails_with
 
 

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 
 from cli_helpers import ROOT
-from kvchat.cli import main
-from kvchat.records import TurnRecord
-from kvchat.store import ConversationBusy, ConversationLog, export, restore
+from kvchat.cli.command import main
+from kvchat.store.records import TurnRecord
+from kvchat.store.log import ConversationBusy, ConversationLog, export, restore
 
 START = {"model": "m", "system": None, "cap": None, "policy": "stop", "mode": "cache"}
 
@@ -93,7 +93,7 @@ def test_a_conversation_resumed_on_a_disk_gone_read_only_opens_and_keeps_new_tur
 
 def test_an_internal_error_log_on_a_read_only_dir_still_gives_one_line(read_only_dir, monkeypatch, capsys):
     monkeypatch.setenv("KVCHAT_DATA_DIR", str(read_only_dir))
-    monkeypatch.setattr("kvchat.cli.cmd_info", lambda args: 1 / 0)   # a bug, to reach the catch-all
+    monkeypatch.setattr("kvchat.cli.command.cmd_info", lambda args: 1 / 0)   # a bug, to reach the catch-all
     assert main(["info"]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "internal error (ZeroDivisionError" in err and "Traceback" not in err
@@ -137,7 +137,7 @@ import resource, signal, sys
 from pathlib import Path
 signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
 resource.setrlimit(resource.RLIMIT_FSIZE, (16384, 16384))
-from kvchat.store import ConversationLog
+from kvchat.store.log import ConversationLog
 log = ConversationLog.create(Path({str(tmp_path)!r}), **{START!r})
 msgs = []
 for i in range(8):
@@ -247,7 +247,7 @@ def test_a_second_process_is_told_who_holds_the_conversation(tmp_path, monkeypat
     log.sync([{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}])
     log.close()
     holder = subprocess.Popen(
-        [sys.executable, "-c", "import sys, time\nfrom pathlib import Path\nfrom kvchat.store import ConversationLog\n"
+        [sys.executable, "-c", "import sys, time\nfrom pathlib import Path\nfrom kvchat.store.log import ConversationLog\n"
                                f"log = ConversationLog(Path({str(log.path)!r}))\nprint('open', flush=True)\n"
                                "time.sleep(120)\n"],
         stdout=subprocess.PIPE, text=True, env=dict(os.environ, PYTHONPATH=str(ROOT)))

@@ -94,15 +94,51 @@ def test_layers_point_one_way():
             assert all(d.startswith("kvchat.engine") or d == "kvchat" for d in deps), (name, deps)
         if name.startswith("kvchat.backends"):
             assert all(d.startswith(("kvchat.engine", "kvchat.backends")) or d == "kvchat" for d in deps), (name, deps)
-        if name == "kvchat.args":
-            assert all(d.startswith("kvchat.engine") or d == "kvchat" for d in deps), (name, deps)
+        if name == "kvchat.cli.args":
+            assert all(d.startswith("kvchat.engine") or d in ("kvchat", "kvchat.cli") for d in deps), (name, deps)
     for path in list(ENGINE.rglob("*.py")) + list((PKG / "backends").rglob("*.py")):
         assert "textual" not in path.read_text(encoding="utf-8"), f"{path} mentions textual"
 
 
+def in_room(name: str, *rooms: str) -> bool:
+    return any(name == f"kvchat.{r}" or name.startswith(f"kvchat.{r}.") for r in rooms)
+
+
+VOCABULARY = ("keys", "commands", "latency", "text")   # the shared words, kept low
+
+
+def test_widgets_and_screens_never_reach_up_into_the_chat_the_app_or_the_cli():
+    """Widgets and modal screens draw what they are given: nothing of the chat's state, the
+    App or the command line."""
+    for name, deps in graph().items():
+        if in_room(name, "widgets", "screens"):
+            up = sorted(d for d in deps if in_room(d, "chat", "app", "cli"))
+            assert not up, f"{name} imports {up}"
+
+
+def test_the_store_imports_only_the_engine_and_the_shared_vocabulary():
+    for name, deps in graph().items():
+        if in_room(name, "store"):
+            other = sorted(d for d in deps if not (in_room(d, "engine", "store", *VOCABULARY) or d == "kvchat"))
+            assert not other, f"{name} imports {other}"
+
+
+def test_the_vocabulary_sits_below_every_room():
+    rooms = ("app", "chat", "cli", "widgets", "screens", "bench", "backends")
+    for name, deps in graph().items():
+        if in_room(name, *VOCABULARY):
+            up = sorted(d for d in deps if in_room(d, *rooms))
+            assert not up, f"{name} imports {up}"
+
+
+def test_the_top_level_holds_at_most_eight_modules():
+    top = sorted(p.name for p in PKG.glob("*.py"))
+    assert len(top) <= 8, top
+
+
 def test_help_and_info_do_not_import_torch():
     code = ("import sys, contextlib, io\n"
-            "from kvchat.cli import main\n"
+            "from kvchat.cli.command import main\n"
             "with contextlib.redirect_stdout(io.StringIO()):\n"
             "    rc = main(['info', '--model', 'llama-3.1-8b'])\n"
             "assert rc == 0, rc\n"

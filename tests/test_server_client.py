@@ -113,13 +113,13 @@ def test_a_server_with_fp8_cache_and_unknown_model_names_its_unknown_geometry(ca
     models = {"data": [{"id": "my-org/mystery-7b", "max_model_len": 4096}]}
     routes = {"/v1/models": (200, json.dumps(models)), "/metrics": (200, VLLM_METRICS)}
     with http_server(routes) as url:
-        assert __import__("kvchat.cli").cli.main(["info", "--server", url, "--json"]) == 0
+        assert __import__("kvchat.cli.command").cli.command.main(["info", "--server", url, "--json"]) == 0
         info = json.loads(capsys.readouterr().out)
         assert info["kv_bytes_per_token"] is None and "kv_bytes_per_token" in info["unavailable"]
         assert "--geometry" in info["geometry_source"]
         assert info["kv_dtype"] == "fp8" and info["num_blocks"] == 100 and info["block_size"] == 16
         # --geometry supplies it: Llama 3.1 8B in fp8 is 2 x 32 x 8 x 128 x 1 B
-        assert __import__("kvchat.cli").cli.main(["info", "--server", url, "--geometry", "llama-3.1-8b",
+        assert __import__("kvchat.cli.command").cli.command.main(["info", "--server", url, "--geometry", "llama-3.1-8b",
                                                   "--json"]) == 0
         info = json.loads(capsys.readouterr().out)
         assert info["kv_bytes_per_token"] == 65536 and info["kv_capacity_bytes"] == 100 * 16 * 65536
@@ -205,7 +205,7 @@ def test_model_gives_the_geometry_from_a_local_config_json(capsys, tmp_path):
     models = {"data": [{"id": "my-org/tiny", "max_model_len": 2048}]}
     routes = {"/v1/models": (200, json.dumps(models)), "/metrics": (200, VLLM_METRICS)}
     with http_server(routes) as url:
-        assert __import__("kvchat.cli").cli.main(["info", "--server", url, "--model", str(tmp_path), "--json"]) == 0
+        assert __import__("kvchat.cli.command").cli.command.main(["info", "--server", url, "--model", str(tmp_path), "--json"]) == 0
         info = json.loads(capsys.readouterr().out)
         assert info["kv_bytes_per_token"] == 2 * 4 * 2 * 64 * 1          # fp8 cache: 1 byte per element
         fails_with(capsys, ["info", "--server", url, "--model", str(tmp_path / "nowhere")], "config.json")

@@ -6,7 +6,7 @@ import json
 from kvchat.engine.geometry import KNOWN
 from kvchat.engine.sizing import step_reads, what_if
 
-from kvchat.cli import main
+from kvchat.cli.command import main
 
 from cli_helpers import fails_with
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import random
 
-from ..args import UsageError
+from ..cli.args import UsageError
 
 SYSTEM = "Repeat the user's notes word for word."
 FOLLOW_UP = "Thank you. Now repeat only the second note."

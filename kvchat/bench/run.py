@@ -33,7 +33,7 @@ from . import peers as bench_peers
 from . import report as bench_report
 from .history import FOLLOW_UP, SYSTEM, history
 from .report import Series, Timing
-from ..args import UsageError, add_model_args, int_at_least, positive_int
+from ..cli.args import UsageError, add_model_args, int_at_least, positive_int
 
 DEFAULT_CONTEXTS = (256, 1024, 4096)
 NEXT_TURN_MARGIN = 64   # positions the follow-up turn adds beyond the reply
@@ -306,7 +306,7 @@ def run(args) -> int:
     import torch
     from kvchat.engine import Engine
 
-    from ..args import engine_config
+    from ..cli.args import engine_config
     cfg = BenchConfig.from_args(args)
     engine = Engine(engine_config(args))  # quietly: a bad --contexts is still refused in one line
     check_fits(engine, cfg)

@@ -4,12 +4,10 @@ from .cache_panel import CachePanel
 from .cap_gauge import CapGauge
 from .chat_input import ChatInput
 from .conversation_bar import ConversationBar
-from .help_screen import HelpScreen
 from .latency_panel import LatencyPanel
 from .panel_switcher import PanelSwitcher
-from .policy_picker import PolicyPicker
 from .status_bar import StatusBar
 from .transcript import Notice, Reply, Transcript, UserMessage
 
-__all__ = ["BlockMap", "CachePanel", "CapGauge", "ChatInput", "ConversationBar", "HelpScreen", "LatencyPanel",
-           "PanelSwitcher", "PolicyPicker", "StatusBar", "Notice", "Reply", "Transcript", "UserMessage"]
+__all__ = ["BlockMap", "CachePanel", "CapGauge", "ChatInput", "ConversationBar", "LatencyPanel",
+           "PanelSwitcher", "StatusBar", "Notice", "Reply", "Transcript", "UserMessage"]

@@ -14,7 +14,8 @@ from textual.containers import Vertical
 from textual.widgets import Static
 from textual_plotext import PlotextPlot
 
-from ..latency import MODES, Fit, Key, LatencyData, Turn, duration, fit_slope, series_label, turn_field
+from ..latency import MODES, Fit, Key, LatencyData, Turn, fit_slope, series_label, turn_field
+from ..text import duration
 from .panel import Panel
 
 __all__ = ["LatencyPanel", "fit_slope", "nice_ticks"]

@@ -1,5 +1,5 @@
 """The telemetry column beside the chat: the four panels, arranged by the layout
-(kvchat/layout.py decides which from the terminal's size, the app passes it on each resize).
+(kvchat/widgets/layout.py decides which from the terminal's size, the app passes it on each resize).
 
 - stacked / columns: all four at once, in one stack or two;
 - tabs / compact: one at a time under a row of tabs; the cycle key (keys.py `next_panel`)
@@ -20,7 +20,7 @@ from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.widget import Widget
 
-from ..layout import ALL_AT_ONCE, CHAT, LAYOUTS, TABS
+from .layout import ALL_AT_ONCE, CHAT, LAYOUTS, TABS
 from .block_map import BlockMap
 from .cache_panel import CachePanel
 from .cap_gauge import CapGauge
@@ -96,7 +96,7 @@ class PanelScroll(VerticalScroll):
 class PanelSwitcher(Vertical):
     """The column (id "panels"): the tabs, then the panels in two stacks (KV cache and cap,
     blocks and latency), which the columns layout puts side by side and the others one
-    under the other. Widths per layout are in its CSS; the thresholds in kvchat/layout.py."""
+    under the other. Widths per layout are in its CSS; the thresholds in kvchat/widgets/layout.py."""
 
     DEFAULT_CSS = """
     PanelSwitcher { width: 45%; min-width: 45; max-width: 72; padding: 0 0 0 1; }

@@ -7,6 +7,8 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
+from ..text import fit_segments
+
 
 RANDOM_WEIGHTS_SHORT = "random weights: gibberish by design"
 
@@ -55,12 +57,3 @@ class StatusBar(Widget):
             line.append(" " * max(gap, 1))
         line.append(state)
         return line
-
-
-def fit_segments(text: str, room: int, sep: str = " · ") -> str:
-    """Drop whole trailing " · " segments until text fits in room columns, so a narrow
-    terminal cuts the line between words, never inside one (the first segment stays)."""
-    parts = text.split(sep)
-    while len(parts) > 1 and cell_len(sep.join(parts)) > room:
-        parts.pop()
-    return sep.join(parts)

@@ -13,7 +13,8 @@ from textual.containers import Vertical, VerticalScroll
 from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
-from ..records import TurnRecord, stats_line
+from ..store.records import TurnRecord
+from ..text import stats_line
 
 
 def _keep_line_breaks(state: StateCore) -> None:

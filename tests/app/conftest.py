@@ -14,13 +14,13 @@ from pathlib import Path
 import pytest
 
 from kvchat.engine.sampler import SamplingParams
-from kvchat.app import AppOptions, KvChatApp
-from kvchat.chat_view import ChatOptions
-from kvchat.settings import Settings
+from kvchat.app.shell import AppOptions, KvChatApp
+from kvchat.chat.view import ChatOptions
+from kvchat.store.settings import Settings
 
 from .fake_backend import FakeBackend, FakeConfig
 
-SIZE = (140, 60)     # the stacked layout (kvchat/layout.py): every panel shown, 62 columns wide
+SIZE = (140, 60)     # the stacked layout (kvchat/widgets/layout.py): every panel shown, 62 columns wide
 
 
 @pytest.hookimpl(tryfirst=True)

@@ -14,7 +14,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 from fake_backend import FakeBackend  # noqa: E402
 
-from kvchat.app import AppOptions, KvChatApp  # noqa: E402
+from kvchat.app.shell import AppOptions, KvChatApp  # noqa: E402
 from kvchat.engine.sampler import SamplingParams  # noqa: E402
 
 

@@ -13,7 +13,7 @@ def as_turn(summary: dict):
     """A turn as the widgets take it: a TurnStats.summary() dict here; the typed TurnRecord
     where kvchat.records exists (the app's restructure), so these tests hold across the merge."""
     try:
-        from kvchat.records import TurnRecord
+        from kvchat.store.records import TurnRecord
     except ImportError:
         return summary
     return TurnRecord.from_dict(summary)

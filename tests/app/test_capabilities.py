@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 
 from kvchat.backends.protocol import CACHE_TOGGLE, KV_DTYPE, RESET, SINK_WINDOW
-from kvchat.widgets import BlockMap, CachePanel, CapGauge, Notice, PolicyPicker
+from kvchat.widgets import BlockMap, CachePanel, CapGauge, Notice
+from kvchat.screens import PolicyPicker
 
 from .conftest import screen_text, send, wait_until
 from .fake_backend import SERVER_LIKE, FakeBackend, FakeConfig

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 import os
 
-from kvchat import catalog
-from kvchat.store import conversations_dir
+from kvchat.store import catalog
+from kvchat.store.log import conversations_dir
 
 
 def write_log(name: str, *records: dict, mtime: float | None = None):

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import json
 
-from kvchat import catalog
-from kvchat.store import restore
+from kvchat.store import catalog
+from kvchat.store.log import restore
 from kvchat.widgets import LatencyPanel, UserMessage
-from kvchat.widgets.chat_browser import ChatBrowser, Confirm
+from kvchat.screens.chat_browser import ChatBrowser, Confirm
 
 from .conftest import send, wait_until
 from .fake_backend import FakeBackend, FakeConfig

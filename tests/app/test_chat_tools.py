@@ -7,9 +7,9 @@ import base64
 
 from textual.command import CommandPalette
 
-from kvchat.clipboard import last_code_block
+from kvchat.chat.clipboard import last_code_block
 from kvchat.widgets import ChatInput, Notice, StatusBar
-from kvchat.widgets.model_info import ModelInfoScreen
+from kvchat.screens.model_info import ModelInfoScreen
 
 from .conftest import screen_text, send, wait_until
 from .fake_backend import FakeBackend, FakeConfig
@@ -88,7 +88,7 @@ async def test_the_palette_lists_keys_and_commands_and_runs_one(running_app):
 async def test_the_palette_lists_every_key_and_command(running_app):
     from kvchat.commands import COMMANDS
     from kvchat.keys import KEYS
-    from kvchat.palette import entries
+    from kvchat.app.palette import entries
     async with running_app() as (app, pilot):
         shown = [name for name, _, _ in entries(app)]
         assert all(any(name.startswith(k.label + "  [") for name in shown) for k in KEYS if k.id != "palette")
@@ -97,7 +97,7 @@ async def test_the_palette_lists_every_key_and_command(running_app):
 
 
 async def test_a_palette_command_that_needs_an_argument_is_typed_into_the_input(running_app):
-    from kvchat.palette import run_command
+    from kvchat.app.palette import run_command
     async with running_app() as (app, pilot):
         run_command(app, "cap")
         assert app.query_one(ChatInput).text == "/cap "

@@ -3,9 +3,10 @@ from __future__ import annotations
 
 import json
 
-from kvchat import settings as settings_mod
-from kvchat.settings import Settings
-from kvchat.widgets import CachePanel, CapGauge, HelpScreen, Notice, PolicyPicker, Reply, UserMessage
+from kvchat.store import settings as settings_mod
+from kvchat.store.settings import Settings
+from kvchat.widgets import CachePanel, CapGauge, Notice, Reply, UserMessage
+from kvchat.screens import HelpScreen, PolicyPicker
 
 from .conftest import screen_text, send, wait_until
 
@@ -146,12 +147,12 @@ async def test_ctrl_q_mid_reply_stops_saves_the_partial_reply_and_exits(slow_fak
 
 
 def test_every_key_in_the_table_has_a_handler():
-    from kvchat.controls import Controls
+    from kvchat.chat.controls import Controls
     from kvchat.keys import KEYS
     assert set(Controls(None, None).key_handlers()) == {k.action for k in KEYS}
 
 
 async def test_the_app_has_everything_its_parts_take_it_for(running_app):
-    from kvchat.host import Host
+    from kvchat.chat.host import Host
     async with running_app() as (app, pilot):
         assert isinstance(app, Host)

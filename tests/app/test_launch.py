@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kvchat.cli import main
-from kvchat.settings import config_path
+from kvchat.cli.command import main
+from kvchat.store.settings import config_path
 
 
 def run(capsys, *argv) -> tuple[int, str]:

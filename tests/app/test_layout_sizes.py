@@ -1,12 +1,12 @@
-"""A layout per terminal size (kvchat/layout.py), live on resize: every panel at once on a
+"""A layout per terminal size (kvchat/widgets/layout.py), live on resize: every panel at once on a
 big terminal; one at a time under tabs on a smaller one, with the cycle key and clicks; the
 hidden panels draw nothing and show current figures the moment they are shown."""
 from __future__ import annotations
 
 import pytest
 
-from kvchat.layout import CHAT, COLUMNS, COMPACT, STACKED, TABS, layout_for
-from kvchat.settings import Settings
+from kvchat.widgets.layout import CHAT, COLUMNS, COMPACT, STACKED, TABS, layout_for
+from kvchat.store.settings import Settings
 from kvchat.widgets import BlockMap, CachePanel, CapGauge, ChatInput, LatencyPanel
 from kvchat.widgets.panel_switcher import PANELS, PanelScroll, PanelSwitcher, PanelTabs
 

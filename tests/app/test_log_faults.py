@@ -52,7 +52,7 @@ async def test_save_never_overwrites_but_save_bang_does(running_app, private_dir
 
 
 async def test_resuming_a_damaged_conversation_says_how_many_records_were_skipped(running_app):
-    from kvchat.store import last_conversation, restore
+    from kvchat.store.log import last_conversation, restore
     async with running_app() as (app, pilot):
         await send(pilot, "remember me")
         path = app.view.conversation_log.path

@@ -3,7 +3,8 @@ where a fit means something, says why where it does not, and labels its axes wit
 evenly spaced ticks."""
 from __future__ import annotations
 
-from kvchat.latency import LatencyData, duration, fit_series
+from kvchat.latency import LatencyData, fit_series
+from kvchat.text import duration
 from kvchat.widgets import LatencyPanel
 from kvchat.widgets.latency_panel import nice_ticks
 

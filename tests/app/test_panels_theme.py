@@ -1,7 +1,7 @@
 """ctrl+t cycles the themes in the README's order: dark, light, high-contrast, then dark again."""
 from __future__ import annotations
 
-from kvchat import theming
+from kvchat.app import theming
 
 from .conftest import SIZE, make_app, ready
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from textual.app import App, ComposeResult
 
-from kvchat.store import export, stats_line
+from kvchat.store.log import export, stats_line
 from kvchat.widgets import Reply, Transcript
 
 from .conftest import screen_text

@@ -2,7 +2,7 @@
 word (issue 12: at 80x24 it read '… · KV fp3…')."""
 from __future__ import annotations
 
-from kvchat.widgets.status_bar import fit_segments
+from kvchat.text import fit_segments
 
 from .conftest import make_app, ready, screen_text
 

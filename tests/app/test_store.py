@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from kvchat import settings as settings_mod
-from kvchat.records import TurnRecord
-from kvchat.settings import Settings, SettingsError
-from kvchat.store import ConversationLog, export, last_conversation, restore
+from kvchat.store import settings as settings_mod
+from kvchat.store.records import TurnRecord
+from kvchat.store.settings import Settings, SettingsError
+from kvchat.store.log import ConversationLog, export, last_conversation, restore
 from kvchat.widgets import ChatInput, LatencyPanel, Reply, UserMessage
 
 from .conftest import send
@@ -238,7 +238,7 @@ def test_two_processes_saving_at_once_never_leave_a_broken_file_or_a_temp_file(t
     import sys
     from pathlib import Path
     path = tmp_path / "settings.json"
-    script = ("import sys\nfrom pathlib import Path\nfrom kvchat import settings as s\n"
+    script = ("import sys\nfrom pathlib import Path\nfrom kvchat.store import settings as s\n"
               "for i in range(60):\n    s.save(s.Settings(theme=sys.argv[1]), Path(sys.argv[2]))\n")
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
     procs = [subprocess.Popen([sys.executable, "-c", script, theme, str(path)], env=env) for theme in ("dark", "light")]

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from kvchat.engine.telemetry import PrefillEvent, TokenEvent, TurnStats
-from kvchat.turn import Governor, relay
+from kvchat.chat.relay import Governor, relay
 
 from .fake_backend import FakeBackend
 
@@ -80,7 +80,7 @@ def test_the_worker_waits_for_each_batch_to_be_drawn_before_its_next_step(monkey
     import threading
     import types
 
-    from kvchat import jobs
+    from kvchat.chat import jobs
     from kvchat.engine.sampler import SamplingParams
 
     chat = FakeBackend().open()

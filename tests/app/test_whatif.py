@@ -1,5 +1,5 @@
 """/whatif in the app says what `kvchat info --tokens` says: one shared sentence
-(kvchat/sizing_text.py) over the same arithmetic (engine/sizing.py)."""
+(kvchat/text.py) over the same arithmetic (engine/sizing.py)."""
 from __future__ import annotations
 
 import pytest
@@ -7,7 +7,7 @@ import pytest
 from kvchat.commands import Command, CommandError, parse
 from kvchat.engine.sizing import what_if
 from kvchat.engine.sources import resolve
-from kvchat.sizing_text import what_if_line
+from kvchat.text import what_if_line
 from kvchat.widgets import Notice
 
 from .conftest import wait_until

@@ -10,7 +10,7 @@ import uuid
 
 import pytest
 
-from kvchat.cli import main
+from kvchat.cli.command import main
 from kvchat.engine.telemetry import HELD, REUSED, TokenEvent, TurnStats
 
 from cli_helpers import fails_with

@@ -1,4 +1,4 @@
-"""What the app starts with (AppOptions, built by launch.py from the flags) and how the
+"""What the app starts with (AppOptions, built by cli/launch.py from the flags) and how the
 backend's load, run in a worker, reports back to it (BackendReady, BackendFailed)."""
 from __future__ import annotations
 
@@ -9,9 +9,9 @@ from textual.message import Message
 
 from kvchat.engine.sampler import SamplingParams
 
-from .backends.protocol import Backend
-from .chat_view import ChatOptions
-from .store import Restored
+from ..backends.protocol import Backend
+from ..chat.view import ChatOptions
+from ..store.log import Restored
 
 
 @dataclass(slots=True)

@@ -1,7 +1,7 @@
 """The chat browser: the saved conversations in a table, to open, rename, delete or search.
 
 The screen draws what it is given (a list of catalog.Summary, from `load`) and hands every
-change to its callbacks (kvchat/browser.py does them): it never reads or writes a file
+change to its callbacks (kvchat/chat/browser.py does them): it never reads or writes a file
 itself. Keys: enter opens, r renames, d deletes (after a y/n question), / searches,
 escape closes (or leaves the rename or search box).
 """
@@ -16,7 +16,7 @@ from textual.containers import Vertical
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Input, Static
 
-from kvchat.catalog import Summary
+from ..store.catalog import Summary
 
 
 class Confirm(ModalScreen[bool]):

@@ -15,7 +15,7 @@ from kvchat.engine.errors import KvchatError
 from kvchat.engine.sampler import SamplingParams
 
 from .host import Host
-from .records import plural
+from ..text import plural
 
 
 def describe(sp: SamplingParams) -> str:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 from .host import Host
-from .records import plural
+from ..text import plural
 
 FENCE = re.compile(r"^ {0,3}(```+|~~~+)[^\n]*\n(.*?)^ {0,3}\1[ \t]*$", re.MULTILINE | re.DOTALL)
 OPEN_FENCE = re.compile(r"^ {0,3}(```+|~~~+)[^\n]*\n(.*)\Z", re.MULTILINE | re.DOTALL)

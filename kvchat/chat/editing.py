@@ -11,8 +11,8 @@ from __future__ import annotations
 
 from .conversations import Conversations
 from .host import Host
-from .records import plural
-from .widgets import ChatInput, UserMessage
+from ..text import plural
+from ..widgets import ChatInput, UserMessage
 
 
 class Editor:

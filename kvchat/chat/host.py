@@ -11,11 +11,11 @@ from textual.screen import Screen
 
 from kvchat.engine.telemetry import CacheSnapshot
 
-from .backends.protocol import Backend
-from .chat_view import ChatView, RunningTurn
+from ..backends.protocol import Backend
+from .view import ChatView, RunningTurn
 from .jobs import JobQueue
-from .settings import Settings
-from .theming import ThemeFile
+from ..store.settings import Settings
+from ..app.theming import ThemeFile
 
 
 class BrowserPart(Protocol):

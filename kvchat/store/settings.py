@@ -17,7 +17,7 @@ from pathlib import Path
 
 from textual.keys import Keys
 
-from .keys import KEY_IDS, KEYS
+from ..keys import KEY_IDS, KEYS
 
 CONFIG_ENV = "KVCHAT_CONFIG_DIR"
 

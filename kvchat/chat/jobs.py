@@ -23,11 +23,11 @@ from kvchat.engine.errors import KvchatError
 from kvchat.engine.sampler import SamplingParams
 from kvchat.engine.telemetry import CacheSnapshot
 
-from .backends.protocol import Backend
-from .chat_view import ChatView, RunningTurn, TurnEnded, TurnProgress
-from .records import TurnRecord
-from .store import data_dir
-from .turn import Progress, relay
+from ..backends.protocol import Backend
+from .view import ChatView, RunningTurn, TurnEnded, TurnProgress
+from ..store.records import TurnRecord
+from ..store.log import data_dir
+from .relay import Progress, relay
 
 
 # The worker waits for the UI to draw each batch before its next decode step: a redraw on

@@ -1,6 +1,6 @@
 """The saved conversations as a list: what the chat browser shows and `--resume` opens.
 
-Each conversation is its log (store.py). `summarize` reads one log into a `Summary`
+Each conversation is its log (store/log.py). `summarize` reads one log into a `Summary`
 (title, model, dates, turns, tokens, the text to search); a damaged line is skipped, as
 `store.restore` does. A rename and a model change are log events, so the log stays the one
 record of a conversation:
@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .store import ConversationLog, conversations_dir, data_dir, last_conversation
+from .log import ConversationLog, conversations_dir, data_dir, last_conversation
 
 TITLE_CHARS = 48
 OPEN_FILE = "open.json"

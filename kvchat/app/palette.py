@@ -10,9 +10,9 @@ from functools import partial
 from textual.binding import Binding
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
-from .commands import COMMANDS, RAW, Command, CommandError
-from .keys import KEYS
-from .widgets import ChatInput
+from ..commands import COMMANDS, RAW, Command, CommandError
+from ..keys import KEYS
+from ..widgets import ChatInput
 
 
 def entries(app) -> list[tuple[str, str, Callable[[], None]]]:

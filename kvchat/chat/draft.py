@@ -9,8 +9,8 @@ import time
 from kvchat.engine.units import human_bytes
 
 from .host import Host
-from .records import plural
-from .widgets import ChatInput
+from ..text import plural
+from ..widgets import ChatInput
 
 DELAY = 0.25
 

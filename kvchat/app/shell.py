@@ -1,16 +1,16 @@
 """The kvchat app: the chat on the left, the KV cache's telemetry on the right.
 
-Parts, one file each: a ChatView per conversation and the RunningTurn (chat_view.py), the
-open conversations and the focus (conversations.py), what keys and commands do
-(controls.py), the job queue and its workers (jobs.py), the relay of a turn's events
-(turn.py); host.py is the app as those parts see it. The app sees the model only
+Parts, one file each: a ChatView per conversation and the RunningTurn (chat/view.py), the
+open conversations and the focus (chat/conversations.py), what keys and commands do
+(chat/controls.py), the job queue and its workers (chat/jobs.py), the relay of a turn's events
+(chat/relay.py); chat/host.py is the app as those parts see it. The app sees the model only
 through a Backend (backends/protocol.py) and the engine's telemetry types.
 
 Threads: the UI thread owns every widget. Loading the backend, each turn, and each
 operation that may block run in thread workers, one job at a time (JobQueue), and report
 back only through messages. A turn holds the backend from its prefill to its last token,
 so the UI thread calls only what never waits on it (`state()`, `info()`, set_cap);
-snapshots are taken by the worker, at most a few times a second (turn.py), of the
+snapshots are taken by the worker, at most a few times a second (chat/relay.py), of the
 conversation in focus at that moment.
 """
 from __future__ import annotations
@@ -28,27 +28,27 @@ from textual.widgets import ContentSwitcher, Footer, ProgressBar
 from kvchat.engine.errors import KvchatError
 from kvchat.engine.telemetry import CacheSnapshot
 
-from . import keys, theming
-from .backends.protocol import BLOCK_MAP, Backend
-from .browser import Browser
-from .chat_view import ChatView, RunningTurn, TurnEnded, TurnProgress, open_chat
-from .commands import CommandError, message_text, parse
-from .controls import Controls
-from .conversations import Conversations
-from .draft import DraftCounter
-from .editing import Editor
-from .generation import Generation
-from .generation import describe as describe_sampling
-from .jobs import Busy, Job, JobQueue, Op, OpEnded, one_line, run_op, run_turn
-from .layout import layout_for
+from .. import keys
+from . import theming
+from ..backends.protocol import BLOCK_MAP, Backend
+from ..chat.browser import Browser
+from ..chat.view import ChatView, RunningTurn, TurnEnded, TurnProgress, open_chat
+from ..commands import CommandError, message_text, parse
+from ..chat.controls import Controls
+from ..chat.conversations import Conversations
+from ..chat.draft import DraftCounter
+from ..chat.editing import Editor
+from ..chat.generation import Generation
+from ..chat.generation import describe as describe_sampling
+from ..chat.jobs import Busy, Job, JobQueue, Op, OpEnded, one_line, run_op, run_turn
+from ..widgets.layout import layout_for
 from .palette import KvchatCommands
-from .prefill_line import prefill_line
-from .records import plural
-from .settings import Settings
+from ..text import prefill_line
+from ..text import plural
+from ..store.settings import Settings
 from .startup import AppOptions, BackendFailed, BackendReady
-from .turn import Governor
-from .widgets import (BlockMap, CachePanel, CapGauge, ChatInput, ConversationBar, LatencyPanel, PanelSwitcher,
-                      StatusBar)
+from ..chat.relay import Governor
+from ..widgets import (BlockMap, CachePanel, CapGauge, ChatInput, ConversationBar, LatencyPanel, PanelSwitcher, StatusBar)
 
 RANDOM_WEIGHTS = ("random weights (--random-weights): the text is gibberish by design; the cache, its blocks "
                   "and the latency are real")
@@ -417,7 +417,7 @@ class KvChatApp(App[int], inherit_bindings=False):
 
     # ---- keys ---------------------------------------------------------------------------------------
     def action_key(self, name: str) -> None:
-        """Every key of keys.KEYS (bound as `key('name')`); controls.py does what it says."""
+        """Every key of keys.KEYS (bound as `key('name')`); chat/controls.py does what it says."""
         self.controls.key(name)
 
     def action_switch_conversation(self, number: int) -> None:

@@ -17,16 +17,17 @@ from kvchat.engine.errors import KvchatError
 from kvchat.engine.policy import POLICIES
 from kvchat.engine.units import human_bytes
 
-from . import settings as settings_mod
+from ..store import settings as settings_mod
 from .clipboard import copy_last
-from .backends.protocol import CACHE_TOGGLE, KV_DTYPE, REGENERATE, RESET, SINK_WINDOW
-from .commands import Command, CommandError, read_message_file, token_count
+from ..backends.protocol import CACHE_TOGGLE, KV_DTYPE, REGENERATE, RESET, SINK_WINDOW
+from ..commands import Command, CommandError, read_message_file, token_count
 from .conversations import Conversations
 from .host import Host
 from .jobs import Busy
-from .store import export
-from .widgets import HelpScreen, PanelSwitcher, PolicyPicker
-from .widgets.model_info import ModelInfoScreen
+from ..store.log import export
+from ..screens import HelpScreen, PolicyPicker
+from ..widgets import PanelSwitcher
+from ..screens.model_info import ModelInfoScreen
 
 MIN_CAP = 64
 NO_LIMIT = 1 << 20      # the top cap step when the backend does not know the model's context
@@ -247,7 +248,7 @@ class Controls:
         self.app.send(text, shown=f"/load {path} ({len(text):,} characters)\n{preview}", typed=f"/load {path}")
 
     def what_if(self, model: str, tokens: str, budget: str | None) -> None:
-        from .sizing_text import what_if_command
+        from ..text import what_if_command
         try:
             self.app.notice(what_if_command(model, token_count("whatif", tokens), budget))
         except (KvchatError, CommandError) as err:

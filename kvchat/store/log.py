@@ -26,7 +26,8 @@ from typing import Any
 
 from kvchat.engine.policy import POLICIES
 
-from .records import TurnRecord, stats_line
+from .records import TurnRecord
+from ..text import stats_line
 
 DATA_ENV = "KVCHAT_DATA_DIR"
 Messages = list[dict[str, str]]

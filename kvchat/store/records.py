@@ -13,9 +13,6 @@ from typing import Any
 
 from kvchat.engine.telemetry import TurnStats
 
-from .latency import duration
-
-
 @dataclass(frozen=True, slots=True)
 class TurnRecord:
     turn: int = 0
@@ -79,34 +76,3 @@ class TurnRecord:
 
 
 _FIELDS = tuple(f.name for f in fields(TurnRecord) if f.name != "extra")
-
-STOP_WORDS = {None: "", "eos": "", "max_tokens": "max tokens reached", "cap": "stopped at the cap",
-              "cancelled": "stopped", "max_position": "stopped at the model's maximum context"}
-
-
-def plural(n: int, word: str) -> str:
-    """'1 turn', '2 turns', '1,024 tokens'."""
-    return f"{n:,} {word}{'' if n == 1 else 's'}"
-
-
-def stats_line(r: TurnRecord) -> str:
-    """The line under a reply: tokens, TTFT, speed, prompt reuse."""
-    line = (f"{plural(r.generated_tokens, 'token')} · TTFT {duration(r.ttft_ms)} · "
-            f"{r.tokens_per_s:.1f} tok/s · "
-            f"prompt {r.prompt_tokens}: {r.reused_tokens} reused, {r.computed_tokens} computed")
-    if r.mode == "off":
-        line += " · cache off"
-    if r.dropped_messages:
-        line += f" · dropped {r.dropped_messages} old messages"
-    if r.evicted_blocks:
-        n = r.evicted_blocks
-        line += f" · evicted {n:,} block{'s' if n > 1 else ''}"
-    if r.preempted:
-        n = r.preempted
-        line += f" · preempted {n} other conversation{'s' if n > 1 else ''}"
-    if r.recomputed_tokens:
-        line += f" · recomputed {r.recomputed_tokens:,} tokens lost to preemption"
-    reason = STOP_WORDS.get(r.stop_reason, r.stop_reason)
-    if reason:
-        line += f" · {reason}"
-    return line

@@ -9,9 +9,8 @@ import json
 import sys
 from pathlib import Path
 
-from .args import (Parser, UsageError, add_cap_args, add_model_args, add_sampling_args, check_start, engine_config,
-                   positive_int, sampling, utf8_text)
-from .files import FileRefused, read_text
+from .args import (Parser, UsageError, add_cap_args, add_model_args, add_sampling_args, check_start, engine_config, positive_int, sampling, utf8_text)
+from ..store.files import FileRefused, read_text
 
 EXIT_USAGE = 2
 
@@ -50,7 +49,7 @@ def build_parser() -> Parser:
     info.add_argument("--json", action="store_true")
     info.set_defaults(func=cmd_info)
 
-    from .bench.run import add_parser as add_bench   # argparse only: the bench's heavy imports wait for run()
+    from ..bench.run import add_parser as add_bench   # argparse only: the bench's heavy imports wait for run()
     add_bench(sub).set_defaults(func=cmd_bench)
     return p
 
@@ -59,7 +58,7 @@ def build_parser() -> Parser:
 def load_backend(args, quiet: bool = False):
     """Validate everything that can be checked cheaply before saying "loading"."""
     if check_server_flags(args):
-        from .backends.vllm import VllmBackend
+        from ..backends.vllm import VllmBackend
         backend = VllmBackend.from_flags(args)
         if not quiet:
             print(f"attached to {backend.model.name} at {backend.api.url}", file=sys.stderr, flush=True)
@@ -68,7 +67,7 @@ def load_backend(args, quiet: bool = False):
     from kvchat.engine.engine import check_memory, pick_device, pick_dtypes
     from kvchat.engine.sources import resolve
 
-    from .backends.local import LocalBackend
+    from ..backends.local import LocalBackend
     cfg = engine_config(args)
     src = resolve(cfg.model, cfg.random_weights)
     device = pick_device(cfg.device)
@@ -235,7 +234,7 @@ def cmd_info(args) -> int:
         print(f"--kv-budget {args.kv_budget}: {out['num_blocks']:,} blocks of {args.block_size} tokens = "
               f"{out['tokens_that_fit']:,} tokens")
     if args.tokens:
-        from .sizing_text import what_if_line
+        from ..text import what_if_line
         print(what_if_line(w))
     return 0
 
@@ -245,7 +244,7 @@ def server_info(args) -> int:
     /v1/models and /metrics; what it cannot tell is null and named in `unavailable`."""
     from kvchat.engine.units import human_bytes
 
-    from .backends.vllm import VllmBackend
+    from ..backends.vllm import VllmBackend
     backend = VllmBackend.from_flags(args)
     try:
         info, snap, cache = backend.info(), backend.snapshot(), backend.metrics.cache
@@ -284,7 +283,7 @@ def cmd_chat(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from .bench.run import run
+    from ..bench.run import run
     return run(args)
 
 
@@ -293,7 +292,7 @@ def main(argv: list[str] | None = None) -> int:
     line, status 1, its traceback in errors.log beside the conversations."""
     from kvchat.engine.errors import KvchatError
 
-    from .store import StoreError
+    from ..store.log import StoreError
     parser = build_parser()
     try:
         args = parser.parse_args(argv)
@@ -330,7 +329,7 @@ def main(argv: list[str] | None = None) -> int:
 def _log_error() -> str:
     import traceback
 
-    from .store import data_dir
+    from ..store.log import data_dir
     try:
         path = data_dir() / "errors.log"
         path.parent.mkdir(parents=True, exist_ok=True)

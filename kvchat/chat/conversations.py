@@ -24,11 +24,11 @@ from textual.widgets import ContentSwitcher
 
 from kvchat.engine.errors import KvchatError
 
-from .chat_view import ChatOptions, ChatView, RunningTurn, open_chat
+from .view import ChatOptions, ChatView, RunningTurn, open_chat
 from .host import Host
 from .jobs import Busy
-from .widgets import ConversationBar, LatencyPanel
-from .widgets.conversation_bar import Entry
+from ..widgets import ConversationBar, LatencyPanel
+from ..widgets.conversation_bar import Entry
 
 
 class Conversations:

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from textual.theme import Theme
 
-_HERE = Path(__file__).resolve().parent
-# installed: kvchat/themes/ (see the package-data note in the issue); source tree: ../themes/
-SEARCH = (_HERE / "themes", _HERE.parent / "themes")
+_PACKAGE = Path(__file__).resolve().parent.parent    # kvchat/
+# installed: kvchat/themes/ (package data); source tree: the repository's themes/, beside kvchat/
+SEARCH = (_PACKAGE / "themes", _PACKAGE.parent / "themes")
 BASE_CSS = "base.tcss"
 ORDER = ("dark", "light", "high-contrast")   # ctrl+t's cycle, as the README lists them; other files follow by name
 _BASE_THEME = re.compile(r"/\*\s*textual-theme:\s*([\w-]+)\s*\*/")

@@ -4,7 +4,7 @@ the backend last reported them (a ChatState: cap, policy, mode, tokens held...) 
 cache snapshot taken while it was in focus.
 
 The app keeps one ChatView per open conversation in a ContentSwitcher and draws the panels
-for the one in focus (kvchat/conversations.py switches between them). A turn is a
+for the one in focus (kvchat/chat/conversations.py switches between them). A turn is a
 RunningTurn; its worker (jobs.run_turn) posts TurnProgress and TurnEnded to the turn's
 ChatView, which draws the reply here; the messages bubble on to the app, which draws the
 panels.
@@ -19,12 +19,13 @@ from textual.message import Message
 
 from kvchat.engine.telemetry import CacheSnapshot, TurnStats
 
-from .backends.protocol import Backend, Chat, ChatState
-from .latency import LatencyData
-from .records import TurnRecord, plural
-from .store import ConversationLog, Restored
-from .turn import Progress
-from .widgets import Reply, Transcript, UserMessage
+from ..backends.protocol import Backend, Chat, ChatState
+from ..latency import LatencyData
+from ..store.records import TurnRecord
+from ..text import plural
+from ..store.log import ConversationLog, Restored
+from .relay import Progress
+from ..widgets import Reply, Transcript, UserMessage
 
 
 @dataclass(slots=True)

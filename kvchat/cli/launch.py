@@ -9,14 +9,14 @@ import sys
 
 from kvchat.engine.errors import KvchatError
 
-from . import settings as settings_mod
-from . import theming
+from ..store import settings as settings_mod
+from ..app import theming
 from .args import UsageError
-from .app import AppOptions, KvChatApp
-from .catalog import resume_paths
-from .chat_view import ChatOptions
-from .settings import SettingsError
-from .store import StoreError, lock_holder, restore
+from ..app.shell import AppOptions, KvChatApp
+from ..store.catalog import resume_paths
+from ..chat.view import ChatOptions
+from ..store.settings import SettingsError
+from ..store.log import StoreError, lock_holder, restore
 
 
 class LaunchError(Exception):
@@ -58,7 +58,7 @@ def _prepare(args) -> KvChatApp:
     from kvchat.engine.sources import resolve
 
     from .args import check_start, engine_config, sampling
-    from .backends.local import LocalBackend
+    from ..backends.local import LocalBackend
 
     path = settings_mod.config_path()
     settings = settings_mod.load(path)
@@ -88,7 +88,7 @@ def _prepare_server(args, settings, path, theme) -> KvChatApp:
     """`kvchat --server URL`: connect (a second at most) before the UI, so a bad URL, a server
     that is not vLLM or a refused key is one line on stderr; the app then gets the backend."""
     from .args import sampling
-    from .backends.vllm import VllmBackend
+    from ..backends.vllm import VllmBackend
     backend = VllmBackend.from_flags(args)
     try:
         if args.policy not in backend.capabilities.policies:

@@ -13,16 +13,16 @@ from pathlib import Path
 
 from kvchat.engine.errors import KvchatError
 
-from . import catalog
-from .chat_view import ChatView, open_chat
+from ..store import catalog
+from .view import ChatView, open_chat
 from .conversations import Conversations
 from .host import Host
 from .jobs import Busy
-from .latency import LatencyData
-from .records import plural
-from .store import Restored, StoreError, restore
-from .widgets import ChatInput
-from .widgets.chat_browser import ChatBrowser
+from ..latency import LatencyData
+from ..text import plural
+from ..store.log import Restored, StoreError, restore
+from ..widgets import ChatInput
+from ..screens.chat_browser import ChatBrowser
 
 
 class Browser:

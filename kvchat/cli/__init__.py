@@ -1,0 +1,1 @@
+"""The `kvchat` command: its arguments, the headless subcommands (ask, replay, info, bench) and the chat's launcher."""
