@@ -127,7 +127,7 @@ def mixed_lengths(b: int, gen: torch.Generator) -> list[int]:
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
 @pytest.mark.parametrize("head_major", [False, True], ids=["tokens", "heads"])
 @pytest.mark.parametrize("hk, g, d", [(3, 3, 64), (2, 10, 64), (8, 4, 128)], ids=["3x3x64", "2x10x64", "8x4x128"])
-@pytest.mark.parametrize("b", [2, 3, 8, 17])
+@pytest.mark.parametrize("b", [3, 17])
 def test_decode_of_b_sequences_matches_float64_and_each_alone(b, hk, g, d, head_major, fp8):
     gen = torch.Generator().manual_seed(b * 1000 + hk * 100 + g * 10 + head_major * 2 + fp8)
     lens = mixed_lengths(b, gen)
