@@ -151,13 +151,12 @@ def test_large_scores_do_not_overflow_the_softmax():
 def test_the_engine_takes_the_kernels_for_a_decode_step(engine, monkeypatch):
     """The model's decode step goes through both kernels, and their logits are the torch
     path's within the model-level tolerance of tests/test_model_reference.py."""
-    from test_cpu_attention import PREFIX, REL_TOL, STEPS, decode_logits  # noqa: PLC0415
-    from pydoc_data.topics import topics  # noqa: PLC0415
+    from test_cpu_attention import REL_TOL, STEPS, _decode_logits, bundled_text_ids, decode_logits  # noqa: PLC0415
 
-    ids = engine.tokenizer.encode(topics["if"] * 40)[:PREFIX + STEPS]
+    ids = bundled_text_ids(engine)      # the torch path's logits: shared with test_cpu_attention's
     calls = count_calls(monkeypatch, native, "gemv", "decode")
     for kv in ("fp32", "fp8"):
-        got = decode_logits(engine, ids, kv, "runs")
+        got = _decode_logits(engine, ids, kv, "runs")     # computed here, so the calls are counted
         with native.disabled():
             want = decode_logits(engine, ids, kv, "runs")
         err = float((got - want).abs().max() / want.abs().max())

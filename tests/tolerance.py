@@ -20,6 +20,9 @@ import math
 import torch
 
 U = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+# half the spacing of each dtype's subnormals: the absolute error of rounding a value too small
+# for the relative bound u (fp16's subnormals start at 6e-5; bf16 has fp32's exponent range)
+ETA = {torch.float32: 2.0 ** -150, torch.bfloat16: 2.0 ** -134, torch.float16: 2.0 ** -25}
 FP8 = getattr(torch, "float8_e4m3fn", None)
 TINY = 2.0 ** -126       # fp32's least normal: products below it lose more than u (underflow)
 EXP_ULPS = 4             # exp's own relative error in units of u: libm's expf, torch's (SLEEF),
@@ -81,12 +84,27 @@ def rms_norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: 
     The sum of squares is of K positive terms: relative error gamma_K (squares included); the
     division by K, the addition of eps, the square root, the reciprocal and the two products
     add at most six roundings, and the root halves the sum's error: relative error at most
-    gamma_(K/2 + 6) of each output, plus u of the output's dtype where it is rounded to one."""
+    gamma_(K/2 + 6) of each output. In a 16-bit dtype the normalised row and its product with
+    w are each rounded to it (as torch's rms_norm followed by * w, and the fused Triton
+    kernel): 2 u of that dtype more."""
     xd, wd = x.double(), w.double()
     k = x.shape[-1]
     ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * wd
-    rel = gamma(k / 2 + 6) + (U[out_dtype] if out_dtype != torch.float32 else 0.0)
-    return ref, rel * ref.abs() + TINY
+    rel = gamma(k / 2 + 6) + (2 * U[out_dtype] if out_dtype != torch.float32 else 0.0)
+    return ref, rel * ref.abs() + 2 * ETA[out_dtype] + TINY
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up: (T, 2 n), gate then up -> (silu(gate) * up in float64, its bound), (T, n).
+
+    silu(g) = g / (1 + e^-g) in fp32: exp's EXP_ULPS u, the addition (whose result is at
+    least 1 and at least e^-g, so it does not magnify the error), the division and the
+    product with up: (EXP_ULPS + 3) u of fp32 relative. In a 16-bit dtype the activation and
+    the product are each rounded to it, as torch rounds F.silu(gate) * up: 2 u of it more."""
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    ref = gate * torch.sigmoid(gate) * up
+    rel = (EXP_ULPS + 3) * U[torch.float32] + (2 * U[gate_up.dtype] if gate_up.dtype != torch.float32 else 0.0)
+    return ref, rel * ref.abs() + 2 * ETA[gate_up.dtype] + TINY
 
 
 # ---- attention ----------------------------------------------------------------------------
@@ -115,8 +133,9 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     - The sums: the weighted sum of T values and the sum of T weights are off by at most
       gamma_(T+2) (sum_i p_i |v_i| + |o|), the products and the final division included.
     - Probabilities rounded to q's dtype before the second product (the Triton kernel with
-      bf16 or fp16 queries, as FlashAttention does): u_p sum_i p_i |v_i|; the output rounded
-      to its dtype: u_out |o|.
+      bf16 or fp16 queries, as FlashAttention does): u_p sum_i p_i |v_i|, and where a weight
+      (at most 1 before the division by their sum, itself at least 1) falls among fp16's
+      subnormals, eta_p sum_i |v_i|; the output rounded to its dtype: u_out |o| + eta_out.
     So the bound grows with the largest scores (through a_i and |s_i - m|) and the length
     (through the updates and gamma_T); it is computed in float64 from the inputs alone."""
     h, tq, d = q.shape
@@ -143,8 +162,34 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     u_p = U[p_dtype] if p_dtype != torch.float32 else 0.0
     u_out = U[out_dtype] if out_dtype != torch.float32 else 0.0
     sums = (t + 2) * u / (1 - (t + 2) * u)                                # gamma_(T+2), per query
-    bound = first + sums * (absv + o.abs()) + u_p * absv + u_out * o.abs() + d * TINY
+    under = ETA[p_dtype] * (seen.double() @ vd.abs()) + ETA[out_dtype]   # (hk, g*Tq, d)
+    bound = first + sums * (absv + o.abs()) + u_p * absv + u_out * o.abs() + under + d * TINY
     return o.reshape(h, tq, d), bound.reshape(h, tq, d)
+
+
+def lse_reference(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """log sum_i exp(s_i), the log-sum-exp a split-K kernel keeps beside its output, in float64
+    and its bound. q: (H, Tq, d); k: (Hk, S, d); mask as attention_reference's -> both (H, Tq).
+
+    Each weight is off by at most a factor e^(tau_i) (attention_reference), which moves the
+    log of their sum by at most max tau; the sum adds gamma_(T+2); the log and the addition
+    of the max round with (EXP_ULPS + 2) u of the magnitudes involved."""
+    h, tq, d = q.shape
+    hk = k.shape[0]
+    g = h // hk
+    u = U[torch.float32]
+    qd, kd = q.double().reshape(hk, g * tq, d), k.double()
+    seen = (torch.ones(tq, k.shape[1], dtype=torch.bool) if mask is None else mask.cpu()).repeat(g, 1)
+    s = (scale * qd @ kd.transpose(1, 2)).masked_fill(~seen, -math.inf)   # (hk, g*Tq, S)
+    a = abs(scale) * qd.abs() @ kd.abs().transpose(1, 2)
+    m = s.amax(-1, keepdim=True)
+    lse = torch.logsumexp(s, -1)                                          # (hk, g*Tq)
+    t = seen.sum(-1).double()
+    tau = gamma(d + 3) * a + u * (s - m).abs() + (EXP_ULPS + 1) * u * (2 * torch.ceil(t / MIN_TILE) + 1)[:, None]
+    bound = (tau.masked_fill(~seen, 0.0).amax(-1) + (t + 2) * u / (1 - (t + 2) * u)
+             + (EXP_ULPS + 2) * u * (lse.abs() + m[..., 0].abs()))
+    return lse.reshape(h, tq), bound.reshape(h, tq)
 
 
 def decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
