@@ -47,7 +47,8 @@ def _load(level: str | None = None, cc: str | None = None) -> tuple[ctypes.CDLL 
     lib, why, cap = native_build.load(cache_dir() / "native", level, cc)
     if lib is None:
         return None, why
-    return lib, f"{why}, {cap or torch.get_num_threads()} thread{'s' if (cap or torch.get_num_threads()) > 1 else ''}"
+    threads = cap or torch.get_num_threads()
+    return lib, f"{why}, {threads} thread{'s' if threads > 1 else ''}"
 
 
 def lib():
