@@ -21,10 +21,11 @@ MS = 1e-3
 
 
 class Linear:
-    """Step time = `fixed` + `per_token` x tokens computed in the step (seconds)."""
+    """Step time = `fixed` + `per_token` x tokens computed in the step (seconds); a request
+    reaches the scheduler `request` seconds after it is sent."""
 
-    def __init__(self, fixed: float = 1 * MS, per_token: float = 0.1 * MS) -> None:
-        self.fixed, self.per_token = fixed, per_token
+    def __init__(self, fixed: float = 1 * MS, per_token: float = 0.1 * MS, request: float = 0.0) -> None:
+        self.fixed, self.per_token, self.request = fixed, per_token, request
 
     def seconds(self, tokens, logit_rows, rows, kv_read, pairs) -> float:
         return self.fixed + self.per_token * tokens

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ..cli.args import UsageError
-from .calibration import Point, StepRow
+from .fitter import Point, StepRow
 
 CPU_PREFILL_CHUNK = 512      # engine/conversation.py: the CPU prefills in chunks of this many tokens
 
@@ -88,11 +88,12 @@ def from_bench_json(path: str) -> BenchData:
                 points.append(Point(f"{series} decode at {ctx}", kv, ((1, 1, 1, mean_ctx, mean_ctx + 1),), dec))
             pre = _median(s, "prefill_ms")
             if pre is not None:
-                points.append(Point(f"{series} prefill of {prompt}", kv, prefill_steps(prompt, 0), pre))
+                points.append(Point(f"{series} prefill of {prompt}", kv, prefill_steps(prompt, 0), pre, requests=1))
             nxt, ttft = s.get("next_turn") or {}, _median(s, "ttft_reuse_ms")
             if ttft is not None and nxt.get("computed_tokens") and nxt.get("reused_tokens") is not None:
                 points.append(Point(f"{series} next turn after {ctx}", kv,
-                                    prefill_steps(int(nxt["computed_tokens"]), int(nxt["reused_tokens"])), ttft))
+                                    prefill_steps(int(nxt["computed_tokens"]), int(nxt["reused_tokens"])), ttft,
+                                    requests=1))
     for b in d.get("batch") or []:        # the batched bench, where present
         try:
             n, ctx, kv, ms = int(b["batch"]), int(b["context"]), str(b["kv_dtype"]), float(b["step_ms"])

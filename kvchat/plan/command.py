@@ -169,7 +169,7 @@ def plan_config(args, **changes):
         if key != CPU and key not in TABLE:
             find(args.gpu)                      # the one-line refusal of an unknown GPU
         cal = load_calibration(args.calibration, key, geom)
-        overrides.update(cal.overrides())
+        overrides.update(cal.overrides(args.kv_dtype if args.kv_dtype != "auto" else cal.dtype))
         hw = cpu_calibrated(cal.constants["bandwidth"], cal.constants["flops"], cal.sources["bandwidth"]) \
             if key == CPU else TABLE[key]
     else:
@@ -201,10 +201,17 @@ def plan_config(args, **changes):
     return PlanConfig(**values)
 
 
+CPU_PREFILL_CHUNK = 512     # engine/conversation.py: kvchat's engine prefills in chunks of 512 tokens on CPU
+
+
 def vllm_defaults(hw) -> tuple[int, int]:
-    """vLLM's API-server scheduler defaults (EngineArgs.get_batch_defaults): a larger token
-    budget and more sequences on GPUs of 70 GiB or more, except the A100."""
-    if hw.memory_bytes >= 70 * 2**30 and "a100" not in hw.key and not hw.measured:
+    """The scheduler's defaults. On a GPU, vLLM's API server's (EngineArgs.get_batch_defaults):
+    a larger token budget and more sequences on GPUs of 70 GiB or more, except the A100. On
+    the cpu row, kvchat's own engine as it is today: chunks of 512 tokens, one turn at a time
+    (the batched engine of the batching issue changes the second)."""
+    if hw.measured:
+        return CPU_PREFILL_CHUNK, 1
+    if hw.memory_bytes >= 70 * 2**30 and "a100" not in hw.key:
         return 8192, 1024
     return 2048, 256
 
@@ -214,14 +221,16 @@ def run_calibrate(args, out_path) -> int:
     import json
 
     from .bench_points import from_bench_json
-    from .calibration import calibration_from_fit, costs_for, fit, model_of
+    from .calibration import calibration_from_fit, costs_for, model_of
+    from .fitter import fit
     from .step_time import DEFAULT_BW_EFF, DEFAULT_OVERHEAD_MS
     data = from_bench_json(args.calibrate)
     geom = model_of(data.model)
     costs = costs_for(geom, data.dtype, {p.kv_dtype for p in data.points}, kv_scales=data.hardware == "cpu")
     bw = data.bandwidth
-    prior = [DEFAULT_OVERHEAD_MS / 1e3, 0.0, 1 / (bw * DEFAULT_BW_EFF), 1 / (bw * DEFAULT_BW_EFF), 1e-12]
-    f = fit(data.points, costs, prior)
+    prior = {"overhead": DEFAULT_OVERHEAD_MS / 1e3, "row": 0.0, "weight": 1 / (bw * DEFAULT_BW_EFF),
+             "kv": 1 / (bw * DEFAULT_BW_EFF), "lin": 1e-12, "attn": 1e-12, "request": 0.0}
+    f = fit(data.points, costs, prior, model_kv=data.dtype)
     cal = calibration_from_fit(f, data.hardware, data.model, data.dtype, bw, data.bandwidth_source, data.source,
                                data.points)
     print(f"kvchat plan --calibrate: {len(data.points)} measured points of {data.source}")
@@ -230,8 +239,11 @@ def run_calibrate(args, out_path) -> int:
     for p, ms in zip(data.points, f.predicted_ms):
         print(f"{p.what:<44}{p.ms:>13,.2f}{ms:>11,.2f}{(ms - p.ms) / p.ms:>8.1%}")
     print(f"mean absolute percentage error of the fit: {f.mape(data.points):.1%}")
-    for name, const in cal.overrides().items():
-        print(f"  {name:<18} {const.text():>14}   {const.source}")
+    for kv in sorted(cal.kv_efficiency):
+        print(f"  kv_bw_efficiency ({kv}) {cal.kv_efficiency[kv]:>10.3g}   {cal.sources['kv_bw_efficiency']}")
+    for name, const in cal.overrides(data.dtype).items():
+        if name != "kv_bw_efficiency":
+            print(f"  {name:<22} {const.text():>14}   {const.source}")
     if out_path is not None:
         out_path.write_text(json.dumps(cal.to_dict(), indent=1) + "\n", encoding="utf-8")
         print(f"wrote {out_path}")

@@ -96,7 +96,7 @@ class PoolPlan:
 
 
 def size_pool(costs: ModelCosts, hw: Hardware, block_size: int, given: int | None, utilisation: float,
-              gpus: str) -> PoolPlan:
+              gpus: str, max_position: int) -> PoolPlan:
     tp = costs.tp
     per_gpu_weights = costs.weight_bytes_total / tp
     reserve = WORKING_MARGIN if hw.measured else GPU_RESERVE
@@ -107,6 +107,11 @@ def size_pool(costs: ModelCosts, hw: Hardware, block_size: int, given: int | Non
                              f"which has {hw.memory_bytes / 1e9:,.1f} GB each; give a smaller --pool, more --tp, or "
                              "--dtype fp8")
         pool, source = given, f"given (--pool {given / 1e9:,.2f} GB)"
+    elif hw.measured:
+        # kvchat's engine on CPU (engine.default_budget): room for two full contexts, at most a
+        # quarter of the memory available, at least 64 MiB
+        pool = int(max(min(2 * max_position * costs.kv_bytes_per_token, hw.memory_bytes // 4), 64 * 2**20))
+        source = "kvchat's CPU default: two full contexts, at most a quarter of the available memory"
     else:
         left = utilisation * hw.memory_bytes - per_gpu_weights - reserve
         if left <= 0:
@@ -188,7 +193,7 @@ class PlanResult:
 def prepare(cfg: PlanConfig) -> tuple[ModelCosts, PoolPlan, StepModel, SchedulerConfig, list[str]]:
     g = cfg.geometry
     costs = model_costs(g, cfg.dtype, cfg.kv_dtype, cfg.tp, kv_scales=cfg.hardware.measured)
-    pool = size_pool(costs, cfg.hardware, cfg.block_size, cfg.pool_bytes, cfg.utilisation, cfg.gpus)
+    pool = size_pool(costs, cfg.hardware, cfg.block_size, cfg.pool_bytes, cfg.utilisation, cfg.gpus, g.max_position)
     model = default_model(cfg.hardware, costs, cfg.dtype, cfg.overrides)
     notes = []
     max_len = min(g.max_position, pool.tokens)

@@ -47,7 +47,7 @@ def setup_lines(p: PlanResult) -> list[str]:
 
 def constants_lines(p: PlanResult) -> list[str]:
     out = ["step time = overhead + rows x row overhead + max(weights/(B x e_w), linear FLOPs/(F x e_f)) "
-           "+ max(KV bytes/(B x e_kv), attention FLOPs/(F x e_f))" + (" + all-reduce" if p.config.tp > 1 else "")]
+           "+ max(KV bytes/(B x e_kv), attention FLOPs/(F_a x e_a))" + (" + all-reduce" if p.config.tp > 1 else "")]
     for name, const in p.model.constants():
         out.append(f"  {name:<34} {const.text():>14}   {const.source}")
     return out

@@ -45,8 +45,10 @@ class Simulator:
         self.now = 0.0
         self.res = SimResult()
         self.long_req: Request | None = None
+        # a request reaches the scheduler this long after it is sent (its arrival, for TTFT)
+        self.delay = timer.request
         for i, u in enumerate(trace.users):
-            heapq.heappush(self.events, (u.start + u.turns[0].think, i, User(u)))
+            heapq.heappush(self.events, (u.start + u.turns[0].think + self.delay, i, User(u)))
         self._seq = len(trace.users)
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -99,7 +101,7 @@ class Simulator:
                 self.res.refused.append((user.trace.uid, user.turn, need))
                 return                    # the conversation ends here, as a refused chat does
             prompt, max_out = need, min(turn.reply, limit - need)
-        req = Request(user, t, prompt, turn.new, max_out, window)
+        req = Request(user, t - self.delay, prompt, turn.new, max_out, window)
         if user.long:
             self.long_req = req
         self.waiting.append(req)
@@ -116,7 +118,7 @@ class Simulator:
         u.turn += 1
         if u.turn < len(u.trace.turns):
             self._seq += 1
-            heapq.heappush(self.events, (self.now + u.trace.turns[u.turn].think, self._seq, u))
+            heapq.heappush(self.events, (self.now + u.trace.turns[u.turn].think + self.delay, self._seq, u))
 
     # ---- blocks ----------------------------------------------------------------------------------
     def _key(self, r: Request, j: int) -> Key:

@@ -5,15 +5,16 @@ sequence, a chunk per prefilling one). Per GPU of a tensor-parallel group:
 
     t = overhead + rows x row overhead
         + max(weight bytes / (B x e_w),  linear FLOPs / (F x e_f))       the matrix products
-        + max(KV bytes / (B x e_kv),     attention FLOPs / (F x e_f))     attention over the caches
+        + max(KV bytes / (B x e_kv),     attention FLOPs / (F_a x e_a))   attention over the caches
         + 2 x layers x (all-reduce latency + 2 (tp-1)/tp x activation bytes / link)     (tp > 1)
 
 weight bytes: every layer's weights and the output head, read once for the whole step (the
 embedding table is only looked up); linear FLOPs: 2 x layer parameters per token, plus the
 head for each row that samples a token; KV bytes: each sequence's whole cache read once and
 the new tokens' K/V written; attention FLOPs: 4 x heads x head_dim x layers per (query, key)
-pair. B and F are the hardware's bandwidth and dense FLOP/s; e_w, e_kv and e_f the fractions of
-them reached. Every constant carries where it came from: the spec sheet, a calibration file,
+pair. B, F and F_a are the hardware's bandwidth and dense FLOP/s; the e's the fractions of them
+reached. A request also waits `request overhead` before the scheduler sees it (a server's HTTP
+and tokenisation; kvchat's rendering of the chat). Every constant carries where it came from: the spec sheet, a calibration file,
 a flag, or a default named as one.
 """
 from __future__ import annotations
@@ -101,19 +102,24 @@ class StepModel:
     bw_efficiency: Constant
     kv_bw_efficiency: Constant
     flops_efficiency: Constant
+    attn_efficiency: Constant
     overhead: Constant
     row_overhead: Constant
+    request_overhead: Constant
     allreduce_latency: Constant
     link_bandwidth: Constant | None
 
     def __post_init__(self) -> None:
-        for name in ("bw_efficiency", "kv_bw_efficiency", "flops_efficiency"):
+        for name in ("bw_efficiency", "kv_bw_efficiency", "flops_efficiency", "attn_efficiency"):
             v = getattr(self, name).value
             if not 0 < v <= 1.5:
                 raise UsageError(f"step-time constant {name} = {v}: an efficiency must be in (0, 1.5]")
-        for name in ("overhead", "row_overhead", "allreduce_latency"):
-            if not 0 <= getattr(self, name).value < 10:
-                raise UsageError(f"step-time constant {name} = {getattr(self, name).value}: seconds must be in [0, 10)")
+        for name in ("bandwidth", "flops", "attn_flops"):
+            if not getattr(self, name).value > 0:
+                raise UsageError(f"step-time constant {name} must be positive, got {getattr(self, name).value}")
+        for name in ("overhead", "row_overhead", "request_overhead", "allreduce_latency"):
+            if not 0 <= getattr(self, name).value < 60:
+                raise UsageError(f"step-time constant {name} = {getattr(self, name).value}: seconds must be in [0, 60)")
         if self.costs.tp > 1 and self.link_bandwidth is None:
             raise UsageError(f"--tp {self.costs.tp}: this hardware has no link between devices; use --tp 1")
 
@@ -121,15 +127,22 @@ class StepModel:
         return StepTimer(self)
 
     def constants(self) -> list[tuple[str, Constant]]:
-        rows = [("bandwidth", self.bandwidth), ("dense FLOP/s (matrix products)", self.flops),
-                ("dense FLOP/s (attention)", self.attn_flops), ("bandwidth efficiency (weights)", self.bw_efficiency),
-                ("bandwidth efficiency (KV cache)", self.kv_bw_efficiency),
-                ("FLOP/s efficiency", self.flops_efficiency), ("overhead per step", self.overhead),
-                ("overhead per sequence in a step", self.row_overhead)]
+        rows = [("bandwidth", self.bandwidth), ("dense FLOP/s, matrix products", self.flops),
+                ("dense FLOP/s, attention", self.attn_flops), ("bandwidth efficiency, weights", self.bw_efficiency),
+                ("bandwidth efficiency, KV cache", self.kv_bw_efficiency),
+                ("FLOP/s efficiency, matrix products", self.flops_efficiency),
+                ("FLOP/s efficiency, attention", self.attn_efficiency), ("overhead per step", self.overhead),
+                ("overhead per sequence in a step", self.row_overhead),
+                ("overhead per request (before it)", self.request_overhead)]
         if self.costs.tp > 1:
             rows += [("all-reduce latency", self.allreduce_latency),
                      ("link bandwidth, one way", self.link_bandwidth)]      # type: ignore[list-item]
         return rows
+
+
+CONSTANT_NAMES = ("bandwidth", "flops", "attn_flops", "bw_efficiency", "kv_bw_efficiency", "flops_efficiency",
+                  "attn_efficiency", "overhead", "row_overhead", "request_overhead", "allreduce_latency",
+                  "link_bandwidth")
 
 
 def default_model(hw: Hardware, costs: ModelCosts, weight_dtype: str, overrides: dict[str, Constant]) -> StepModel:
@@ -146,8 +159,11 @@ def default_model(hw: Hardware, costs: ModelCosts, weight_dtype: str, overrides:
         "kv_bw_efficiency": Constant(DEFAULT_BW_EFF, "", f"{DEFAULT_SOURCE} (the weights' figure)"),
         "flops_efficiency": Constant(DEFAULT_FLOPS_EFF, "", f"{DEFAULT_SOURCE} (inference-sim's prefill MFU for "
                                                             "H100)"),
+        "attn_efficiency": Constant(DEFAULT_FLOPS_EFF, "", f"{DEFAULT_SOURCE} (the matrix products' figure)"),
         "overhead": Constant(DEFAULT_OVERHEAD_MS / 1e3, "s", DEFAULT_SOURCE),
         "row_overhead": Constant(0.0, "s", DEFAULT_SOURCE),
+        "request_overhead": Constant(0.0, "s", f"{DEFAULT_SOURCE}: the server's HTTP and tokenisation time is left "
+                                               "out"),
         "allreduce_latency": Constant(DEFAULT_ALLREDUCE_US / 1e6, "s", DEFAULT_SOURCE),
         "link_bandwidth": Constant(hw.link_bandwidth, "B/s", sheet) if hw.link_bandwidth else None,
     }
@@ -160,7 +176,7 @@ def default_model(hw: Hardware, costs: ModelCosts, weight_dtype: str, overrides:
 
 class StepTimer:
     """A StepModel's per-unit seconds, computed once: `seconds` runs for every simulated step."""
-    __slots__ = ("_w", "_lin", "_head", "_kv", "_att", "_overhead", "_row", "_ar_fixed", "_ar_tok")
+    __slots__ = ("_w", "_lin", "_head", "_kv", "_att", "_overhead", "_row", "_ar_fixed", "_ar_tok", "request")
 
     def __init__(self, m: StepModel) -> None:
         c, bw = m.costs, m.bandwidth.value
@@ -169,8 +185,9 @@ class StepTimer:
         self._lin = c.linear_flops_per_token / f
         self._head = c.head_flops_per_row / f
         self._kv = c.kv_bytes_per_token / (bw * m.kv_bw_efficiency.value)
-        self._att = c.attn_flops_per_pair / (m.attn_flops.value * m.flops_efficiency.value)
+        self._att = c.attn_flops_per_pair / (m.attn_flops.value * m.attn_efficiency.value)
         self._overhead, self._row = m.overhead.value, m.row_overhead.value
+        self.request = m.request_overhead.value
         self._ar_fixed = self._ar_tok = 0.0
         if c.tp > 1 and m.link_bandwidth is not None:
             self._ar_fixed = 2 * c.layers * m.allreduce_latency.value
