@@ -204,9 +204,8 @@ def write_trace(path: Path, trace: Trace, description: str) -> None:
         fh.write(json.dumps({"format": TRACE_FORMAT, "system_tokens": trace.system_tokens,
                              "description": description}) + "\n")
         for u in trace.users:
-            fh.write(json.dumps({"user": u.uid, "start": round(u.start, 6), "history": list(u.history),
-                                 "turns": [[t.new, t.reply, round(t.think, 6)] for t in u.turns],
-                                 "long": u.long}) + "\n")
+            fh.write(json.dumps({"user": u.uid, "start": u.start, "history": list(u.history),
+                                 "turns": [[t.new, t.reply, t.think] for t in u.turns], "long": u.long}) + "\n")
 
 
 def read_trace(path: str, max_bytes: int = 256 * 2**20) -> Trace:
