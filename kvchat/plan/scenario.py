@@ -65,7 +65,7 @@ def rows(args) -> list[tuple[str, dict]]:
 
 
 def baseline(args):
-    from .command import plan_config, workload
+    from .options import plan_config, workload
     for k, v in SEEDS_DEFAULTS.items():
         if getattr(args, k, None) is None:
             setattr(args, k, v)
