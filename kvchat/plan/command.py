@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..cli.args import float_in, int_at_least, positive_int
+from ..cli.args import UsageError, float_in, int_at_least, positive_int
 from .options import DEFAULTS
 
 
@@ -86,6 +86,11 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     x.add_argument("--calibrate", default=None, metavar="BENCH.json",
                    help="fit the step-time constants to a `kvchat bench --json` record")
     x.add_argument("--write-calibration", default=None, metavar="FILE", help="with --calibrate: save the constants")
+    x.add_argument("--validate", action="store_true",
+                   help="run the workload's users for real through kvchat's engine on this CPU (and --server's), at "
+                        "three loads, and set the simulation, calibrated on another run, beside each")
+    x.add_argument("--server", default=None, metavar="URL", help="with --validate: a vLLM server to run them through "
+                                                                 "too")
     return p
 
 
@@ -100,6 +105,11 @@ def run(args) -> int:
     if args.scenario is not None:
         from .scenario import run_scenario
         return run_scenario(args, json_path, plot_path)
+    if args.validate:
+        from .validate import run_validate
+        return run_validate(args, json_path)
+    if args.server:
+        raise UsageError("--server goes with --validate (the users run through it too)")
     from .options import plan_config
     cfg = plan_config(args)
     from .planner import run_plan

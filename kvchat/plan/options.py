@@ -49,6 +49,8 @@ def plan_config(args, **changes):
         overrides.update(cal.overrides(args.kv_dtype if args.kv_dtype != "auto" else cal.dtype))
         hw = cpu_calibrated(cal.constants["bandwidth"], cal.constants["flops"], cal.sources["bandwidth"]) \
             if key == CPU else TABLE[key]
+    elif "hardware" in changes:
+        hw = changes["hardware"]
     else:
         hw = find(args.gpu)
     dtype = args.dtype or ("fp32" if hw.measured else "bf16")
