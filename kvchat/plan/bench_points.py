@@ -16,6 +16,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvchat.engine.geometry import KNOWN, Geometry
+
 from ..cli.args import UsageError
 from .fitter import Point, StepRow
 
@@ -23,14 +25,22 @@ CPU_PREFILL_CHUNK = 512      # engine/conversation.py: the CPU prefills in chunk
 
 
 @dataclass(frozen=True, slots=True)
-class BenchData:
-    model: str
+class Measurements:
+    """Measured points and what they were measured on: the model's geometry and dtypes, the
+    hardware (a table key, or cpu), the peak bandwidth measured beside them, and whether the
+    cache keeps kvchat's per-token fp8 scales (kvchat's engine) or not (vLLM)."""
+    geometry: Geometry
     dtype: str
     hardware: str
     bandwidth: float
     bandwidth_source: str
     source: str
     points: list[Point]
+    kv_scales: bool
+
+    @property
+    def model(self) -> str:
+        return self.geometry.name
 
 
 def prefill_steps(computed: int, cached: int, chunk: int = CPU_PREFILL_CHUNK) -> tuple[StepRow, ...]:
@@ -50,7 +60,7 @@ def _median(d: dict, key: str) -> float | None:
     return float(v) if isinstance(v, (int, float)) and v > 0 else None
 
 
-def from_bench_json(path: str) -> BenchData:
+def from_bench_json(path: str) -> Measurements:
     from ..store.files import FileRefused, read_text
     where = f"--calibrate {path!r}"
     try:
@@ -103,6 +113,10 @@ def from_bench_json(path: str) -> BenchData:
     if len(points) < 3:
         raise UsageError(f"{where}: found {len(points)} measured points; a calibration needs at least 3")
     cmd = d.get("command", "kvchat bench")
-    return BenchData(str(model.get("model")), str(model.get("dtype")), "cpu", bw,
-                     f"measured: the bench's own probe in the same run ({bw / 1e9:.1f} GB/s, {path})",
-                     f"`{cmd}` ({path})", points)
+    name = str(model.get("model"))
+    if name not in KNOWN:
+        raise UsageError(f"{where}: the measured model {name!r} is not in kvchat's table ({', '.join(sorted(KNOWN))}); "
+                         "its geometry is needed to know what each step read")
+    return Measurements(KNOWN[name], str(model.get("dtype")), "cpu", bw,
+                        f"measured: the bench's own probe in the same run ({bw / 1e9:.1f} GB/s, {path})",
+                        f"`{cmd}` ({path})", points, kv_scales=True)

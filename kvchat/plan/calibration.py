@@ -21,7 +21,7 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from kvchat.engine.geometry import KNOWN, Geometry
+from kvchat.engine.geometry import Geometry
 
 from ..cli.args import UsageError
 from .fitter import ATTN, LIN, OVERHEAD, REQUEST, ROW, WEIGHT, Fit, Point
@@ -119,13 +119,6 @@ def load_calibration(path: str, hardware: str, geom: Geometry) -> Calibration:
     return Calibration(hardware, str(d.get("model")), str(d.get("dtype")), str(d.get("source")),
                        {k: float(consts[k]) for k in SCALARS}, {str(k): float(v) for k, v in kv.items()}, src,
                        float(mape) if _number(mape) else math.nan, int(fit_.get("points", 0) or 0))
-
-
-def model_of(name: str) -> Geometry:
-    if name not in KNOWN:
-        raise UsageError(f"the measured model {name!r} is not in kvchat's table ({', '.join(sorted(KNOWN))}); "
-                         "its geometry is needed to know what each step read")
-    return KNOWN[name]
 
 
 def costs_for(geom: Geometry, dtype: str, kv_dtypes: set[str], kv_scales: bool) -> dict[str, ModelCosts]:

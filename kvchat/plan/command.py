@@ -83,14 +83,15 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     x = p.add_argument_group("modes")
     x.add_argument("--scenario", default=None, help="seeds: the texts' question (Llama 3.1 70B, 15 GB pool, one user "
                                                     "at 30,000 tokens among others) and its remedies, one row each")
-    x.add_argument("--calibrate", default=None, metavar="BENCH.json",
-                   help="fit the step-time constants to a `kvchat bench --json` record")
+    x.add_argument("--calibrate", nargs="?", const="", default=None, metavar="BENCH.json",
+                   help="fit the step-time constants to a `kvchat bench --json` record, or with --server URL to a "
+                        "vLLM server's own histograms under probe requests (--gpu names the server's hardware)")
     x.add_argument("--write-calibration", default=None, metavar="FILE", help="with --calibrate: save the constants")
     x.add_argument("--validate", action="store_true",
                    help="run the workload's users for real through kvchat's engine on this CPU (and --server's), at "
                         "three loads, and set the simulation, calibrated on another run, beside each")
-    x.add_argument("--server", default=None, metavar="URL", help="with --validate: a vLLM server to run them through "
-                                                                 "too")
+    x.add_argument("--server", default=None, metavar="URL", help="with --validate: a vLLM server to run the users "
+                                                                 "through too; with --calibrate: the server to probe")
     return p
 
 
@@ -109,7 +110,7 @@ def run(args) -> int:
         from .validate import run_validate
         return run_validate(args, json_path)
     if args.server:
-        raise UsageError("--server goes with --validate (the users run through it too)")
+        raise UsageError("--server goes with --validate or --calibrate")
     from .options import plan_config
     cfg = plan_config(args)
     from .planner import run_plan
@@ -143,20 +144,28 @@ def list_gpus() -> int:
 
 
 def run_calibrate(args, out_path) -> int:
-    """--calibrate BENCH.json: fit the constants, print the fit point by point, save them."""
+    """--calibrate BENCH.json, or --calibrate --server URL: fit the constants, print the fit
+    point by point, save them."""
     import json
 
-    from .bench_points import from_bench_json
-    from .calibration import calibration_from_fit, costs_for, model_of
+    from .calibration import calibration_from_fit, costs_for
     from .fitter import fit
     from .step_time import DEFAULT_BW_EFF, DEFAULT_OVERHEAD_MS
-    data = from_bench_json(args.calibrate)
-    geom = model_of(data.model)
-    costs = costs_for(geom, data.dtype, {p.kv_dtype for p in data.points}, kv_scales=data.hardware == "cpu")
+    if args.calibrate:
+        from .bench_points import from_bench_json
+        data = from_bench_json(args.calibrate)
+    elif args.server:
+        from .server_probe import from_server
+        data = from_server(args)
+    else:
+        raise UsageError("--calibrate needs a `kvchat bench --json` record (--calibrate BENCH.json) or a server "
+                         "(--calibrate --server URL)")
+    costs = costs_for(data.geometry, data.dtype, {p.kv_dtype for p in data.points}, kv_scales=data.kv_scales)
     bw = data.bandwidth
     prior = {"overhead": DEFAULT_OVERHEAD_MS / 1e3, "row": 0.0, "weight": 1 / (bw * DEFAULT_BW_EFF),
              "kv": 1 / (bw * DEFAULT_BW_EFF), "lin": 1e-12, "attn": 1e-12, "request": 0.0}
-    f = fit(data.points, costs, prior, model_kv=data.dtype)
+    model_kv = data.dtype if data.dtype in {p.kv_dtype for p in data.points} else data.points[0].kv_dtype
+    f = fit(data.points, costs, prior, model_kv=model_kv)
     cal = calibration_from_fit(f, data.hardware, data.model, data.dtype, bw, data.bandwidth_source, data.source,
                                data.points)
     print(f"kvchat plan --calibrate: {len(data.points)} measured points of {data.source}")
@@ -167,7 +176,7 @@ def run_calibrate(args, out_path) -> int:
     print(f"mean absolute percentage error of the fit: {f.mape(data.points):.1%}")
     for kv in sorted(cal.kv_efficiency):
         print(f"  kv_bw_efficiency ({kv}) {cal.kv_efficiency[kv]:>10.3g}   {cal.sources['kv_bw_efficiency']}")
-    for name, const in cal.overrides(data.dtype).items():
+    for name, const in cal.overrides(model_kv).items():
         if name != "kv_bw_efficiency":
             print(f"  {name:<22} {const.text():>14}   {const.source}")
     if out_path is not None:
