@@ -161,6 +161,6 @@ def pool_story(res: SimResult, num_blocks: int, start: float = 0.0) -> dict:
         "peak_running": peak_running, "peak_waiting": peak_waiting,
         "preemptions": res.preemptions, "recomputed_tokens": res.recomputed, "evictions": res.evictions,
         "prefix_hit_rate": round(sum(r.cached for r in res.records) / prompt, 4) if prompt else None,
-        "steps": res.steps, "mean_tokens_per_step": round(res.tokens_scheduled / res.steps, 1) if res.steps else None,
+        "steps": res.steps, "decode_stretches": res.stretches, "mean_tokens_per_step": round(res.tokens_scheduled / res.steps, 1) if res.steps else None,
         "refused_turns": len(res.refused), "unfinished_requests": res.unfinished,
     }

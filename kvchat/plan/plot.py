@@ -36,12 +36,16 @@ def terminal(p: PlanResult, width: int = 64, height: int = 8) -> str:
     if not cols:
         return "pool over time: no steps were simulated"
     rows = []
-    for level in range(height, 0, -1):
-        top = level / height
-        line = "".join("█" if u >= top - 1e-9 else "░" if uc >= top - 1e-9 else
-                       ("▄" if u >= top - 0.5 / height else " ") for u, uc, _, _ in cols)
-        label = "100%" if level == height else " 50%" if level == height // 2 else "    "
-        rows.append(f"{label} │{line}│")
+    for level in range(height - 1, -1, -1):          # top row first; each cell holds eighths of a row
+        line = []
+        for u, uc, _, _ in cols:
+            eighths = min(8, max(0, round(u * height * 8) - 8 * level))
+            if eighths:
+                line.append(SPARK[eighths - 1])
+            else:
+                line.append("░" if uc * height >= level + 0.5 else " ")
+        label = "100%" if level == height - 1 else " 50%" if level == height // 2 - 1 else "    "
+        rows.append(f"{label} │{''.join(line)}│")
     end = p.result.samples[-1][0] - p.result.samples[0][0]
     rows.append(f"   0 └{'─' * width}┘ {end:,.0f} s")
     for name, k in (("running", 2), ("waiting", 3)):

@@ -97,7 +97,8 @@ def story_lines(p: PlanResult) -> list[str]:
     out = [f"pool: {st['mean_in_use']:.0%} of the blocks in use on average, {st['peak_in_use']:.0%} at the peak; "
            f"{st['mean_cached_evictable']:.0%} cached and evictable on average; {st['evictions']:,} cached blocks "
            f"evicted",
-           f"scheduler: {st['steps']:,} steps, {_v(st['mean_tokens_per_step'], 1)} tokens per step on average, "
+           f"scheduler: {st['steps']:,} steps ({st['decode_stretches']:,} decode stretches run in one go), "
+           f"{_v(st['mean_tokens_per_step'], 1)} tokens per step on average, "
            f"at most {st['peak_running']} running and {st['peak_waiting']} waiting; prefix-cache hits "
            f"{'n/a' if st['prefix_hit_rate'] is None else format(st['prefix_hit_rate'], '.0%')} of prompt tokens"]
     if p.long is not None:

@@ -78,14 +78,14 @@ def baseline(args):
 
 
 def table(results: list[tuple[str, PlanResult]]) -> list[str]:
-    out = [f"{'':<52}{'pool':>7}{'long':>6}{'TTFT of the others, s':>24}{'TPOT ms':>14}{'preemp-':>9}{'recomputed':>12}"
+    out = [f"{'':<57}{'pool':>7}{'long':>6}{'TTFT of the others, s':>24}{'TPOT ms':>14}{'preemp-':>9}{'recomputed':>12}"
            f"{'output':>8}{'goodput':>9}",
-           f"{'':<52}{'tokens':>7}{'share':>6}{'p50':>8}{'p90':>8}{'p99':>8}{'p50':>7}{'p90':>7}{'tions':>9}"
+           f"{'':<57}{'tokens':>7}{'share':>6}{'p50':>8}{'p90':>8}{'p99':>8}{'p50':>7}{'p90':>7}{'tions':>9}"
            f"{'tokens':>12}{'tok/s':>8}{'req/s':>9}"]
     for label, p in results:
         o = p.others or p.summary
         t, tp = o["ttft_ms"], p.summary["tpot_ms"]
-        out.append(f"{label[:51]:<52}{p.pool.tokens / 1000:>6.0f}k{p.story['long_user_peak_share']:>6.0%}"
+        out.append(f"{label[:56]:<57}{p.pool.tokens / 1000:>6.0f}k{p.story['long_user_peak_share']:>6.0%}"
                    f"{_s(t['p50']):>8}{_s(t['p90']):>8}{_s(t['p99']):>8}{_n(tp['p50']):>7}{_n(tp['p90']):>7}"
                    f"{p.summary['preemptions']:>9,}{p.summary['recomputed_tokens']:>12,}"
                    f"{p.summary['output_throughput']:>8,.0f}{p.summary.get('goodput', 0):>9.2f}")
@@ -119,9 +119,12 @@ def run_scenario(args, json_path: Path | None, plot_path: Path | None) -> int:
     print("\n".join(table(results)))
     print("long share: the most of the pool's blocks the long user held at once; TTFT of the other users; TPOT, "
           "preemptions, throughput and goodput (--slo " + (args.slo or "none") + ") over everyone")
+    notes: dict[str, list[str]] = {}
     for label, p in results:
         for note in p.notes:
-            print(f"note ({label[:40]}): {note}")
+            notes.setdefault(note, []).append(label.split(":")[0])
+    for note, labels in notes.items():
+        print(f"note ({'; '.join(labels) if len(labels) < len(results) else 'every row'}): {note}")
     print()
     print("what the simulation cannot know:")
     for line in CANNOT_KNOW:
