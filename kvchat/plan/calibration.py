@@ -105,14 +105,14 @@ def load_calibration(path: str, hardware: str, geom: Geometry) -> Calibration:
     if d.get("hardware") != hardware:
         raise UsageError(f"{where} was measured on {d.get('hardware')!r}, not {hardware!r}: constants hold for the "
                          "hardware they were measured on; calibrate on it, or plan for that hardware")
-    consts, sources = d.get("constants"), d.get("sources")
-    kv = consts.get("kv_bw_efficiency") if isinstance(consts, dict) else None
-    if not isinstance(consts, dict) or not isinstance(sources, dict) or \
-            set(consts) != {*SCALARS, "kv_bw_efficiency"} or not all(_number(consts[k]) for k in SCALARS) or \
+    consts: dict = d["constants"] if isinstance(d.get("constants"), dict) else {}
+    sources: dict = d["sources"] if isinstance(d.get("sources"), dict) else {}
+    kv = consts.get("kv_bw_efficiency")
+    if set(consts) != {*SCALARS, "kv_bw_efficiency"} or not all(_number(consts[k]) for k in SCALARS) or \
             not isinstance(kv, dict) or not kv or not all(_number(v) and v > 0 for v in kv.values()):
         raise UsageError(f"{where}: \"constants\" must give {', '.join(SCALARS)} as finite numbers >= 0 and "
                          "kv_bw_efficiency as {cache dtype: number}")
-    fit_ = d.get("fit") if isinstance(d.get("fit"), dict) else {}
+    fit_: dict = d["fit"] if isinstance(d.get("fit"), dict) else {}
     note = "" if d.get("model") == geom.name else f", fitted on {d.get('model')}"
     src = {k: f"{sources.get(k, 'calibrated')} [{path}{note}]" for k in (*SCALARS, "kv_bw_efficiency")}
     mape = fit_.get("mape")

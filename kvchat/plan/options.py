@@ -2,6 +2,8 @@
 the hardware (or a calibration's), the scheduler's defaults, the step-time constants given."""
 from __future__ import annotations
 
+from typing import Any
+
 from ..cli.args import UsageError
 from .bench_points import CPU_PREFILL_CHUNK
 
@@ -11,7 +13,7 @@ DEFAULTS = {"users": 16, "turns": "4", "think": "exp:10s", "context": "1000-3000
 
 def workload(args, long: int | None = None):
     from .workload import Workload, parse_dist
-    d = {k: (getattr(args, k) if getattr(args, k, None) is not None else v) for k, v in DEFAULTS.items()}
+    d: dict[str, Any] = {k: (getattr(args, k) if getattr(args, k, None) is not None else v) for k, v in DEFAULTS.items()}
     ramp = parse_dist("--ramp", str(d["ramp"]), seconds=True, zero_ok=True)
     if ramp.kind != "fixed":
         raise UsageError(f"--ramp {args.ramp!r}: give one duration, e.g. 10s")
@@ -30,31 +32,28 @@ def workload(args, long: int | None = None):
 def plan_config(args, **changes):
     from kvchat.engine.units import parse_bytes
 
-    from .hardware import find
+    from .hardware import CPU, TABLE, cpu_calibrated, find
     from .metrics import parse_slo
     from .planner import PlanConfig, model_geometry
+    from .request import POLICIES
     from .step_time import Constant
     from .workload import parse_dist, read_trace
     geom = model_geometry(args.model, args.geometry)
-    if args.policy not in ("stop", "drop-oldest", "sink-window"):
-        raise UsageError(f"unknown cap policy {args.policy!r}; accepted: stop, drop-oldest, sink-window")
+    if args.policy not in POLICIES:
+        raise UsageError(f"unknown cap policy {args.policy!r}; accepted: {', '.join(POLICIES)}")
+    key = args.gpu.strip().lower().replace(" ", "-").replace("_", "-")
+    hw = changes.get("hardware") or (None if args.calibration and (key == CPU or key in TABLE) else find(args.gpu))
+    cpu = hw.measured if hw is not None else key == CPU
+    dtype = args.dtype or ("fp32" if cpu else "bf16")          # kvchat's engine runs fp32 on a CPU
+    kv = args.kv_dtype if args.kv_dtype != "auto" else ("bf16" if dtype == "fp8" else dtype)
     overrides = {}
     if args.calibration:
         from .calibration import load_calibration
-        from .hardware import CPU, TABLE, cpu_calibrated
-        key = args.gpu.strip().lower()
-        if key != CPU and key not in TABLE:
-            find(args.gpu)                      # the one-line refusal of an unknown GPU
         cal = load_calibration(args.calibration, key, geom)
-        overrides.update(cal.overrides(args.kv_dtype if args.kv_dtype != "auto" else cal.dtype))
-        hw = cpu_calibrated(cal.constants["bandwidth"], cal.constants["flops"], cal.sources["bandwidth"]) \
-            if key == CPU else TABLE[key]
-    elif "hardware" in changes:
-        hw = changes["hardware"]
-    else:
-        hw = find(args.gpu)
-    dtype = args.dtype or ("fp32" if hw.measured else "bf16")
-    kv = args.kv_dtype if args.kv_dtype != "auto" else ("bf16" if dtype == "fp8" else dtype)
+        overrides.update(cal.overrides(kv))
+        if hw is None:
+            hw = cpu_calibrated(cal.constants["bandwidth"], cal.constants["flops"], cal.sources["bandwidth"]) \
+                if key == CPU else TABLE[key]
     for flag, names, scale in (("bw_efficiency", ("bw_efficiency", "kv_bw_efficiency"), 1.0),
                                ("flops_efficiency", ("flops_efficiency",), 1.0), ("overhead_ms", ("overhead",), 1e-3)):
         value = getattr(args, flag)

@@ -17,6 +17,7 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 from kvchat.engine.errors import KvchatError
 from kvchat.engine.geometry import DTYPE_BYTES, KNOWN, Geometry, from_hf_config
@@ -70,7 +71,7 @@ def model_geometry(model: str | None, geometry: str | None) -> Geometry:
 def _inline_geometry(text: str) -> Geometry:
     accepted = ("--geometry takes an alias or layers=L,hidden=H,heads=N,kv_heads=K,head_dim=D,intermediate=I,"
                 "vocab=V[,max_position=P]")
-    values: dict[str, int] = {}
+    values: dict[str, Any] = {}
     for part in text.split(","):
         m = re.fullmatch(r"\s*([a-z_]+)\s*=\s*([0-9]+)\s*", part)
         if m is None or m.group(1) not in GEOMETRY_KEYS:

@@ -11,8 +11,9 @@ samples a token at the end of a step in which it caught up with its tokens.
 Users are closed loops (workload.py): a user's next turn arrives `think` seconds after its
 last reply ended. The cap policies act where a client or kvchat would: `stop` refuses a turn
 past the limit, `drop-oldest` drops the oldest history segments until the turn fits (the
-rewritten prefix is recomputed), `sink-window` holds and reads at most `cap` tokens, keeping
-its window cached from turn to turn (the forgotten middle's effect on the text is not modelled).
+rewritten prefix is recomputed), `sink-window` computes, holds and reads at most `cap` tokens of
+a turn, keeping its window cached from turn to turn (what forgetting the middle does to the
+text is not modelled).
 
 Long stretches where every running request only decodes and nothing can change the batch
 run in one go (`_stretch`): the same steps, times and tokens, a few Python operations per

@@ -223,7 +223,7 @@ def read_trace(path: str, max_bytes: int = 256 * 2**20) -> Trace:
     if not isinstance(head, dict) or head.get("format") != TRACE_FORMAT:
         raise UsageError(f"{where}: the first line is not a {TRACE_FORMAT} header; --save-trace FILE writes one")
     system = _whole(where, "system_tokens", head.get("system_tokens"), 0)
-    users = []
+    users: list[UserTrace] = []
     for i, line in enumerate(lines[1:], start=2):
         if line.strip():
             users.append(_user_line(f"{where} line {i}", line, len(users)))
