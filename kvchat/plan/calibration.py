@@ -118,7 +118,8 @@ def load_calibration(path: str, hardware: str, geom: Geometry) -> Calibration:
     mape = fit_.get("mape")
     return Calibration(hardware, str(d.get("model")), str(d.get("dtype")), str(d.get("source")),
                        {k: float(consts[k]) for k in SCALARS}, {str(k): float(v) for k, v in kv.items()}, src,
-                       float(mape) if _number(mape) else math.nan, int(fit_.get("points", 0) or 0))
+                       float(mape) if isinstance(mape, (int, float)) and _number(mape) else math.nan,
+                       int(fit_.get("points", 0) or 0))
 
 
 def costs_for(geom: Geometry, dtype: str, kv_dtypes: set[str], kv_scales: bool) -> dict[str, ModelCosts]:
