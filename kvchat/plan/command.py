@@ -21,67 +21,67 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("plan", help="simulate N users on hardware you may not have (a vLLM-like scheduler "
                                            "over a roofline step time): TTFT, TPOT, ITL, preemptions")
     m = p.add_argument_group("model and hardware")
-    m.add_argument("--model", "-m", default=None, help="alias (llama-3.1-8b, llama-3.1-70b, llama-2-7b, smollm2-135m), "
+    m.add_argument("--model", "-m", metavar="M", default=None, help="alias (llama-3.1-8b, llama-3.1-70b, llama-2-7b, smollm2-135m), "
                                                        "a config.json, or a directory holding one (default llama-3.1-8b)")
-    m.add_argument("--geometry", default=None, help="an alias, or layers=L,hidden=H,heads=N,kv_heads=K,head_dim=D,"
+    m.add_argument("--geometry", metavar="SPEC", default=None, help="an alias, or layers=L,hidden=H,heads=N,kv_heads=K,head_dim=D,"
                                                    "intermediate=I,vocab=V[,max_position=P]")
     m.add_argument("--dtype", default=None, choices=("bf16", "fp16", "fp8", "fp32"),
                    help="weights (default bf16; fp32 on the cpu row, as kvchat's engine runs there)")
     m.add_argument("--kv-dtype", default="auto", choices=("auto", "bf16", "fp16", "fp8", "fp32"),
                    help="KV cache (default: the weights' dtype; bf16 under fp8 weights)")
-    m.add_argument("--gpu", default="h100-sxm", help="a row of the hardware table (--list-gpus), or cpu (this "
+    m.add_argument("--gpu", metavar="NAME", default="h100-sxm", help="a row of the hardware table (--list-gpus), or cpu (this "
                                                      "machine, measured); default h100-sxm")
-    m.add_argument("--tp", type=positive_int("--tp", 64), default=1, help="tensor-parallel GPUs (default 1)")
+    m.add_argument("--tp", metavar="N", type=positive_int("--tp", 64), default=1, help="tensor-parallel GPUs (default 1)")
     m.add_argument("--list-gpus", action="store_true", help="print the hardware table with its sources and stop")
     s = p.add_argument_group("pool and scheduler")
     s.add_argument("--pool", default=None, metavar="BYTES", help="KV pool size, all GPUs together, e.g. 15GB "
                                                                "(default: what the memory leaves after the weights)")
-    s.add_argument("--memory-utilization", type=float_in("--memory-utilization", 0.0, 1.0, lo_open=True),
+    s.add_argument("--memory-utilization", metavar="F", type=float_in("--memory-utilization", 0.0, 1.0, lo_open=True),
                    default=0.9, help="share of each GPU's memory for weights and pool (vLLM's default 0.9)")
-    s.add_argument("--block-size", type=positive_int("--block-size", 4096), default=16)
-    s.add_argument("--max-batched-tokens", type=positive_int("--max-batched-tokens", 1_000_000), default=None,
+    s.add_argument("--block-size", metavar="N", type=positive_int("--block-size", 4096), default=16)
+    s.add_argument("--max-batched-tokens", metavar="N", type=positive_int("--max-batched-tokens", 1_000_000), default=None,
                    help="token budget per step (default: vLLM's API server's, 8192 on GPUs of 70 GiB or more but the "
                         "A100, else 2048)")
-    s.add_argument("--max-seqs", type=positive_int("--max-seqs", 100_000), default=None,
+    s.add_argument("--max-seqs", metavar="N", type=positive_int("--max-seqs", 100_000), default=None,
                    help="most sequences running at once (default: vLLM's, 1024 or 256 by the same rule)")
     s.add_argument("--no-prefix-cache", action="store_true", help="turn prefix caching off")
-    s.add_argument("--cap", type=positive_int("--cap", 2**31 - 1), default=None, help="per-request cap in tokens")
-    s.add_argument("--policy", default="stop", help="at the cap: stop (refuse the turn), drop-oldest (drop old turns), "
+    s.add_argument("--cap", metavar="N", type=positive_int("--cap", 2**31 - 1), default=None, help="per-request cap in tokens")
+    s.add_argument("--policy", metavar="NAME", default="stop", help="at the cap: stop (refuse the turn), drop-oldest (drop old turns), "
                                                     "sink-window (keep a window)")
     w = p.add_argument_group("workload")
-    w.add_argument("--users", type=positive_int("--users", 1_000_000), default=None,
+    w.add_argument("--users", metavar="N", type=positive_int("--users", 1_000_000), default=None,
                    help=f"conversations (default {DEFAULTS['users']})")
-    w.add_argument("--rate", type=float_in("--rate", 0.0, 1e6, lo_open=True), default=None,
+    w.add_argument("--rate", metavar="R", type=float_in("--rate", 0.0, 1e6, lo_open=True), default=None,
                    help="users arriving per second, Poisson (default: all start within --ramp)")
-    w.add_argument("--ramp", default=None, help=f"seconds over which the users' first messages spread (default "
+    w.add_argument("--ramp", metavar="S", default=None, help=f"seconds over which the users' first messages spread (default "
                                                 f"{DEFAULTS['ramp']})")
     for flag, what in (("turns", "turns per user"), ("think", "seconds between a reply and the next message"),
                        ("context", "tokens of history a user starts with"),
                        ("message", "tokens each turn adds (message and template)"), ("reply", "reply tokens")):
-        w.add_argument(f"--{flag}", default=None, help=f"{what}: N, A-B, exp:MEAN or lognormal:MEDIAN,SIGMA "
+        w.add_argument(f"--{flag}", default=None, metavar="DIST", help=f"{what}: N, A-B, exp:MEAN or lognormal:MEDIAN,SIGMA "
                                                        f"(default {DEFAULTS[flag]})")
     w.add_argument("--system-prompt", type=int_at_least("--system-prompt", 0, 10_000_000), default=0,
                    metavar="TOKENS", help="a system prompt every user shares (default 0)")
     w.add_argument("--long", type=positive_int("--long", 10_000_000), default=None, metavar="TOKENS",
                    help="one more user, from t=0, with this much history (the texts' long chat)")
-    w.add_argument("--seed", type=int_at_least("--seed", 0, 2**63 - 1), default=0)
+    w.add_argument("--seed", metavar="N", type=int_at_least("--seed", 0, 2**63 - 1), default=0)
     w.add_argument("--trace", default=None, metavar="FILE", help="replay these users (a file --save-trace wrote)")
     w.add_argument("--save-trace", default=None, metavar="FILE", help="write the simulated users as a trace")
     o = p.add_argument_group("constants and output")
     o.add_argument("--calibration", default=None, metavar="FILE", help="step-time constants fitted by --calibrate")
-    o.add_argument("--bw-efficiency", type=float_in("--bw-efficiency", 0.0, 1.5, lo_open=True), default=None,
+    o.add_argument("--bw-efficiency", metavar="F", type=float_in("--bw-efficiency", 0.0, 1.5, lo_open=True), default=None,
                    help="share of the bandwidth reached, weights and cache (default 0.8)")
-    o.add_argument("--flops-efficiency", type=float_in("--flops-efficiency", 0.0, 1.5, lo_open=True), default=None,
+    o.add_argument("--flops-efficiency", metavar="F", type=float_in("--flops-efficiency", 0.0, 1.5, lo_open=True), default=None,
                    help="share of the dense FLOP/s reached (default 0.45)")
-    o.add_argument("--overhead-ms", type=float_in("--overhead-ms", 0.0, 10_000.0), default=None,
+    o.add_argument("--overhead-ms", metavar="MS", type=float_in("--overhead-ms", 0.0, 10_000.0), default=None,
                    help="fixed time per step (default 1 ms)")
-    o.add_argument("--slo", default="ttft=2s,tpot=100ms", help="goodput objectives (default ttft=2s,tpot=100ms)")
-    o.add_argument("--horizon", default=None, help="stop the simulated clock here, e.g. 1h (default: when all finish)")
+    o.add_argument("--slo", metavar="SPEC", default="ttft=2s,tpot=100ms", help="goodput objectives (default ttft=2s,tpot=100ms)")
+    o.add_argument("--horizon", metavar="S", default=None, help="stop the simulated clock here, e.g. 1h (default: when all finish)")
     o.add_argument("--json", default=None, metavar="FILE", help="write the result as JSON")
     o.add_argument("--plot", default=None, metavar="FILE.png", help="write a PNG of the pool and the TTFTs")
     o.add_argument("--no-terminal-plot", action="store_true", help="leave the text chart out")
     x = p.add_argument_group("modes")
-    x.add_argument("--scenario", default=None, help="seeds: the texts' question (Llama 3.1 70B, 15 GB pool, one user "
+    x.add_argument("--scenario", metavar="NAME", default=None, help="seeds: the texts' question (Llama 3.1 70B, 15 GB pool, one user "
                                                     "at 30,000 tokens among others) and its remedies, one row each")
     x.add_argument("--calibrate", nargs="?", const="", default=None, metavar="BENCH.json",
                    help="fit the step-time constants to a `kvchat bench --json` record, or with --server URL to a "

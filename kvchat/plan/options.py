@@ -55,7 +55,8 @@ def plan_config(args, **changes):
             hw = cpu_calibrated(cal.constants["bandwidth"], cal.constants["flops"], cal.sources["bandwidth"]) \
                 if key == CPU else TABLE[key]
     for flag, names, scale in (("bw_efficiency", ("bw_efficiency", "kv_bw_efficiency"), 1.0),
-                               ("flops_efficiency", ("flops_efficiency",), 1.0), ("overhead_ms", ("overhead",), 1e-3)):
+                               ("flops_efficiency", ("flops_efficiency", "attn_efficiency"), 1.0),
+                               ("overhead_ms", ("overhead",), 1e-3)):
         value = getattr(args, flag)
         if value is not None:
             for name in names:
