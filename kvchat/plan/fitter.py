@@ -11,8 +11,8 @@ settle; it starts from several FLOP rates and keeps the best.
 The unknowns, in seconds: per step, per sequence in a step, per weight byte, per matrix-product
 FLOP, per attention FLOP, per request (time before its first step that the measurement holds:
 rendering the chat, tokenising), and per KV byte for each cache dtype measured (kernels read
-an fp8 cache differently from an fp32 one: kvchat's CPU fp8 path dequantises as it reads, and
-is no faster for reading a quarter of the bytes). What the points cannot tell apart keeps its
+an fp8 cache differently from an fp32 one: kvchat's bench measures fp8 decode on the CPU no
+faster than fp32, a quarter of the bytes in the same time). What the points cannot tell apart keeps its
 prior and is named: the weights share the cache's bandwidth efficiency when every point ran the
 same weights (their bytes move in step with the fixed overhead); the per-sequence overhead
 needs steps of more than one sequence.
