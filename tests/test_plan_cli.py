@@ -97,6 +97,10 @@ CASES = [
     ("calibration-negative-constant", calibration_file({**GOOD_CAL, "constants": {**GOOD_CAL["constants"],
                                                                                    "overhead": -1}}),
      "finite numbers >= 0"),
+    ("two-modes", ["plan", "--scenario", "seeds", "--validate"], "one mode at a time"),
+    ("write-calibration-alone", ["plan", "--write-calibration", "c.json"], "goes with --calibrate"),
+    ("server-alone", ["plan", "--server", "http://127.0.0.1:1"], "goes with --validate or --calibrate"),
+    ("save-trace-into-a-missing-dir", ["plan", "--save-trace", "/no/such/dir/t.jsonl"], "does not exist"),
     ("calibrate-not-a-bench", lambda tmp: ["plan", "--calibrate", str(ROOT / "pyproject.toml")], "not valid JSON"),
 ]
 

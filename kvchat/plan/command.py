@@ -99,8 +99,17 @@ def run(args) -> int:
     from ..bench.run import output_path
     if args.list_gpus:
         return list_gpus()
+    modes = [f for f, on in (("--scenario", args.scenario is not None), ("--calibrate", args.calibrate is not None),
+                             ("--validate", args.validate)) if on]
+    if len(modes) > 1:
+        raise UsageError(f"{' and '.join(modes)}: one mode at a time")
+    if args.write_calibration and args.calibrate is None:
+        raise UsageError("--write-calibration goes with --calibrate (it saves the constants fitted)")
+    if args.server and not (args.validate or args.calibrate is not None):
+        raise UsageError("--server goes with --validate or --calibrate")
     json_path = output_path("--json", args.json)
     plot_path = output_path("--plot", args.plot, ".png")
+    save = output_path("--save-trace", args.save_trace)
     if args.calibrate is not None:
         return run_calibrate(args, output_path("--write-calibration", args.write_calibration))
     if args.scenario is not None:
@@ -109,15 +118,12 @@ def run(args) -> int:
     if args.validate:
         from .validate import run_validate
         return run_validate(args, json_path)
-    if args.server:
-        raise UsageError("--server goes with --validate or --calibrate")
     from .options import plan_config
-    cfg = plan_config(args)
     from .planner import run_plan
     from .plot import terminal, write_png
     from .report import print_report, record, write_json
+    cfg = plan_config(args)
     result = run_plan(cfg)
-    save = output_path("--save-trace", args.save_trace)
     if save is not None:
         from .workload import write_trace
         write_trace(save, result.trace, cfg.workload.describe())
