@@ -185,3 +185,14 @@ def test_plot_writes_a_png(tmp_path):
     path = tmp_path / "plan.png"
     assert main(["plan", *SMALL, "--plot", str(path), "--no-terminal-plot"]) == 0
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_cpu_row_is_this_machine_measured_and_kvchats_engine_as_it_is(tmp_path):
+    path = tmp_path / "cpu.json"
+    assert main(["plan", "--gpu", "cpu", "--model", "smollm2-135m", "--users", "2", "--turns", "1", "--reply", "8",
+                 "--json", str(path), "--no-terminal-plot"]) == 0
+    rec = json.loads(path.read_text())
+    assert rec["hardware"] == "cpu" and rec["dtype"] == "fp32"
+    assert rec["constants"]["bandwidth"]["source"].startswith("measured: this machine, now")
+    assert (rec["scheduler"]["max_seqs"], rec["scheduler"]["max_batched_tokens"]) == (1, 512)
+    assert rec["kv_bytes_per_token"] == 46_080                     # 2 x 30 x 3 x 64 x 4 B

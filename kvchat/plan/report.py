@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..text import plural
 from .planner import PlanResult, bytes_per_token_text, weights_text
 
 CANNOT_KNOW = (
@@ -29,14 +30,16 @@ def _v(x: float | None, digits: int = 2) -> str:
 def setup_lines(p: PlanResult) -> list[str]:
     c, cfg = p.costs, p.config
     g = cfg.geometry
+    today = " (kvchat's engine today: one turn at a time)" if cfg.hardware.measured and cfg.max_seqs == 1 else ""
     lines = [
         f"model     {g.name}: {g.n_layers} layers, {g.n_heads} query / {g.n_kv_heads} KV heads of {g.head_dim}; "
         f"weights {weights_text(c, cfg.dtype)}; KV {bytes_per_token_text(c, cfg.kv_dtype)}",
         f"hardware  {cfg.gpus}" + (f" (tensor parallel {cfg.tp})" if cfg.tp > 1 else ""),
         f"pool      {p.pool.bytes / 1e9:,.2f} GB = {p.pool.num_blocks:,} blocks of {p.pool.block_size} = "
         f"{p.pool.tokens:,} tokens; {p.pool.source}",
-        f"scheduler token budget {cfg.max_batched_tokens:,} per step, at most {cfg.max_seqs:,} sequences, chunked "
-        f"prefill, prefix caching {'on' if cfg.prefix_caching else 'off'}, newest-first preemption with recompute; "
+        f"scheduler token budget {cfg.max_batched_tokens:,} per step, at most {plural(cfg.max_seqs, 'sequence')} "
+        f"running{today}, chunked prefill, prefix caching {'on' if cfg.prefix_caching else 'off'}, newest-first "
+        "preemption with recompute; "
         f"longest request {p.sched.max_len:,} tokens; cap "
         f"{f'{cfg.cap:,} ({cfg.policy})' if cfg.cap else 'none'}",
         f"workload  {cfg.workload.describe() if cfg.trace is None else f'a trace of {len(p.trace.users)} users'} "
