@@ -1,4 +1,4 @@
-"""The `kvchat` command: the chat app by default, and headless `ask`, `replay`, `info`, `bench`.
+"""The `kvchat` command: the chat app by default, and headless `ask`, `replay`, `info`, `bench`, `plan`.
 
 Every bad input ends with one line on stderr naming the problem and what is accepted, and
 exit status 2; never a traceback.
@@ -51,6 +51,8 @@ def build_parser() -> Parser:
 
     from ..bench.run import add_parser as add_bench   # argparse only: the bench's heavy imports wait for run()
     add_bench(sub).set_defaults(func=cmd_bench)
+    from ..plan.command import add_parser as add_plan  # argparse only: the simulation loads in run()
+    add_plan(sub).set_defaults(func=cmd_plan)
     return p
 
 
@@ -284,6 +286,11 @@ def cmd_chat(args) -> int:
 
 def cmd_bench(args) -> int:
     from ..bench.run import run
+    return run(args)
+
+
+def cmd_plan(args) -> int:
+    from ..plan.command import run
     return run(args)
 
 
