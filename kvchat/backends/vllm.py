@@ -23,8 +23,7 @@ from collections.abc import Iterator
 from kvchat.engine.errors import KvchatError
 from kvchat.engine.geometry import DTYPE_BYTES
 from kvchat.engine.policy import make_policy
-from kvchat.engine.telemetry import (CACHED, FREE, HELD, REUSED, CacheSnapshot, PrefillEvent, ServerStats,
-                                     TokenEvent, TurnStats)
+from kvchat.engine.telemetry import CACHED, FREE, HELD, REUSED, PrefillEvent, TokenEvent, TurnStats
 
 from . import metrics as prom
 from .kv_events import KvEventSubscriber
@@ -33,6 +32,7 @@ from .protocol import (BLOCK_MAP, CACHE_TOGGLE, KV_DTYPE, RESET, SINK_WINDOW, Ba
 from .server_api import ServerApi, ServerError
 from .server_model import DTYPES
 from .server_model import ServerModel, match_geometry
+from .server_stats import ServerSnapshot, ServerStats
 
 _FINISH = {"stop": "eos", "length": "max_tokens", "abort": "cancelled"}
 EVENT_WAIT_S = 0.5   # after a turn, how long the snapshot waits for the KV events of its blocks
@@ -372,7 +372,7 @@ class VllmBackend:
         return self.events.store.chain(chat.token_ids, bs) * bs
 
     # ---- the panels -----------------------------------------------------------------------------
-    def snapshot(self, chat: VllmChat | None = None, wait_for_events: bool = False) -> CacheSnapshot:
+    def snapshot(self, chat: VllmChat | None = None, wait_for_events: bool = False) -> ServerSnapshot:
         """Scrapes /metrics; where that fails after a good start, keeps the last good scrape and
         names the failure in server.notes (the app retries on its next poll)."""
         notes: list[str] = []
@@ -428,7 +428,7 @@ class VllmBackend:
             event_batches=store.batches if store else None, event_gaps=store.gaps if store else None,
             notes=tuple(notes) + ("the map shows resident full prefix blocks by content, in no physical "
                                   "order; partial last blocks and block ids are not reported",))
-        return CacheSnapshot(
+        return ServerSnapshot(
             model=self.model.name, kv_dtype=self.kv_dtype, block_size=bs or 0, num_blocks=nb or 0,
             bytes_per_token=bpt, capacity_bytes=nb * bs * bpt if nb and bs and bpt else None,
             tokens_held=held, bytes_used=held * bpt if held is not None and bpt else None,

@@ -99,7 +99,7 @@ def relay(events: Iterable, snapshot: Callable[[], CacheSnapshot], emit: Callabl
             continue
         if isinstance(ev, TokenEvent):
             text.append(ev.text)
-            if ev.token_id >= 0:
+            if ev.token_id is None or ev.token_id >= 0:     # -1: a text tail, not a token
                 generated += 1
                 points.append((ev.position, ev.latency_ms))
         if clock() - last >= max(interval(), SNAPSHOT_SHARE * cost):

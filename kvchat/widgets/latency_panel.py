@@ -39,7 +39,7 @@ def nice_ticks(lo: float, hi: float, most: int = 5) -> list[float]:
     mag = 10 ** math.floor(math.log10(raw))
     step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
     first = math.ceil(lo / step - 1e-9) * step
-    ticks = []
+    ticks: list[float] = []
     while first + len(ticks) * step <= hi + 1e-9 * step:
         ticks.append(first + len(ticks) * step)
     return ticks
@@ -73,6 +73,11 @@ def tick_labels(ticks: list[float]) -> list[str]:
     step = ticks[1] - ticks[0] if len(ticks) > 1 else 1.0
     decimals = max(0, -math.floor(math.log10(step) + 1e-9)) if step < 1 else (1 if step % 1 else 0)
     return [f"{t:,.{decimals}f}" for t in ticks]
+
+
+def _tokens(n: int | None) -> str:
+    """A token count for the turn table; a dash where the backend did not report it."""
+    return f"{n:,}" if n is not None else "—"
 
 
 def _series_order(key: Key) -> tuple[int, int, str]:
@@ -228,12 +233,14 @@ class LatencyPanel(Panel, Vertical):
         if not self.data.turns:
             return Text("no turns yet", style="dim")
         heads = ["turn", "TTFT", "reused", "computed", "KV"]
-        rows, shares = [], []
+        rows: list[list[str]] = []
+        shares: list[float | None] = []
         for s in self.data.turns[-TURNS_SHOWN:]:
             f = lambda name, default=0: turn_field(s, name, default)  # noqa: E731
-            rows.append([str(f("turn")), duration(f("ttft_ms")), f"{f('reused_tokens'):,}",
-                         f"{f('computed_tokens'):,}", "off" if f("mode") == "off" else f("kv_dtype", "")])
-            shares.append(f("reused_tokens") / max(f("prompt_tokens"), 1))
+            reused, computed = f("reused_tokens"), f("computed_tokens")     # None: the backend cannot tell
+            rows.append([str(f("turn")), duration(f("ttft_ms")), _tokens(reused), _tokens(computed),
+                         "off" if f("mode") == "off" else f("kv_dtype", "")])
+            shares.append(reused / max(f("prompt_tokens"), 1) if reused is not None else None)
         width = self.content_region.width or self._width     # hidden: the width it had
         cols = [0, 1, 2, 3, 4]
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(heads)]
@@ -251,7 +258,12 @@ class LatencyPanel(Panel, Vertical):
         if bar_w:
             t.add_column("", no_wrap=True)
         for row, share in zip(rows, shares):
-            r = round(bar_w * share)
-            bar = [Text("█" * r, style="green") + Text("█" * (bar_w - r), style="yellow")] if bar_w else []
+            if not bar_w:
+                bar = []
+            elif share is None:
+                bar = [Text("░" * bar_w, style="dim")]
+            else:
+                r = round(bar_w * share)
+                bar = [Text("█" * r, style="green") + Text("█" * (bar_w - r), style="yellow")]
             t.add_row(*(row[i] for i in cols), *bar)
         return t

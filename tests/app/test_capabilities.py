@@ -86,3 +86,23 @@ async def test_a_fixed_kv_dtype_says_so_when_the_backend_does_not_say_why(runnin
         await pilot.pause()
         assert last_notice(app).text == "not with this backend: its KV dtype is fixed, not bf16"
         assert app.query_one(CachePanel).snapshot.kv_dtype == "fp32"
+
+
+async def test_turns_without_a_reuse_count_show_it_as_not_reported_and_the_app_goes_on(running_app):
+    """A vLLM server without --enable-prompt-tokens-details reports no cached-token count:
+    the turn's reused and computed tokens are None. The stats line, the latency panel's turn
+    table and the saved record say so, and the next turn runs (issue 27 item 6: this crashed
+    the turn table's number format)."""
+    from kvchat.widgets import LatencyPanel, Reply
+    async with running_app(FakeBackend(FakeConfig(reports_reuse=False))) as (app, pilot):
+        await send(pilot, "hello")
+        await send(pilot, "and again")
+        turns = app.view.turns
+        assert len(turns) == 2 and all(t.reused_tokens is None and t.computed_tokens is None for t in turns)
+        assert "reused_tokens" in turns[-1].unavailable
+        stats = app.query(Reply).last().query_one(".stats").render().plain
+        assert "prompt " in stats and "reuse not reported" in stats and "None" not in stats
+        table = str(app.query_one("#latency-turns").render())
+        text = screen_text(app)
+        assert "None" not in text and "None" not in table
+        assert app.query_one(LatencyPanel).data.turns[-1].reused_tokens is None
