@@ -63,6 +63,9 @@ KEYS: tuple[Key, ...] = (
 )
 KEY_IDS = tuple(k.id for k in KEYS)
 
+# the telemetry panels by name, in tab and cycle order: the tabs' labels and what /panel takes
+PANELS = ("cache", "cap", "blocks", "latency")
+
 
 def bindings() -> list[Binding]:
     """Priority bindings, so they work while the input has focus. Each runs the app's one

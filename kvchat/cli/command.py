@@ -320,24 +320,11 @@ def main(argv: list[str] | None = None) -> int:
         print("kvchat: interrupted", file=sys.stderr)
         return 130
     except Exception as err:   # a bug: one line here, the traceback in the error log
-        where = _log_error()
+        from ..store.errors import log_error
+        where = log_error(err)
         print(f"kvchat: internal error ({type(err).__name__}: {' '.join(str(err).split())[:200]}); "
               f"details in {where}", file=sys.stderr)
         return 1
-
-
-def _log_error() -> str:
-    import traceback
-
-    from ..store.log import data_dir
-    try:
-        path = data_dir() / "errors.log"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a", encoding="utf-8") as fh:
-            fh.write(traceback.format_exc() + "\n")
-        return str(path)
-    except OSError:
-        return "nowhere (the error log could not be written)"
 
 
 if __name__ == "__main__":

@@ -14,11 +14,11 @@ from textual.containers import Vertical
 from textual.widgets import Static
 from textual_plotext import PlotextPlot
 
-from ..latency import MODES, Fit, Key, LatencyData, Turn, fit_slope, series_label, turn_field
+from ..latency import MODES, Fit, Key, LatencyData, Turn, series_label, turn_field
 from ..text import duration
 from .panel import Panel
 
-__all__ = ["LatencyPanel", "fit_slope", "nice_ticks"]
+__all__ = ["LatencyPanel", "nice_ticks"]
 
 MAX_PLOTTED = 600      # points drawn; the fit uses all of them
 REDRAW_S = 1.0         # during a turn the plot is redrawn at most this often
