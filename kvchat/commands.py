@@ -19,6 +19,9 @@ from .keys import PANELS
 from .store.files import FileRefused, read_text
 
 MAX_LOAD_BYTES = 1 << 20
+# what runs before the model has loaded, by key id and command name: the App's help, themes and
+# quitting, and the panels' layout; everything else acts on a conversation and waits for it
+BEFORE_LOAD = frozenset({"help", "quit", "theme", "panel", "toggle_panels", "next_panel"})
 
 
 class CommandError(Exception):

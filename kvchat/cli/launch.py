@@ -14,7 +14,7 @@ from ..app import theming
 from .args import UsageError
 from ..app.shell import AppOptions, KvChatApp
 from ..store.catalog import resume_paths
-from ..chat.view import ChatOptions
+from ..chat.session import ChatOptions
 from ..store.settings import SettingsError
 from ..store.log import StoreError, lock_holder, restore
 

@@ -91,8 +91,8 @@ def _colours(key: Key) -> tuple[str, str]:
 
 class LatencyPanel(Panel, Vertical):
     """Draws one conversation's LatencyData (`attach` switches to another conversation's);
-    `add_points` during a turn, `end_turn` swaps the live points for the exact ones. While
-    hidden it only keeps the data: the plot is the costliest thing on the screen to draw."""
+    whoever changes the data says so (`changed`). While hidden it only owes the draw: the
+    plot is the costliest thing on the screen to draw."""
 
     DEFAULT_CSS = """
     LatencyPanel { height: auto; border: round $primary 50%; padding: 0 1; }
@@ -144,23 +144,12 @@ class LatencyPanel(Panel, Vertical):
             self.data = data
             self._redraw()
 
-    def begin_turn(self, mode: str, kv_dtype: str | None = None, policy: str | None = None,
-                   cap: int | None = None) -> None:
-        self.data.begin_turn(mode, kv_dtype, policy, cap)
-
-    def add_points(self, points: tuple[tuple[int, float], ...]) -> None:
-        if points:
-            self.data.add_points(points)
-            if time.monotonic() - self._drawn_at >= REDRAW_S:
-                self._redraw(table=False)
-
-    def end_turn(self, summary: Turn | None) -> None:
-        self.data.end_turn(summary)
-        self._redraw()
-
-    def add_turn(self, summary: Turn) -> None:
-        self.data.add_turn(summary)
-        self._redraw()
+    def changed(self, live: bool = False) -> None:
+        """The data changed: a turn's live points redraw the plot at most every REDRAW_S (the
+        turn table waits for the turn's end); anything else redraws it all."""
+        if live and time.monotonic() - self._drawn_at < REDRAW_S:
+            return
+        self._redraw(table=not live)
 
     def draw(self) -> None:
         self._redraw()

@@ -80,7 +80,7 @@ def test_the_worker_waits_for_each_batch_to_be_drawn_before_its_next_step(monkey
     import threading
     import types
 
-    from kvchat.chat import jobs
+    from kvchat.chat import worker
     from kvchat.engine.sampler import SamplingParams
 
     chat = FakeBackend().open()
@@ -97,11 +97,10 @@ def test_the_worker_waits_for_each_batch_to_be_drawn_before_its_next_step(monkey
             threading.Timer(0.05, msg.drawn.set).start()   # the UI draws it a little later
         return True
     log = types.SimpleNamespace(sync=lambda *a: None, turn=lambda *a: None)
-    view = types.SimpleNamespace(chat=types.SimpleNamespace(send=send, state=chat.state), conversation_log=log,
-                                 post_message=post_message)
-    turn = types.SimpleNamespace(view=view, text="hi", cancel=threading.Event(), prefilled=False)
-    monkeypatch.setattr(jobs, "TurnProgress", lambda t, p, f: types.SimpleNamespace(drawn=threading.Event()))
-    monkeypatch.setattr(jobs, "TurnEnded", lambda *a, **k: object())
-    jobs.run_turn(turn, types.SimpleNamespace(snapshot=lambda chat: None), SamplingParams(), lambda: view,
-                  lambda: 0.0)
+    session = types.SimpleNamespace(chat=types.SimpleNamespace(send=send, state=chat.state), log=log)
+    turn = types.SimpleNamespace(text="hi", cancel=threading.Event(), prefilled=False)
+    monkeypatch.setattr(worker, "TurnProgress", lambda t, s, p, f: types.SimpleNamespace(drawn=threading.Event()))
+    monkeypatch.setattr(worker, "TurnEnded", lambda *a, **k: object())
+    worker.run_turn(turn, session, types.SimpleNamespace(snapshot=lambda chat: None), SamplingParams(),
+                    lambda: session, lambda: 0.0, post_message)
     assert len(posted) > 2 and undrawn_at_step and max(undrawn_at_step) == 0
