@@ -16,6 +16,8 @@ from kvchat.engine.units import human_bytes, parse_bytes
 if TYPE_CHECKING:
     from kvchat.engine.telemetry import PrefillProgress, TurnSummary
 
+RANDOM_WEIGHTS = ("random weights (--random-weights): the text is gibberish by design; the cache, its blocks "
+                  "and the latency are real")
 SLOW_MS = 10_000.0      # durations from here on read in seconds
 BAR = 20        # the prefill bar's cells
 NO_BUDGET = "give --kv-budget to compare it with a budget"

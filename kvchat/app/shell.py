@@ -19,6 +19,7 @@ from kvchat.engine.errors import KvchatError
 
 from .. import keys
 from ..backends.protocol import Backend
+from ..chat.jobs import Busy
 from ..chat.messages import AppCommand, BackendFailed, BackendReady
 from ..chat.screen import ChatScreen
 from ..chat.worker import one_line
@@ -115,11 +116,19 @@ class KvChatApp(App[int], inherit_bindings=False):
         self.action_command_palette()
 
     def action_quit(self) -> None:
-        """Let the reply in progress end (so it is saved), then exit."""
-        if self.chat_screen.wind_down():
+        """Let the reply in progress end (so it is saved), then exit: the jobs that wait are
+        dropped, the reply in progress stops, and the chat screen exits once its job ends. A
+        load cannot be interrupted: the process ends after it."""
+        screen, jobs = self.chat_screen, self.chat_screen.jobs
+        screen.quitting = True
+        jobs.clear()
+        if jobs.busy in (None, Busy.LOAD):
             self.exit()
-        else:
-            self.set_timer(10, self.exit)    # a stuck job must not keep the app open
+            return
+        if jobs.replying is not None:
+            jobs.replying.cancel.set()
+        screen.panels.status("quitting…")
+        self.set_timer(10, self.exit)    # a stuck job must not keep the app open
 
     def on_app_command(self, msg: AppCommand) -> None:
         """/help, /theme NAME, /quit, typed in the chat."""

@@ -119,6 +119,22 @@ class Browser:
                              f"{self.host.keymap['next_conversation']} switches")
         self.conversations.refresh_bar()
 
+    async def resume(self, view: ChatView, restored: Restored) -> None:
+        """--resume: the first conversation, restored, says so."""
+        session = view.session
+        if session is None:
+            return
+        await view.show_history(list(session.state.messages), session.turns)
+        view.add_notice(f"resumed {restored.path.name}: {plural(len(restored.turns), 'turn')}; the cache "
+                        "is empty, so the next turn prefills the whole history")
+        if restored.skipped:
+            view.add_notice(f"{plural(restored.skipped, 'damaged record')} of {restored.path.name} skipped "
+                            "(a torn line or a hand edit); the rest is restored", error=True)
+        if restored.unanswered:
+            self.host.input.restore(restored.unanswered)
+            view.add_notice("your last message got no reply; it is back in the input")
+        await self.resumed(view, restored, history=False)
+
     async def resumed(self, view: ChatView, restored: Restored, history: bool = True) -> None:
         """A reopened conversation's transcript, its notes, and its latency series."""
         session = view.session

@@ -11,18 +11,25 @@ mid-reply. A key or command for something this backend cannot do says why, in on
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
+from typing import Any
 
 from kvchat.engine.errors import KvchatError
 from kvchat.engine.policy import POLICIES
 from kvchat.engine.units import human_bytes
 
 from ..backends.protocol import CACHE_TOGGLE, KV_DTYPE, REGENERATE, RESET, SINK_WINDOW
-from ..commands import CommandError, read_message_file, token_count
+from ..commands import Command, CommandError, read_message_file, token_count
 from ..screens import PolicyPicker
 from ..screens.model_info import ModelInfoScreen
 from ..store.log import export
 from ..text import what_if_command
+from .browser import Browser
+from .conversations import Conversations
+from .editing import Editor
+from .generation import Generation
 from .host import Host
 from .jobs import RunningTurn
 
@@ -43,8 +50,34 @@ def next_cap(cap: int | None, max_position: int | None, up: bool) -> int | None:
 
 
 class Controls:
-    def __init__(self, host: Host) -> None:
+    def __init__(self, host: Host, conversations: Conversations, browser: Browser, editor: Editor,
+                 generation: Generation) -> None:
         self.host = host
+        self.conversations = conversations
+        self.commands = self._commands(conversations, browser, editor, generation)
+
+    def run(self, cmd: Command) -> None:
+        """A slash command of commands.COMMANDS (the App's own go up to it before this)."""
+        if cmd.name not in self.commands:   # a command in COMMANDS without a handler here is a bug
+            raise KvchatError(f"/{cmd.name} has no handler")
+        self.commands[cmd.name](cmd.arg)
+
+    def _commands(self, convs: Conversations, browser: Browser, editor: Editor,
+                  gen: Generation) -> dict[str, Callable[[Any], object]]:
+        """What each command does with its argument; built once."""
+        host = self.host
+        return {
+            "reset": lambda _: self.reset_cache(), "cap": self.set_cap, "policy": self.set_policy,
+            "load": self.load, "save": self.save_to, "save!": lambda path: self.save_to(path, overwrite=True),
+            "cache": lambda on: self.set_mode("cache" if on == "on" else "off"), "kv": self.set_kv_dtype,
+            "panel": lambda name: host.panels.switcher.toggle_panel(name),
+            "new": lambda _: host.call_later(convs.new), "switch": convs.switch, "close": convs.close,
+            "list": lambda _: convs.list(), "regen": lambda _: self.regenerate(), "chats": lambda _: browser.show(),
+            "edit": lambda arg: editor.cancel() if arg == "off" else editor.start(arg),
+            "system": gen.set_system, "temperature": partial(gen.set, "temperature"),
+            "top-p": partial(gen.set, "top_p"), "seed": partial(gen.set, "seed"),
+            "model": lambda _: self.model_info(), "copy": host.copy, "whatif": lambda arg: self.what_if(*arg),
+        }
 
     def can(self, capability: str) -> bool:
         """Whether the backend can; if not, the focused transcript says why."""
@@ -150,7 +183,7 @@ class Controls:
             what = f"it rebuilds its cache in {', '.join(offered)}" if offered else "its KV dtype is fixed"
             host.notice(f"not with this backend: {what}, not {kv}", error=True)
             return
-        backend, sessions, session = host.backend, host.sessions, host.session
+        backend, sessions, session = host.backend, self.conversations.sessions, host.session
 
         def run() -> str:
             now = backend.set_kv_dtype(kv)

@@ -15,6 +15,7 @@ from kvchat.engine.errors import KvchatError
 from kvchat.engine.sampler import SamplingParams
 
 from ..text import plural
+from .conversations import Conversations
 from .host import Host
 
 
@@ -30,15 +31,16 @@ def describe(sp: SamplingParams) -> str:
 
 
 class Generation:
-    def __init__(self, host: Host, sampling: SamplingParams) -> None:
+    def __init__(self, host: Host, conversations: Conversations, sampling: SamplingParams) -> None:
         self.host = host
+        self.conversations = conversations
         self.sampling = sampling          # the screen's own: each turn reads it when it starts
 
     def set_system(self, text: str) -> None:
         host, session = self.host, self.host.session
         tokens = host.backend.count_tokens(text) if text else 0
         old = session.state.system
-        others = len(host.sessions) > 1
+        others = len(self.conversations.views) > 1
 
         def run() -> str:
             session.chat.set_system(text or None)

@@ -36,9 +36,6 @@ class Host(Protocol):
     def session(self) -> Session: ...           # its Session (the chat keys and commands wait for it)
 
     @property
-    def sessions(self) -> list[Session]: ...    # every open conversation's
-
-    @property
     def transcripts(self) -> ContentSwitcher: ...   # the open conversations' ChatViews
 
     @property
@@ -56,6 +53,8 @@ class Host(Protocol):
     def settings_changed(self, note: str) -> None: ...   # a setting of the focused one changed: say so
 
     def dialog(self, screen: Screen[R], chosen: Callable[[R | None], None] | None) -> None: ...
+
+    def copy(self, what: str) -> None: ...      # the last reply ("reply") or its last code block ("code")
 
     def send(self, text: str, shown: str | None = None, typed: str | None = None) -> None: ...
 

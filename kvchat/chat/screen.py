@@ -1,25 +1,25 @@
 """The chat screen: the conversations on the left, the KV cache's telemetry on the right.
 
 It owns what a chat is made of: the open conversations (their Sessions and ChatViews,
-conversations.py), the job queue that runs their turns and operations one at a time
-(jobs.py, worker.py), and the panels that draw the one in focus (panels.py). Its keys are
-actions by id (keys.py); each is one line handing the work to the part that owns the state
-(controls.py, conversations.py, browser.py, editing.py, generation.py). The App above it
-keeps settings, themes, the keymap, the backend's load and quitting.
+conversations.py), the job queue that runs their turns and operations one at a time (jobs.py,
+worker.py) and the panels that draw the one in focus (panels.py). Each key is an action by
+its id (keys.py), one line handing the work to the part that acts on the state (controls.py,
+conversations.py, browser.py, editing.py). The App above keeps settings, themes, the keymap,
+the backend's load and quitting.
 
 Threads: the UI thread owns every widget. Each turn, and each operation that may block, runs
-in a thread worker and reports back only through messages (messages.py), which this screen
-handles: it updates the turn's Session, has the ChatView draw the text, then the panels. A
-turn holds the backend from its prefill to its last token, so the UI thread calls only what
-never waits on it (`state()`, `info()`, set_cap); snapshots are taken by the worker, at most
-a few times a second (relay.py), of the conversation in focus at that moment.
+in a thread worker and reports back only through messages (messages.py), handled here: the
+turn's Session first, then its ChatView draws the text, then the panels. A turn holds the
+backend from its prefill to its last token, so the UI thread calls only what never waits on
+it (`state()`, `info()`, set_cap); the worker takes the snapshots, of the conversation in
+focus at that moment, at most a few times a second (relay.py).
 """
 from __future__ import annotations
 
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from textual import events
 from textual.app import ComposeResult
@@ -36,7 +36,7 @@ from .. import keys
 from ..backends.protocol import Backend
 from ..commands import BEFORE_LOAD, Command, CommandError, message_text, parse
 from ..store.log import Restored
-from ..text import plural, prefill_line
+from ..text import RANDOM_WEIGHTS, prefill_line
 from ..widgets import ChatInput, ConversationBar, PanelSwitcher, StatusBar
 from ..widgets.layout import layout_for
 from .browser import Browser
@@ -55,8 +55,6 @@ from .view import ChatView
 from .worker import run_op, run_turn
 
 R = TypeVar("R")
-RANDOM_WEIGHTS = ("random weights (--random-weights): the text is gibberish by design; the cache, its blocks "
-                  "and the latency are real")
 APP_KEYS = frozenset(k.id for k in keys.KEYS if k.app)    # /help, /theme, /quit: the App's, as their keys are
 
 
@@ -76,14 +74,13 @@ class ChatScreen(Screen[None]):
         self.jobs = JobQueue()
         self.governor = Governor()
         self.conversations = Conversations(self, data_root)
-        self.controls = Controls(self)
         self.browser = Browser(self, self.conversations, data_root)
         self.editor = Editor(self)
-        self.generation = Generation(self, sampling)
+        self.generation = Generation(self, self.conversations, sampling)
+        self.controls = Controls(self, self.conversations, self.browser, self.editor, self.generation)
         self.conversations.on_change = self.browser.remember
         self.closing = False        # the app exits: worker messages still queued are dropped
-        self.quitting = False       # the app exits once the job in progress ends
-        self.commands = self._commands()
+        self.quitting = False       # the app exits once the job in progress ends (App.action_quit)
         self.panels = Panels(self)
         self.draft: DraftCounter
 
@@ -128,10 +125,6 @@ class ChatScreen(Screen[None]):
         if session is None:
             raise RuntimeError("no conversation before the model loads (the chat keys and commands wait for it)")
         return session
-
-    @property
-    def sessions(self) -> list[Session]:
-        return self.conversations.sessions
 
     @property
     def transcripts(self) -> ContentSwitcher:
@@ -182,6 +175,7 @@ class ChatScreen(Screen[None]):
         self.app.push_screen(screen, chosen)
 
     def copy(self, what: str) -> None:
+        """/copy, ctrl+y, ctrl+g: the last reply, or its last code block, to the clipboard."""
         text, line = to_copy(self.view, what)
         if text is None:
             self.notice(line, error=True)
@@ -207,16 +201,7 @@ class ChatScreen(Screen[None]):
         self.conversations.focused = view
         await self.query_one("#loading").remove()
         if restored is not None:
-            await view.show_history(list(session.state.messages), session.turns)
-            view.add_notice(f"resumed {restored.path.name}: {plural(len(restored.turns), 'turn')}; the cache "
-                            "is empty, so the next turn prefills the whole history")
-            if restored.skipped:
-                view.add_notice(f"{plural(restored.skipped, 'damaged record')} of {restored.path.name} skipped "
-                                "(a torn line or a hand edit); the rest is restored", error=True)
-            if restored.unanswered:
-                self.input.restore(restored.unanswered)
-                view.add_notice("your last message got no reply; it is back in the input")
-            await self.browser.resumed(view, restored, history=False)
+            await self.browser.resume(view, restored)
         info = backend.info()
         view.add_notice(f"{info.model} loaded in {seconds:.0f} s; F1 shows the keys")
         if info.random_weights:
@@ -251,24 +236,7 @@ class ChatScreen(Screen[None]):
         elif cmd.name in APP_KEYS:
             self.post_message(AppCommand(cmd))
         else:
-            self.commands[cmd.name](cmd.arg)
-
-    def _commands(self) -> dict[str, Callable[[Any], object]]:
-        """What each slash command of commands.COMMANDS does with its argument (the App's own,
-        APP_KEYS, go up to it)."""
-        c, convs, gen = self.controls, self.conversations, self.generation
-        return {
-            "reset": lambda _: c.reset_cache(), "cap": c.set_cap, "policy": c.set_policy, "load": c.load,
-            "save": c.save_to, "save!": lambda path: c.save_to(path, overwrite=True),
-            "cache": lambda on: c.set_mode("cache" if on == "on" else "off"), "kv": c.set_kv_dtype,
-            "panel": lambda name: self.panels.switcher.toggle_panel(name), "new": lambda _: self.call_later(convs.new), "switch": convs.switch,
-            "close": convs.close, "list": lambda _: convs.list(), "regen": lambda _: c.regenerate(),
-            "chats": lambda _: self.browser.show(),
-            "edit": lambda arg: self.editor.cancel() if arg == "off" else self.editor.start(arg),
-            "system": gen.set_system, "temperature": partial(gen.set, "temperature"),
-            "top-p": partial(gen.set, "top_p"), "seed": partial(gen.set, "seed"),
-            "model": lambda _: c.model_info(), "copy": self.copy, "whatif": lambda arg: c.what_if(*arg),
-        }
+            self.controls.run(cmd)
 
     def on_key(self, event: events.Key) -> None:
         """A character typed while another widget has focus (the transcript, a panel, a code
@@ -384,16 +352,12 @@ class ChatScreen(Screen[None]):
         self.jobs.submit(Op(label, run, then, focus))
         self._start_next()
 
-    def _focused(self) -> Session:
-        """For the workers: the conversation in focus when they take a snapshot."""
-        return self.session
-
     def _start_next(self) -> None:
         job = self.jobs.next()
         if isinstance(job, Op):
             self.panels.status(f"{job.label}…")
-            self.call_later(self.run_worker, partial(run_op, job, self.backend, self._focused, self.post_message),
-                            thread=True, group="op", exit_on_error=False)
+            self.call_later(self.run_worker, partial(run_op, job, self.backend, lambda: self.session,
+                                                     self.post_message), thread=True, group="op", exit_on_error=False)
         elif job is not None:
             self.call_later(self._start_turn, job)
 
@@ -407,8 +371,8 @@ class ChatScreen(Screen[None]):
         self.panels.status("prefilling…")
         self.conversations.refresh_bar()
         self.governor.begin()
-        self.run_worker(partial(run_turn, turn, session, self.backend, self.generation.sampling, self._focused,
-                                lambda: self.governor.interval, self.post_message),
+        self.run_worker(partial(run_turn, turn, session, self.backend, self.generation.sampling,
+                                lambda: self.session, lambda: self.governor.interval, self.post_message),
                         thread=True, group="turn", exit_on_error=False)
 
     async def on_turn_progress(self, msg: TurnProgress) -> None:
@@ -459,7 +423,7 @@ class ChatScreen(Screen[None]):
             result = msg.then()
             if result is not None:
                 await result
-        for session in self.sessions:
+        for session in self.conversations.sessions:
             session.refresh()
         if msg.snapshot is not None:
             self.keep_snapshot(msg.focus, msg.snapshot)
@@ -484,17 +448,3 @@ class ChatScreen(Screen[None]):
             self.app.exit()
             return
         self._start_next()
-
-    def wind_down(self) -> bool:
-        """Quitting: drop the jobs that wait and stop the reply in progress (it is saved as it
-        stops); the app exits once the job in progress ends. True: nothing runs (a load
-        cannot be interrupted: the process ends after it), exit now."""
-        self.quitting = True
-        self.jobs.clear()
-        if self.jobs.busy in (None, Busy.LOAD):
-            return True
-        running = self.jobs.replying
-        if running is not None:
-            running.cancel.set()
-        self.panels.status("quitting…")
-        return False
