@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from textual.binding import Binding
+from textual.binding import Binding, BindingType
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,7 +73,7 @@ KEY_IDS = tuple(k.id for k in KEYS)
 PANELS = ("cache", "cap", "blocks", "latency")
 
 
-def bindings() -> list[Binding]:
+def bindings() -> list[BindingType]:
     """The chat screen's bindings, in the table's order (the footer's): priority bindings, so
     they work while the input has focus, each bound by its id, so the settings file rebinds it
     through Textual's keymap (`App.set_keymap`). A dialog on top takes the keys: its screen

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from rich.console import RenderableType
 from textual.app import App
 
 from kvchat.engine.errors import KvchatError
@@ -71,9 +72,9 @@ class KvChatApp(App[int], inherit_bindings=False):
         self._load_timer = self.set_interval(0.1, self._loading_tick)
         self.run_worker(self._load, thread=True, group="load", exit_on_error=False)
 
-    def exit(self, *args, **kwargs) -> None:   # type: ignore[no-untyped-def]   (App.exit's own signature)
+    def exit(self, result: int | None = None, return_code: int = 0, message: RenderableType | None = None) -> None:
         self.chat_screen.closing = True     # worker messages still in the queue are dropped from now on
-        super().exit(*args, **kwargs)
+        super().exit(result, return_code, message)
 
     def keymap(self) -> dict[str, str]:
         return {k.id: self.settings.keys.get(k.id, k.keys) for k in keys.KEYS}
@@ -115,7 +116,7 @@ class KvChatApp(App[int], inherit_bindings=False):
     def action_palette(self) -> None:
         self.action_command_palette()
 
-    def action_quit(self) -> None:
+    async def action_quit(self) -> None:
         """Let the reply in progress end (so it is saved), then exit: the jobs that wait are
         dropped, the reply in progress stops, and the chat screen exits once its job ends. A
         load cannot be interrupted: the process ends after it."""
@@ -130,7 +131,7 @@ class KvChatApp(App[int], inherit_bindings=False):
         screen.panels.status("quitting…")
         self.set_timer(10, self.exit)    # a stuck job must not keep the app open
 
-    def on_app_command(self, msg: AppCommand) -> None:
+    async def on_app_command(self, msg: AppCommand) -> None:
         """/help, /theme NAME, /quit, typed in the chat."""
         name = msg.command.name
         if name == "theme":
@@ -138,7 +139,7 @@ class KvChatApp(App[int], inherit_bindings=False):
         elif name == "help":
             self.action_help()
         elif name == "quit":
-            self.action_quit()
+            await self.action_quit()
 
     # ---- loading ----------------------------------------------------------------------------------
     def _loading_tick(self) -> None:

@@ -87,14 +87,14 @@ class Browser:
             self.host.run_op(f"reopen {path.name}", read_the_cache, then=lambda: self._open(restored),
                              interrupt=False)
 
-    async def _open(self, restored: Restored, focus: bool = True) -> ChatView | None:
+    async def _open(self, restored: Restored, focus: bool = True) -> None:
         host, convs = self.host, self.conversations
         number = convs.number()
         try:
             session = Session.open(host.backend, number, host.session.options(), self.data_root, restored)
         except (KvchatError, OSError) as err:
             host.notice(f"cannot reopen {restored.path.name}: {err}", error=True)
-            return None
+            return
         view = ChatView(number)
         await convs.add(view, session)
         await self.resumed(view, restored)
@@ -102,7 +102,6 @@ class Browser:
             convs.switch_to(view, fresh=False)
             host.run_op("read the cache", read_the_cache, interrupt=False)
         self.remember()
-        return view
 
     async def reopen_all(self, paths: list[Path]) -> None:
         """--resume: reopen the other conversations open at the last quit, behind the focused one."""

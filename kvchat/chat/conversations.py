@@ -71,9 +71,12 @@ class Conversations:
         # from the reply's worker too: a log that cannot be written is one line in its
         # transcript, and the turn goes on (the log keeps its records in memory)
         post = self.host.post_message
-        session.log.on_error = lambda line: post(LogFailed(session, line))
+
+        def failed(line: str) -> None:
+            post(LogFailed(session, line))
+        session.log.on_error = failed
         if session.log.error:
-            post(LogFailed(session, session.log.error))
+            failed(session.log.error)
         if not view.is_attached:
             view.display = False
             await self.host.transcripts.mount(view)

@@ -10,6 +10,7 @@ differs, and a seeded sample repeats.
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from kvchat.engine.errors import KvchatError
 from kvchat.engine.sampler import SamplingParams
@@ -55,7 +56,7 @@ class Generation:
 
     def set(self, name: str, value: float | None) -> None:
         """A new temperature, top_p or seed; validated by SamplingParams."""
-        changes = {name: value}
+        changes: dict[str, Any] = {name: value}     # SamplingParams checks the name and the value
         try:
             new = replace(self.sampling, **changes)
         except KvchatError as err:

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 from kvchat.engine.telemetry import CacheSnapshot, PrefillEvent, PrefillProgress, TokenEvent, TurnStats
 
+from ..backends.protocol import Event
+
 INTERVAL_S = 0.125          # ~8 updates a second at most
 MAX_INTERVAL_S = 1.0        # and at least one a second
 SNAPSHOT_SHARE = 50         # snapshot time <= 2% of the turn
@@ -62,7 +64,7 @@ class Governor:
         self._cpu0, self._wall0 = cpu, now
 
 
-def relay(events: Iterable, snapshot: Callable[[], CacheSnapshot], emit: Callable[[Progress], None],
+def relay(events: Iterable[Event], snapshot: Callable[[], CacheSnapshot], emit: Callable[[Progress], None],
           interval: Callable[[], float] = lambda: INTERVAL_S,
           clock: Callable[[], float] = time.perf_counter) -> TurnStats | None:
     """Consume a turn's events, emitting batched Progress; returns the TurnStats (None if

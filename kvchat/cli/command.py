@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from .args import (Parser, UsageError, add_cap_args, add_model_args, add_sampling_args, check_start, engine_config, positive_int, sampling, utf8_text)
 from ..store.files import FileRefused, read_text
@@ -90,7 +91,7 @@ def check_server_flags(args) -> bool:
 
 
 def run_turn(chat, text: str, sp, stream) -> dict:
-    from kvchat.engine import TokenEvent, TurnStats
+    from kvchat.engine import KvchatError, TokenEvent, TurnStats
     stats = None
     for ev in chat.send(text, sp):
         if isinstance(ev, TokenEvent) and stream is not None:
@@ -100,6 +101,8 @@ def run_turn(chat, text: str, sp, stream) -> dict:
             stats = ev
     if stream is not None:
         stream.write("\n")
+    if stats is None:
+        raise KvchatError("the backend ended the turn without its stats")
     return stats.summary()
 
 
@@ -203,7 +206,7 @@ def cmd_info(args) -> int:
     per_token = g.kv_bytes_per_token(kv)
     budget = parse_bytes(args.kv_budget) if args.kv_budget else None
     reads = step_reads(g, dtype, kv, g.max_position)
-    out = {"model": src.name, "n_layers": g.n_layers, "hidden": g.hidden, "n_heads": g.n_heads,
+    out: dict[str, Any] = {"model": src.name, "n_layers": g.n_layers, "hidden": g.hidden, "n_heads": g.n_heads,
            "n_kv_heads": g.n_kv_heads, "head_dim": g.head_dim, "intermediate": g.intermediate,
            "vocab_size": g.vocab_size, "max_position": g.max_position, "kv_dtype": kv,
            "kv_bytes_per_token": per_token, "formula": g.formula(kv), "params": g.param_count(),
@@ -251,7 +254,7 @@ def server_info(args) -> int:
     finally:
         backend.shutdown()
     g = info.geometry
-    out = {"model": info.model, "server": info.device, "max_position": info.max_position, "dtype": info.dtype,
+    out: dict[str, Any] = {"model": info.model, "server": info.device, "max_position": info.max_position, "dtype": info.dtype,
            "kv_dtype": info.kv_dtype, "kv_bytes_per_token": info.bytes_per_token,
            "formula": g.formula(info.kv_dtype) if g is not None and info.bytes_per_token else None,
            "geometry_source": backend.geometry_source, "block_size": cache.block_size,
