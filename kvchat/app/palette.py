@@ -11,17 +11,30 @@ from typing import Any, Protocol, runtime_checkable
 from textual.binding import Binding
 from textual.command import DiscoveryHit, Hit, Hits, Provider
 
-from ..chat.screen import ChatScreen
 from ..commands import COMMANDS, RAW, Command, CommandError
 from ..keys import KEYS
+from ..widgets.chat_input import ChatInput
 from .theming import ThemeFile
+
+
+class ChatSide(Protocol):
+    """The chat screen as the palette sees it: where its actions and commands run."""
+    @property
+    def input(self) -> ChatInput: ...
+
+    def run_command(self, cmd: Command) -> None: ...
+
+    async def run_action(self, action: str) -> None: ...
 
 
 @runtime_checkable
 class KvChatApp(Protocol):
     """The App as the palette sees it (app/shell.py's, which imports this module)."""
-    chat_screen: ChatScreen
-    themes: dict[str, ThemeFile]
+    @property
+    def chat_screen(self) -> ChatSide: ...
+
+    @property
+    def themes(self) -> dict[str, ThemeFile]: ...
 
     def keymap(self) -> dict[str, str]: ...
 

@@ -25,7 +25,7 @@ from ..chat.messages import AppCommand, BackendFailed, BackendReady
 from ..chat.screen import ChatScreen
 from ..chat.worker import one_line
 from ..commands import BEFORE_LOAD
-from ..screens import HelpScreen
+from ..screens.help_screen import HelpScreen
 from ..store import settings as settings_mod
 from ..store.settings import Settings
 from . import theming

@@ -10,7 +10,7 @@ from __future__ import annotations
 import re
 
 from ..text import plural
-from ..widgets import Transcript
+from ..widgets.transcript import Transcript
 
 FENCE = re.compile(r"^ {0,3}(```+|~~~+)[^\n]*\n(.*?)^ {0,3}\1[ \t]*$", re.MULTILINE | re.DOTALL)
 OPEN_FENCE = re.compile(r"^ {0,3}(```+|~~~+)[^\n]*\n(.*)\Z", re.MULTILINE | re.DOTALL)

@@ -22,7 +22,7 @@ from kvchat.engine.units import human_bytes
 
 from ..backends.protocol import CACHE_TOGGLE, KV_DTYPE, REGENERATE, RESET, SINK_WINDOW
 from ..commands import Command, CommandError, read_message_file, token_count
-from ..screens import PolicyPicker
+from ..screens.policy_picker import PolicyPicker
 from ..screens.model_info import ModelInfoScreen
 from ..store.log import export
 from ..text import what_if_command

@@ -12,7 +12,7 @@ from kvchat.engine.units import human_bytes
 
 from ..backends.protocol import Backend
 from ..text import plural
-from ..widgets import ChatInput
+from ..widgets.chat_input import ChatInput
 
 DELAY = 0.25
 

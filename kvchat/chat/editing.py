@@ -10,7 +10,7 @@ reply, and the block map, show the prefix reuse breaking at exactly the edited b
 from __future__ import annotations
 
 from ..text import plural
-from ..widgets import UserMessage
+from ..widgets.transcript import UserMessage
 from .host import Host
 
 STILL_REPLYING = "still replying: press escape to stop it, then "

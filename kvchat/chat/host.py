@@ -12,7 +12,8 @@ from textual.screen import Screen
 from textual.widgets import ContentSwitcher
 
 from ..backends.protocol import Backend
-from ..widgets import ChatInput, ConversationBar
+from ..widgets.chat_input import ChatInput
+from ..widgets.conversation_bar import ConversationBar
 from .jobs import JobQueue, RunningTurn, Then
 from .panels import Panels
 from .session import Session

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import TYPE_CHECKING, Union
 
-from ..widgets import Reply, UserMessage
+from ..widgets.transcript import Reply, UserMessage
 from .session import Session
 
 if TYPE_CHECKING:

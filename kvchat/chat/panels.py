@@ -14,7 +14,12 @@ from textual.screen import Screen
 from kvchat.engine.telemetry import CacheSnapshot
 
 from ..backends.protocol import BLOCK_MAP, BackendInfo, Capabilities
-from ..widgets import BlockMap, CachePanel, CapGauge, LatencyPanel, PanelSwitcher, StatusBar
+from ..widgets.block_map import BlockMap
+from ..widgets.cache_panel import CachePanel
+from ..widgets.cap_gauge import CapGauge
+from ..widgets.latency_panel import LatencyPanel
+from ..widgets.panel_switcher import PanelSwitcher
+from ..widgets.status_bar import StatusBar
 from .session import Session
 
 

@@ -37,7 +37,10 @@ from ..backends.protocol import Backend
 from ..commands import BEFORE_LOAD, Command, CommandError, message_text, parse
 from ..store.log import Restored
 from ..text import RANDOM_WEIGHTS, prefill_line
-from ..widgets import ChatInput, ConversationBar, PanelSwitcher, StatusBar
+from ..widgets.chat_input import ChatInput
+from ..widgets.conversation_bar import ConversationBar
+from ..widgets.panel_switcher import PanelSwitcher
+from ..widgets.status_bar import StatusBar
 from ..widgets.layout import layout_for
 from .browser import Browser
 from .clipboard import to_copy

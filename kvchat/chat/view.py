@@ -11,7 +11,7 @@ from textual.widget import Widget
 
 from ..store.records import TurnRecord
 from ..text import plural
-from ..widgets import Reply, Transcript, UserMessage
+from ..widgets.transcript import Reply, Transcript, UserMessage
 from .session import Session
 
 

@@ -178,8 +178,10 @@ def cmd_replay(args) -> int:
             rec["conversation"] = ci
             records.append(rec)
             if not args.json:
-                print(f"  turn {rec['turn']}: prompt {rec['prompt_tokens']} tokens, reused {rec['reused_tokens']}, "
-                      f"computed {rec['computed_tokens']}, generated {rec['generated_tokens']}, "
+                reused, computed = (("unknown" if rec[k] is None else rec[k]) for k in ("reused_tokens",
+                                                                                       "computed_tokens"))
+                print(f"  turn {rec['turn']}: prompt {rec['prompt_tokens']} tokens, reused {reused}, "
+                      f"computed {computed}, generated {rec['generated_tokens']}, "
                       f"TTFT {rec['ttft_ms']:.0f} ms, KV {_n(rec['kv_bytes_used'])} B used / "
                       f"{_n(rec['kv_bytes_allocated'])} B allocated in {_n(rec['blocks_used'])} blocks")
     if args.json:
