@@ -1,18 +1,15 @@
 """The chat screen: the conversations on the left, the KV cache's telemetry on the right.
 
-It owns what a chat is made of: the open conversations (their Sessions and ChatViews,
-conversations.py), the job queue that runs their turns and operations one at a time (jobs.py,
-worker.py) and the panels that draw the one in focus (panels.py). Each key is an action by
-its id (keys.py), one line handing the work to the part that acts on the state (controls.py,
-conversations.py, browser.py, editing.py). The App above keeps settings, themes, the keymap,
-the backend's load and quitting.
+It owns what a chat is made of: the open conversations (conversations.py: each a Session and
+its ChatView), the job queue that runs their turns and operations one at a time (jobs.py,
+worker.py) and the panels that draw the one in focus (panels.py). Each key is an action by its
+id (keys.py), one line handing the work to the part that acts on the state. The App above keeps
+settings, themes, the keymap, the backend's load and quitting.
 
-Threads: the UI thread owns every widget. Each turn, and each operation that may block, runs
-in a thread worker and reports back only through messages (messages.py), handled here: the
-turn's Session first, then its ChatView draws the text, then the panels. A turn holds the
-backend from its prefill to its last token, so the UI thread calls only what never waits on
-it (`state()`, `info()`, set_cap); the worker takes the snapshots, of the conversation in
-focus at that moment, at most a few times a second (relay.py).
+Threads: the UI thread owns every widget. Turns and blocking operations run in thread workers
+and report back only through messages (messages.py), handled here: the Session first, then the
+ChatView draws the text, then the panels. A turn holds the backend from its prefill to its last
+token, so the UI thread calls only what never waits on it (`state()`, `info()`, set_cap).
 """
 from __future__ import annotations
 
