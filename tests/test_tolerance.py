@@ -13,9 +13,10 @@ import torch
 import torch.nn.functional as F
 
 from test_native_batch import BS, paged_batch
-from tolerance import (assert_within, attention_reference, decode_reference, gemv_reference, paged_decode_reference,
-                       paged_rows, rms_norm_reference, slack)
+from tolerance import (assert_within, attention_reference, decode_reference, gemv_reference, lse_reference,
+                       paged_decode_reference, paged_rows, rms_norm_reference, silu_mul_reference, slack)
 from kvchat.engine import attention as A
+from kvchat.engine import cpu_attention as C
 from kvchat.engine import native
 
 FP8 = torch.float8_e4m3fn
@@ -56,6 +57,19 @@ def test_the_norm_bound_catches_a_short_mean_and_eps_outside_the_root():
     ref = rms_norm_reference(small, w, 1e-5)
     assert_within(native.rms_norm(small, w, 1e-5), *ref)
     assert fails(small / (small.pow(2).mean(-1, keepdim=True).sqrt() + 1e-5) * w, *ref), "eps outside the root"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_the_activation_bound_catches_swapped_halves_and_a_sigmoid_approximation(dtype):
+    """silu(gate) * up, as the Triton kernel and torch compute it, against gate and up taken
+    the wrong way round, and against GELU's sigmoid(1.702 x) stand-in."""
+    gen = torch.Generator().manual_seed(4)
+    gate_up = (torch.randn(2, 2 * 300, generator=gen) * 4).to(dtype)
+    ref = silu_mul_reference(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)
+    assert_within(F.silu(gate) * up, *ref)                                # torch, rounding where it rounds
+    assert fails(F.silu(up) * gate, *ref), "halves swapped"
+    assert fails(gate * torch.sigmoid(1.702 * gate) * up, *ref), "an approximate sigmoid"
 
 
 # ---- attention --------------------------------------------------------------------------------
@@ -158,3 +172,19 @@ def test_the_prefill_bound_catches_a_mask_one_key_off():
     leaky = F.scaled_dot_product_attention(q[None], k.repeat_interleave(3, 0)[None], v.repeat_interleave(3, 0)[None],
                                            attn_mask=one_more, scale=d ** -0.5)[0]
     assert fails(leaky, *ref)
+
+
+def test_the_log_sum_exp_bound_catches_log2_units_and_a_missing_window():
+    """The log-sum-exp a split keeps for the merge (torch's fused CPU op, cpu_attention), against
+    one in log2 units (the Triton kernel's own, handed over unconverted) and one that misses
+    the window's last 16 keys."""
+    gen = torch.Generator().manual_seed(10)
+    q = torch.randn(1, 3, 3, 64, generator=gen)
+    k, v = torch.randn(1, 3, 200, 64, generator=gen), torch.randn(1, 3, 200, 64, generator=gen)
+    _, lse = C.partial_attention(q, k, v, 0.125)                          # (1, 3, 3)
+    ref = lse_reference(q[0].reshape(9, 1, 64), k[0], 0.125)
+    got = lse[0].reshape(9, 1)
+    assert_within(got, *ref)
+    assert fails(got * 1.4426950408889634, *ref), "log2 units"
+    _, short = C.partial_attention(q, k[:, :, :-16], v[:, :, :-16], 0.125)
+    assert fails(short[0].reshape(9, 1), *ref), "16 keys missing"
