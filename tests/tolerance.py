@@ -86,12 +86,12 @@ def rms_norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: 
     add at most six roundings, and the root halves the sum's error: relative error at most
     gamma_(K/2 + 6) of each output. In a 16-bit dtype the normalised row and its product with
     w are each rounded to it (as torch's rms_norm followed by * w, and the fused Triton
-    kernel): 2 u of that dtype more."""
+    kernel): gamma_2 of that dtype more, the two compounded."""
     xd, wd = x.double(), w.double()
     k = x.shape[-1]
     ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * wd
-    rel = gamma(k / 2 + 6) + (2 * U[out_dtype] if out_dtype != torch.float32 else 0.0)
-    return ref, rel * ref.abs() + 2 * ETA[out_dtype] + TINY
+    rel = gamma(k / 2 + 6) + (gamma(2, U[out_dtype]) if out_dtype != torch.float32 else 0.0)
+    return ref, rel * (1 + gamma(k / 2 + 6)) * ref.abs() + 2 * ETA[out_dtype] + TINY
 
 
 def silu_mul_reference(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -103,8 +103,9 @@ def silu_mul_reference(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     the product are each rounded to it, as torch rounds F.silu(gate) * up: 2 u of it more."""
     gate, up = gate_up.double().chunk(2, dim=-1)
     ref = gate * torch.sigmoid(gate) * up
-    rel = (EXP_ULPS + 3) * U[torch.float32] + (2 * U[gate_up.dtype] if gate_up.dtype != torch.float32 else 0.0)
-    return ref, rel * ref.abs() + 2 * ETA[gate_up.dtype] + TINY
+    inner = gamma(EXP_ULPS + 3)
+    rel = inner + (gamma(2, U[gate_up.dtype]) if gate_up.dtype != torch.float32 else 0.0)
+    return ref, rel * (1 + inner) * ref.abs() + 2 * ETA[gate_up.dtype] + TINY
 
 
 # ---- attention ----------------------------------------------------------------------------
@@ -136,6 +137,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
       bf16 or fp16 queries, as FlashAttention does): u_p sum_i p_i |v_i|, and where a weight
       (at most 1 before the division by their sum, itself at least 1) falls among fp16's
       subnormals, eta_p sum_i |v_i|; the output rounded to its dtype: u_out |o| + eta_out.
+      Roundings that follow one another compound: the weights' error is taken (1 + u_p)
+      times, and the whole error (1 + u_out) times before the output's own rounding is added.
     So the bound grows with the largest scores (through a_i and |s_i - m|) and the length
     (through the updates and gamma_T); it is computed in float64 from the inputs alone."""
     h, tq, d = q.shape
@@ -162,8 +165,9 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     u_p = U[p_dtype] if p_dtype != torch.float32 else 0.0
     u_out = U[out_dtype] if out_dtype != torch.float32 else 0.0
     sums = (t + 2) * u / (1 - (t + 2) * u)                                # gamma_(T+2), per query
-    under = ETA[p_dtype] * (seen.double() @ vd.abs()) + ETA[out_dtype]   # (hk, g*Tq, d)
-    bound = first + sums * (absv + o.abs()) + u_p * absv + u_out * o.abs() + under + d * TINY
+    # the output's own rounding applies to the computed output: (its error)(1 + u_out) + u_out |o|
+    inside = first * (1 + u_p) + sums * (absv + o.abs()) + u_p * absv + ETA[p_dtype] * (seen.double() @ vd.abs())
+    bound = inside * (1 + u_out) + u_out * o.abs() + ETA[out_dtype] + d * TINY
     return o.reshape(h, tq, d), bound.reshape(h, tq, d)
 
 
