@@ -111,6 +111,27 @@ class _Problem:
         return sum(r * v for r, v in zip(_row(p, self.costs[p.kv_dtype], x, self.kv_of[p.kv_dtype]), x))
 
     def refit(self, x: list[float], free: list[int]) -> list[float] | None:
+        """One least-squares solve for the free unknowns, the overheads kept non-negative: an
+        overhead the solve wants below zero is held at zero and the rest solved again (clamping
+        it after the solve would leave the others fitted to a negative overhead, every point
+        then predicted too slow)."""
+        free = list(free)
+        while True:
+            out = self._solve(x, free)
+            if out is None:
+                return None
+            negative = [i for i in (OVERHEAD, ROW, REQUEST) if i in free and out[i] < 0]
+            if not negative:
+                break
+            x = list(x)
+            for i in negative:
+                x[i] = 0.0
+                free.remove(i)
+        if min(out[i] for i in range(len(out)) if i not in (OVERHEAD, ROW, REQUEST)) <= 0:
+            return None
+        return out
+
+    def _solve(self, x: list[float], free: list[int]) -> list[float] | None:
         rows, ys = [], []
         for p in self.points:
             phi = self.row(p, x)
@@ -127,10 +148,6 @@ class _Problem:
             out[free[j]] = v
         if self.tie:
             out[WEIGHT] = out[self.tied_kv]
-        for i in (OVERHEAD, ROW, REQUEST):
-            out[i] = max(out[i], 0.0)
-        if min(out[i] for i in range(len(out)) if i not in (OVERHEAD, ROW, REQUEST)) <= 0:
-            return None
         return out
 
 

@@ -15,6 +15,7 @@ are the tokens as they arrive.
 """
 from __future__ import annotations
 
+import random
 import threading
 import time
 from dataclasses import dataclass, field
@@ -72,8 +73,12 @@ class TraceRun:
 
 def text_of(tokens: int, count, seed: int) -> str:
     """Plain words that encode to about `tokens` tokens (`count`: the backend's counter, or
-    None: about 0.75 words a token)."""
-    words = [WORDS[(seed * 7 + i * 3) % len(WORDS)] for i in range(max(1, tokens))]
+    None: about 0.75 words a token). Two seeds give texts that differ from their first words, so
+    a server's prefix cache finds nothing shared between them (a fixed cycle of the words, as
+    before, made every text a shift of one sequence and let a later probe hit an earlier one's
+    blocks)."""
+    rng = random.Random(seed)
+    words = [rng.choice(WORDS) for _ in range(max(1, tokens))]
     if count is None:
         return " ".join(words[:max(1, round(tokens * 0.75))])
     lo, hi = 1, len(words)
