@@ -30,13 +30,17 @@ from . import metrics as prom
 from .kv_events import KvEventSubscriber
 from .protocol import (BLOCK_MAP, CACHE_TOGGLE, KV_DTYPE, RESET, SINK_WINDOW, BackendInfo, Capabilities,
                        ChatState, Event, Message)
-from .server_api import ServerApi, ServerError
-from .server_model import DTYPES
-from .server_model import ServerModel, match_geometry
+from .deadlines import Deadlines
+from .server_api import ServerApi, ServerError, error_text
+from .server_model import DTYPES, ServerModel, match_geometry
+from .server_shapes import ShapeError, Usage, chunk, served_model, token_count
+from .sse import CANCELLED, DONE, TIMEOUT, EventStream
+from ..text import Redactor, redact
 
 _FINISH = {"stop": "eos", "length": "max_tokens", "abort": "cancelled"}
 EVENT_WAIT_S = 0.5   # after a turn, how long the snapshot waits for the KV events of its blocks
-METRICS_TIMEOUT_S = 5.0   # a hung server must not hold the app's snapshot worker for long
+DEFAULT_MAX_TOKENS = 512
+MAX_CHARS_PER_TOKEN = 256   # no tokenizer's token is longer: a reply past it is not tokens
 
 
 class VllmChat:
@@ -118,37 +122,50 @@ class VllmChat:
         return self._turn(self.messages[:-1], 0, sampling, cancel)
 
     def _turn(self, messages: list[Message], dropped: int, sampling, cancel) -> Iterator[Event]:
-        """The messages change only once the reply is complete (or cancelled): a failure
-        mid-reply raises ServerError and leaves the conversation as it was."""
+        """The messages change only once the reply has arrived (complete, cancelled, or cut
+        with something in it): a failure before any token raises ServerError and leaves the
+        conversation as it was. The client itself stops at the max_tokens it asked for."""
         b = self.backend
         body = b.request_body(messages, sampling)
+        limit = body["max_tokens"]
         prompt_ids: list[int] = []
         reply_ids: list[int] = []
         text: list[str] = []
         decode_ms: list[float] = []
         positions: list[int] = []
-        usage: dict = {}
+        usage: Usage | None = None
         finish = None
         ttft_ms = 0.0
+        tokens = chars = 0
+        redactor = Redactor()      # a server may echo the API key in the reply itself
         t0 = last = time.perf_counter()
-        with b.api.stream_events("/v1/chat/completions", body) as events:
-            for chunk in events:
-                if chunk.get("prompt_token_ids"):
-                    prompt_ids = list(chunk["prompt_token_ids"])
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                for choice in chunk.get("choices") or ():
-                    delta = (choice.get("delta") or {}).get("content") or ""
-                    ids = list(choice.get("token_ids") or ())
-                    finish = choice.get("finish_reason") or finish
-                    if not ids and not delta:
+        with b.api.stream_events("/v1/chat/completions", body, cancel) as stream:
+            for event in stream:
+                if "error" in event:
+                    raise ServerError(f"the server stopped the reply: {error_text(event)}")
+                try:
+                    c = chunk(event)
+                except ShapeError as err:
+                    raise ServerError(f"{b.api.url}: {err}") from None
+                prompt_ids = list(c.prompt_ids) or prompt_ids
+                usage = c.usage or usage
+                for piece in c.pieces:
+                    finish = piece.finish or finish
+                    ids = list(piece.token_ids)
+                    if not ids and not piece.text:
                         continue
+                    if tokens + max(1, len(ids)) > limit or chars + len(piece.text) > limit * MAX_CHARS_PER_TOKEN:
+                        finish = "past_limit"          # more than was asked for: the client stops it
+                        break
+                    tokens += max(1, len(ids))
+                    chars += len(piece.text)
                     now = time.perf_counter()
                     if not reply_ids and not text:
                         ttft_ms = (now - t0) * 1000
-                        n_prompt = len(prompt_ids) or usage.get("prompt_tokens") or 0
+                        n_prompt = len(prompt_ids) or (usage.prompt_tokens if usage else None) or 0
                         yield PrefillEvent(n_prompt, None, None, None)
                     step = (now - last) * 1000 / max(1, len(ids))
+                    delta = redactor.feed(piece.text)
                     for i, tid in enumerate(ids or [None]):
                         pos = len(prompt_ids) + len(reply_ids)
                         if reply_ids or text:              # every token after the first is a decode step
@@ -159,39 +176,58 @@ class VllmChat:
                         yield TokenEvent(delta if i == 0 else "", tid, pos, step if decode_ms else ttft_ms)
                         text.append(delta if i == 0 else "")
                     last = now
+                if finish == "past_limit":
+                    finish = "length"
+                    break
                 if cancel is not None and cancel.is_set():
                     finish = "abort"
                     break
-        reply = "".join(text)
+        finish = self._ending(stream, finish, bool(text))
+        reply = redact("".join(text) + redactor.flush())
         self.messages = messages + [{"role": "assistant", "content": reply}]
         self.turns += 1
         self.token_ids = tuple(prompt_ids + reply_ids)
-        n_prompt = int(usage.get("prompt_tokens", len(prompt_ids)))
-        details = usage.get("prompt_tokens_details") or {}
-        cached = details.get("cached_tokens")
-        self.reused_tokens = int(cached) if cached is not None else 0
+        n_prompt = usage.prompt_tokens if usage and usage.prompt_tokens is not None else len(prompt_ids)
+        cached = usage.cached_tokens if usage else None
+        self.reused_tokens = cached if cached is not None else 0
         unavailable = ["prefill_ms", "evicted_blocks", "preempted", "recomputed_tokens"]
         if cached is None:
             unavailable += ["reused_tokens", "computed_tokens"]
+        generated = usage.completion_tokens if usage and usage.completion_tokens is not None else len(reply_ids)
         stats = TurnStats(
             turn=self.turns, prompt_tokens=n_prompt, reused_tokens=cached,
-            computed_tokens=n_prompt - int(cached) if cached is not None else None,
-            generated_tokens=int(usage.get("completion_tokens", len(reply_ids))), ttft_ms=ttft_ms,
+            computed_tokens=max(0, n_prompt - cached) if cached is not None else None,
+            generated_tokens=min(generated, max(tokens, len(reply_ids))), ttft_ms=ttft_ms,
             prefill_ms=None, decode_ms=tuple(decode_ms), positions=tuple(positions),
-            stop_reason=_FINISH.get(finish or "", finish or "cancelled"), reply=reply, mode="cache",
+            stop_reason=finish, reply=reply, mode="cache",
             kv_dtype=b.kv_dtype, policy=self.policy.name, dropped_messages=dropped, evicted_blocks=None,
             preempted=None, recomputed_tokens=None, cache=b.snapshot(self, wait_for_events=True),
             unavailable=tuple(unavailable))
         self.history.append(stats)
         yield stats
 
+    @staticmethod
+    def _ending(stream: EventStream, finish: str | None, arrived: bool) -> str:
+        """The turn's stop reason. A stream that ended with nothing in it raises (the
+        conversation stays as it was); one cut after some text keeps it, marked as cut."""
+        if finish == "abort" or stream.ended == CANCELLED:
+            return "cancelled"
+        if finish is not None:
+            return _FINISH.get(finish, finish)
+        if stream.ended in (None, DONE):
+            return "eos"
+        if not arrived:
+            raise ServerError(stream.why)
+        return "timeout" if stream.ended == TIMEOUT else "cut"
+
 
 class VllmBackend:
     """A vLLM server at `url`; `kv_events` (tcp://HOST:PORT) adds the block map."""
 
     def __init__(self, url: str, kv_events: str | None = None, geometry: str | None = None,
-                 model_config: str | None = None, kv_dtype: str | None = None) -> None:
-        self.api = ServerApi(url)
+                 model_config: str | None = None, kv_dtype: str | None = None,
+                 deadlines: Deadlines | None = None) -> None:
+        self.api = ServerApi(url, deadlines)
         self.events: KvEventSubscriber | None = None
         try:
             self.model = self._probe()
@@ -223,37 +259,39 @@ class VllmBackend:
                               "with --server the server's own flags decide (vllm --dtype, --kv-cache-dtype, "
                               "--gpu-memory-utilization)")
         return cls(args.server, kv_events=getattr(args, "kv_events", None), geometry=getattr(args, "geometry", None),
-                   model_config=getattr(args, "model", None), kv_dtype=getattr(args, "kv_dtype", None))
+                   model_config=getattr(args, "model", None), kv_dtype=getattr(args, "kv_dtype", None),
+                   deadlines=Deadlines.parse(getattr(args, "timeouts", None)))
 
     # ---- connecting -----------------------------------------------------------------------------
     def _probe(self) -> ServerModel:
         try:
-            data = self.api.get_json("/v1/models").get("data")
+            models = self.api.get_json("/v1/models")
         except ServerError as err:
-            if getattr(err, "status", None) in (404, 405):
+            if err.status in (404, 405):
                 raise ServerError(f"{self.api.url} is not an OpenAI-compatible server (GET /v1/models answered "
                                   f"{err.status}); give --server the vLLM server's base URL") from None
             raise
-        if not isinstance(data, list) or not data or not isinstance(data[0], dict) or "id" not in data[0]:
-            raise ServerError(f"{self.api.url}/v1/models lists no model; is --server an OpenAI-compatible "
-                              "vLLM server?")
-        first = data[0]
+        try:
+            name, limit = served_model(models)
+        except ShapeError as err:
+            raise ServerError(f"{self.api.url}{err}" if str(err).startswith("/") else f"{self.api.url}: {err}") from None
         info = self.api.get_optional_json("/server_info")
         dtype = None
         if info is not None:
             cfg = info.get("vllm_config")
-            text = cfg if isinstance(cfg, str) else json.dumps(cfg)
-            for name in ("bfloat16", "float16", "float32"):
-                if f"dtype=torch.{name}" in text or f'"dtype": "{name}"' in text:
-                    dtype = DTYPES[name]
+            try:
+                text = cfg if isinstance(cfg, str) else json.dumps(cfg)
+            except (TypeError, ValueError, RecursionError):
+                text = ""
+            for dname in ("bfloat16", "float16", "float32"):
+                if f"dtype=torch.{dname}" in text or f'"dtype": "{dname}"' in text:
+                    dtype = DTYPES[dname]
                     break
-        limit = first.get("max_model_len")
-        return ServerModel(name=str(first["id"]), max_model_len=int(limit) if limit else None, dtype=dtype,
-                           dev_mode=info is not None)
+        return ServerModel(name=name, max_model_len=limit, dtype=dtype, dev_mode=info is not None)
 
     def _scrape(self) -> prom.ServerMetrics:
         try:
-            text = self.api.get_text("/metrics", timeout=METRICS_TIMEOUT_S)
+            text = self.api.get_text("/metrics")
         except ServerError as err:
             if getattr(err, "status", None) == 404:
                 raise ServerError(f"{self.api.url} has no /metrics (404); kvchat --server needs a vLLM "
@@ -348,8 +386,9 @@ class VllmBackend:
     def request_body(self, messages: list[Message], sampling) -> dict:
         body = {"model": self.model.name, "messages": messages, "stream": True,
                 "stream_options": {"include_usage": True}, "return_token_ids": True}
+        body["max_tokens"] = sampling.max_tokens if sampling is not None else DEFAULT_MAX_TOKENS
         if sampling is not None:
-            body.update(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_tokens)
+            body.update(temperature=sampling.temperature, top_p=sampling.top_p)
             if sampling.top_k:
                 body["top_k"] = sampling.top_k
             if sampling.seed is not None:
@@ -360,9 +399,10 @@ class VllmBackend:
         """Tokens the messages render to with the chat template and generation prompt (/tokenize)."""
         data = self.api.post_json("/tokenize", {"model": self.model.name, "messages": messages,
                                                 "add_generation_prompt": True})
-        if not isinstance(data.get("count"), int):
-            raise ServerError(f"{self.api.url}/tokenize answered without a token count")
-        return data["count"]
+        try:
+            return token_count(data)
+        except ShapeError as err:
+            raise ServerError(f"{self.api.url}{err}") from None
 
     def tokens_held(self, chat: VllmChat) -> int:
         """This conversation's tokens in resident full blocks (0 without a KV-event stream)."""
@@ -406,6 +446,10 @@ class VllmBackend:
                 notes.append(f"the server restarted {store.restarts} time(s): the map starts again from empty")
             if store.gaps:
                 notes.append(f"{store.gaps} KV-event batches were lost: the map may be stale until a reset")
+            if store.undecodable:
+                notes.append(f"{store.undecodable} malformed KV events skipped (the last: {store.last_problem})")
+            if store.overflow:
+                notes.append(f"the map is full ({store.blocks:,} blocks): {store.overflow} stored blocks left out")
         else:
             notes.append(self.capabilities.why_not(BLOCK_MAP) or "the server reports no block size")
             unavailable += ["tokens_held", "blocks_used", "bytes_used", "bytes_allocated", "pool_cached",
@@ -415,8 +459,8 @@ class VllmBackend:
         if mine is not None and nb:
             reused = min(mine, (chat.reused_tokens // bs) if chat is not None else 0)
             others = max(0, min(nb - mine, resident - mine))
-            codes = bytes([REUSED] * reused + [HELD] * (mine - reused) + [CACHED] * others
-                          + [FREE] * max(0, nb - mine - others))
+            codes = (bytes([REUSED]) * reused + bytes([HELD]) * (mine - reused) + bytes([CACHED]) * others
+                     + bytes([FREE]) * max(0, nb - mine - others))
         cached = max(0, resident - (active or 0)) if resident is not None else None
         if nb is None:
             unavailable += ["num_blocks", "capacity_bytes", "pool_free"]

@@ -9,7 +9,6 @@ is done.
 """
 from __future__ import annotations
 
-import time
 import traceback
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
@@ -26,7 +25,8 @@ from kvchat.engine.telemetry import CacheSnapshot
 from ..backends.protocol import Backend
 from .view import ChatView, RunningTurn, TurnEnded, TurnProgress
 from ..store.records import TurnRecord
-from ..store.log import data_dir
+from ..store.log import append_error_log
+from ..text import shown
 from .relay import Progress, relay
 
 
@@ -170,14 +170,5 @@ def one_line(err: Exception) -> str:
     traceback goes to errors.log (stderr would tear the screen) and the line says where."""
     if isinstance(err, KvchatError):
         return str(err)
-    where = "errors.log"
-    try:
-        path = data_dir() / "errors.log"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a", encoding="utf-8") as fh:
-            fh.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-            traceback.print_exception(err, file=fh)
-        where = str(path)
-    except OSError as log_err:
-        where = f"nowhere: cannot write the log ({log_err.strerror})"
+    where = append_error_log(shown("".join(traceback.format_exception(err))))
     return f"internal error ({type(err).__name__}: {err}); traceback in {where}"

@@ -16,6 +16,7 @@ import errno
 import fcntl
 import json
 import os
+import stat
 import tempfile
 import threading
 import time
@@ -251,6 +252,28 @@ class ConversationLog:
             if self._file is not None:
                 self._file.close()
                 self._file = None
+
+
+def append_error_log(text: str, root: Path | None = None) -> str:
+    """Append `text` (a traceback, already made safe to show) to <data dir>/errors.log and
+    return where it went. Only a regular file is appended to, never through a symlink, and
+    opening never waits (a FIFO there is refused at once)."""
+    path = (root or data_dir()) / "errors.log"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     0o600)
+    except OSError as err:
+        return f"nowhere: cannot write the error log {path} ({err.strerror or err})"
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return f"nowhere: {path} is not a regular file"
+        os.write(fd, f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}\n{text}".encode("utf-8", errors="replace"))
+    except OSError as err:
+        return f"nowhere: cannot write the error log {path} ({err.strerror or err})"
+    finally:
+        os.close(fd)
+    return str(path)
 
 
 def last_conversation(root: Path | None = None) -> Path | None:

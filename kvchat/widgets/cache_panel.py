@@ -66,7 +66,7 @@ def server_lines(s: CacheSnapshot) -> Text:
     v = s.server
     pct = lambda x: f"{100 * x:.0f}%" if x is not None else "unknown"   # noqa: E731
     ms = lambda x: f"{x:,.1f} ms" if x is not None else "unknown"       # noqa: E731
-    out = Text(f"server {v.url}\n", style="bold")
+    out = Text(f"server {inert(v.url)}\n", style="bold")
     out.append(f"pool in use {pct(v.usage)} · prefix hits {pct(v.prefix_hit_rate)} · "
                f"{_count(v.running)} running, {_count(v.waiting)} waiting\n")
     out.append(f"its histograms: inter-token {ms(v.inter_token_ms)} · TTFT {ms(v.ttft_ms)} (means)\n")
@@ -74,7 +74,7 @@ def server_lines(s: CacheSnapshot) -> Text:
         out.append(f"resident prefix blocks {v.resident_blocks:,} (KV events: {v.event_batches:,} batches, "
                    f"{v.event_gaps:,} lost)\n")
     for note in v.notes:
-        out.append(f"{note}\n", style="dim italic")
+        out.append(f"{inert(note)}\n", style="dim italic")     # a server's label values may be in it
     out.rstrip()
     return out
 

@@ -7,7 +7,7 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
-from ..text import fit_segments
+from ..text import fit_segments, inert
 
 
 RANDOM_WEIGHTS_SHORT = "random weights: gibberish by design"
@@ -30,7 +30,7 @@ class StatusBar(Widget):
         cap = f"cap {state.cap:,}" if state.cap else "no cap"
         # numbers stay with their conversations (/switch N): after a close, "of N" would lie
         chat = f"chat {number} · {open_chats} open · " if open_chats > 1 else ""
-        self.info = (f"{chat}{info.model} · {info.device} · {info.dtype} · KV {info.kv_dtype} · "
+        self.info = (f"{chat}{inert(info.model)} · {inert(info.device)} · {info.dtype} · KV {inert(info.kv_dtype)} · "
                      f"cache {'on' if state.mode == 'cache' else 'off'} · {cap} · {state.policy} · {sampling}")
         self.warning = RANDOM_WEIGHTS_SHORT if info.random_weights else ""
 
