@@ -211,6 +211,6 @@ def what_if_command(model: str, tokens: int, budget: str | None = None, kv_dtype
     (or a local folder; no weights read), each model in its serving dtype (bf16 unless
     given). Raises KvchatError naming a bad value."""
     from kvchat.engine.sources import resolve
-    src = resolve(short_alias(model), random_weights=True)        # geometry only
+    src = resolve(short_alias(model), geometry_only=True)
     w = what_if(src.geometry, kv_dtype, tokens, 1, parse_bytes(budget) if budget else None)
     return f"{src.name}: " + what_if_line(w, f"add a budget to compare, e.g. /whatif {model} {tokens} 15GB")

@@ -213,7 +213,7 @@ def cmd_info(args) -> int:
     from kvchat.engine.sizing import step_reads, what_if
     from kvchat.engine.sources import resolve
     from kvchat.engine.units import human_bytes, parse_bytes
-    src = resolve(args.model or "smollm2-135m", random_weights=True)  # geometry only: no weights read
+    src = resolve(args.model or "smollm2-135m", geometry_only=True)  # config.json or a GGUF header: nothing else read
     g = src.geometry
     dtype = args.dtype if args.dtype != "auto" else "bf16"  # the native dtype of every Llama in the table
     kv = args.kv_dtype if args.kv_dtype != "auto" else dtype
