@@ -245,9 +245,6 @@ class KvChatApp(App[int], inherit_bindings=False):
             await view.show_history(list(view.state.messages), view.turns)
             view.add_notice(f"resumed {restored.path.name}: {plural(len(restored.turns), 'turn')}; the cache "
                             "is empty, so the next turn prefills the whole history")
-            if restored.skipped:
-                view.add_notice(f"{plural(restored.skipped, 'damaged record')} of {restored.path.name} skipped "
-                                "(a torn line or a hand edit); the rest is restored", error=True)
             if restored.unanswered:
                 self.part(ChatInput).restore(restored.unanswered)
                 view.add_notice("your last message got no reply; it is back in the input")

@@ -24,6 +24,8 @@ from ..store.log import Restored, StoreError, restore
 from ..widgets import ChatInput
 from ..screens.chat_browser import ChatBrowser
 
+SHOWN_PROBLEMS = 5       # damaged records named one by one; past that, counted
+
 
 class Browser:
     def __init__(self, app: Host, conversations: Conversations, data_root: Path | None = None) -> None:
@@ -119,20 +121,24 @@ class Browser:
         self.conversations.refresh_bar()
 
     async def resumed(self, view: ChatView, restored: Restored, history: bool = True) -> None:
-        """A reopened conversation's transcript, its notes, and its latency series."""
-        try:
-            summary = catalog.summarize(restored.path)
-        except OSError:
-            summary = None
+        """A reopened conversation's transcript, its notes (a line per damaged record skipped),
+        and its latency series."""
         if history:
             await view.show_history(list(view.state.messages), view.turns)
             view.add_notice(f"reopened {restored.path.name}: {plural(len(restored.turns), 'turn')}; the cache is "
                             "empty, so the next turn prefills the whole history")
-        if summary is not None and summary.named:
-            view.given_title = summary.title
+        if restored.problems:
+            view.add_notice(f"{plural(restored.skipped, 'damaged record')} of {restored.path.name} skipped "
+                            "(a torn line or a hand edit); the rest is restored", error=True)
+        for line in restored.problems[:SHOWN_PROBLEMS]:
+            view.add_notice(f"  {line}", error=True)
+        if len(restored.problems) > SHOWN_PROBLEMS:
+            view.add_notice(f"  and {len(restored.problems) - SHOWN_PROBLEMS} more", error=True)
+        if restored.title is not None:
+            view.given_title = restored.title
         model = self.app.backend.info().model
-        saved = summary.model if summary is not None else None
-        first = summary.model_from if summary is not None else 0
+        saved = restored.model
+        first = restored.model_from
         if saved is not None and saved != model:
             view.conversation_log.event("model", value=model, previous=saved)
             first = len(view.turns)

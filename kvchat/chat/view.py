@@ -45,7 +45,7 @@ def open_chat(backend: Backend, options: ChatOptions, data_root: Path | None = N
     if restored is not None:
         chat = backend.open(cap=restored.cap, policy=restored.policy, mode=restored.mode)
         chat.restore(restored.messages)
-        log = ConversationLog(restored.path, restored.messages)
+        log = ConversationLog(restored.path, restored.messages, restored=restored)   # the log read once
         log.event("resumed")
         return chat, log, list(restored.turns)
     chat = backend.open(system=options.system, cap=options.cap, policy=options.policy, mode=options.mode)
