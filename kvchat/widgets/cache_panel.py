@@ -19,6 +19,7 @@ from kvchat.engine.telemetry import CacheSnapshot
 from kvchat.engine.units import human_bytes
 
 from .panel import Panel
+from ..text import inert
 
 COMPARE = (("3.1 8B", "llama-3.1-8b"), ("3.1 70B", "llama-3.1-70b"), ("2 7B", "llama-2-7b"))   # Llama ...
 SERVING = (("bf16", "bf16"), ("fp8", "fp8 + scales"))     # the other models in the dtypes they are served in

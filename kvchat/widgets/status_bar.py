@@ -30,19 +30,20 @@ class StatusBar(Widget):
         cap = f"cap {state.cap:,}" if state.cap else "no cap"
         # numbers stay with their conversations (/switch N): after a close, "of N" would lie
         chat = f"chat {number} · {open_chats} open · " if open_chats > 1 else ""
-        self.info = (f"{chat}{inert(info.model)} · {inert(info.device)} · {info.dtype} · KV {inert(info.kv_dtype)} · "
+        self.info = (f"{chat}{info.model} · {info.device} · {info.dtype} · KV {info.kv_dtype} · "
                      f"cache {'on' if state.mode == 'cache' else 'off'} · {cap} · {state.policy} · {sampling}")
         self.warning = RANDOM_WEIGHTS_SHORT if info.random_weights else ""
 
     def render(self) -> Text:
         """One line laid out by hand: the warning, the settings (whole segments only), the
-        note if there is room for it, and the state on the right."""
+        note if there is room for it, and the state on the right. A served model's name and
+        a server's URL are in the settings: all of it is drawn inert."""
         width = self.content_size.width or 200
-        state = fit_segments(self.state, max(width - 12, 8))
+        state = fit_segments(inert(self.state), max(width - 12, 8))
         warning = f"{self.warning} " if self.warning else ""
         room = width - cell_len(warning) - cell_len(state) - 1
-        info = fit_segments(self.info, room)
-        note = fit_segments(self.note, room - cell_len(info) - 3) if self.note else ""
+        info = fit_segments(inert(self.info), room)
+        note = fit_segments(inert(self.note), room - cell_len(info) - 3) if self.note else ""
         if note and cell_len(note) > room - cell_len(info) - 3:
             note = ""                      # no room even for its first segment: the log keeps it
         line = Text(no_wrap=True, overflow="crop")
