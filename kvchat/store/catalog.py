@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .files import FileRefused, read_text
+from .files import FileRefused, cannot_write, read_text
 from .log import ConversationLog, Restored, data_dir, is_saved_log, last_conversation, restore, saved_logs
 from .log_records import StoreError
 
@@ -109,7 +109,8 @@ def remember_open(paths: list[Path], root: Path | None = None) -> str | None:
             fh.write(json.dumps({"open": [str(p) for p in paths]}))
         os.replace(tmp, target)
     except OSError as err:
-        return f"cannot record the open conversations in {target} ({err.strerror or err}); --resume reopens the last"
+        return (f"cannot record the open conversations: {cannot_write(target, err, 'KVCHAT_DATA_DIR')}; --resume "
+                "reopens the last")
     return None
 
 

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from .files import cannot_write
 from .log_records import SETTINGS, Appended, Event, Replaced, Start, read_log
 from .log_records import StoreError  # noqa: F401  (the store's error, where callers have always found it)
 from .records import TurnRecord
@@ -219,8 +220,8 @@ class ConversationLog:
     def _failure(self, err: OSError) -> str:
         if isinstance(err, ConversationBusy):
             return str(err)
-        return (f"cannot write the conversation log {self.path} ({err.strerror or err}); the conversation is "
-                "kept in memory: /save FILE elsewhere to keep it")
+        return (f"cannot write the conversation log {self.path.name}: {cannot_write(self.path, err, DATA_ENV)}; "
+                "the conversation is kept in memory: /save FILE elsewhere to keep it")
 
     @classmethod
     def create(cls, root: Path | None = None, **start: Any) -> ConversationLog:

@@ -18,7 +18,7 @@ from pathlib import Path
 from textual.keys import Keys
 
 from ..keys import KEY_IDS, KEYS
-from .files import FileRefused, read_text
+from .files import FileRefused, cannot_write, read_text
 
 MAX_SETTINGS_BYTES = 2**20
 
@@ -119,8 +119,11 @@ def save(settings: Settings, path: Path | None = None) -> None:
     except SettingsError as err:
         raise OSError(errno.EINVAL, f"not saved, the file is not valid now ({err})", str(path)) from None
     merged = Settings(theme=settings.theme, keys={**settings.keys, **on_disk.keys})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as err:     # say which folder to fix, not only "File exists"
+        raise OSError(err.errno, cannot_write(path, err, CONFIG_ENV), str(path)) from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(json.dumps(asdict(merged), indent=2) + "\n")

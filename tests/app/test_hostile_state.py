@@ -231,3 +231,22 @@ def _with_func(parser, func):
     for action in parser._subparsers._group_actions:
         action.choices["info"].set_defaults(func=func)
     return parser
+
+
+# ---- folders kvchat cannot write --------------------------------------------------------------------
+async def test_unwritable_data_and_config_folders_are_named_with_how_to_move_them(running_app, private_dirs,
+                                                                                  monkeypatch):
+    """A file where each folder should be: as root, the one failure a test can make happen."""
+    for env, name in (("KVCHAT_DATA_DIR", "data-file"), ("KVCHAT_CONFIG_DIR", "config-file")):
+        (private_dirs / name).write_text("not a folder")
+        monkeypatch.setenv(env, str(private_dirs / name))
+    async with running_app() as (app, pilot):
+        await send(pilot, "hello")
+        await pilot.press("ctrl+t")
+        await wait_until(pilot, lambda: len([n for n in app.query(Notice) if n.has_class("error")]) >= 3,
+                         what="the three failures")
+        lines = [n.text for n in app.query(Notice) if n.has_class("error")]
+        log = next(x for x in lines if "conversation log" in x)
+        theme = next(x for x in lines if "theme" in x)
+        assert f"folder {private_dirs / 'data-file' / 'conversations'}" in log and "KVCHAT_DATA_DIR" in log
+        assert f"folder {private_dirs / 'config-file'}" in theme and "KVCHAT_CONFIG_DIR" in theme
