@@ -23,8 +23,8 @@ POLL_S = 0.05
 
 # how a stream ended
 DONE = "done"               # [DONE], as vLLM ends every complete reply
-EOF = "eof"                 # the server closed the stream without [DONE]
-LOST = "lost"               # the connection broke
+EOF = "eof"                 # the stream ended in good order, but without [DONE]
+LOST = "lost"               # the connection broke (a reset, a chunked body cut short)
 CANCELLED = "cancelled"     # the user stopped it
 TIMEOUT = "timeout"         # a deadline passed
 
@@ -73,7 +73,8 @@ class EventStream:
                 yield _event(data, self._where)
         except (httpx.TransportError, httpx.StreamError, OSError) as err:
             if self._cut is None:
-                self._end(LOST, f"the connection to {self._where} broke mid-reply ({_short(err)})")
+                self._end(LOST, f"connection to {self._where} lost mid-reply ({_short(err)}); the conversation so "
+                                "far is kept, send again once the server is back")
                 return
         if self._cut is not None:
             self._end(*self._cut_reason())

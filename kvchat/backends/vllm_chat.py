@@ -19,7 +19,7 @@ from .protocol import CACHE_TOGGLE, SINK_WINDOW, Capabilities, ChatState, Event,
 from .server_api import ServerApi, ServerError, error_text
 from .server_model import ServerModel
 from .server_shapes import ShapeError, Usage, chunk
-from .sse import CANCELLED, DONE, TIMEOUT, EventStream
+from .sse import CANCELLED, DONE, LOST, TIMEOUT, EventStream
 from ..text import Redactor, redact
 
 _FINISH = {"stop": "eos", "length": "max_tokens", "abort": "cancelled"}
@@ -121,8 +121,9 @@ class VllmChat:
 
     def _turn(self, messages: list[Message], dropped: int, sampling, cancel) -> Iterator[Event]:
         """The messages change only once the reply has arrived (complete, cancelled, or cut
-        with something in it): a failure before any token raises ServerError and leaves the
-        conversation as it was. The client itself stops at the max_tokens it asked for."""
+        with something in it): a broken connection or a failure before any token raises
+        ServerError and leaves the conversation as it was. The client itself stops at the
+        max_tokens it asked for."""
         b = self.backend
         body = b.request_body(messages, sampling)
         limit = body["max_tokens"]
@@ -206,14 +207,15 @@ class VllmChat:
 
     @staticmethod
     def _ending(stream: EventStream, finish: str | None, arrived: bool) -> str:
-        """The turn's stop reason. A stream that ended with nothing in it raises (the
-        conversation stays as it was); one cut after some text keeps it, marked as cut."""
+        """The turn's stop reason. A broken connection, or a stream that ended with nothing in
+        it, raises (the conversation stays as it was); a stream that ended in good order but
+        without [DONE] or a finish reason, or that a deadline cut, keeps what arrived, marked."""
         if finish == "abort" or stream.ended == CANCELLED:
             return "cancelled"
         if finish is not None:
             return _FINISH.get(finish, finish)
         if stream.ended in (None, DONE):
             return "eos"
-        if not arrived:
+        if not arrived or stream.ended == LOST:
             raise ServerError(stream.why)
         return "timeout" if stream.ended == TIMEOUT else "cut"

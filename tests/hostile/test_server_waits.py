@@ -5,11 +5,14 @@ come from --timeouts, so each case takes about a second; on code without deadlin
 until pytest-timeout stops them."""
 from __future__ import annotations
 
+import json
+import socket
 import threading
 import time
 
 import pytest
 
+from kvchat.backends.server_api import ServerError
 from kvchat.backends.vllm import VllmBackend
 from kvchat.engine import SamplingParams, TokenEvent, TurnStats
 
@@ -227,3 +230,26 @@ def test_usage_only_after_the_last_token_is_still_read():
             backend.shutdown()
     assert (stats.stop_reason, stats.prompt_tokens, stats.reused_tokens, stats.generated_tokens) == \
         ("max_tokens", 9, 4, 2)
+
+
+def test_a_connection_broken_mid_reply_is_one_line_and_keeps_the_conversation(capsys):
+    def reset(h):
+        """A chunked body that stops mid-chunk: the connection breaks, it does not end."""
+        h.protocol_version = "HTTP/1.1"
+        h.send_response(200)
+        h.send_header("Content-Type", "text/event-stream")
+        h.send_header("Transfer-Encoding", "chunked")
+        h.end_headers()
+        data = f"data: {json.dumps(token('partial', 5))}\n\n".encode()
+        h.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n" + b"400\r\ndata: {")
+        h.wfile.flush()
+        h.connection.shutdown(socket.SHUT_RDWR)
+    with fake_vllm({"/v1/chat/completions": reset}) as s:
+        backend = VllmBackend(s.url)
+        try:
+            chat = backend.open()
+            with pytest.raises(ServerError, match="lost mid-reply.*kept"):
+                list(chat.send("hi", SamplingParams(max_tokens=8)))
+            assert chat.messages == []
+        finally:
+            backend.shutdown()
