@@ -38,6 +38,14 @@ def load_engine_package(folder: Path, name: str = "before_engine"):
     return mod
 
 
+def one_run(step_cls, table: torch.Tensor) -> dict:
+    """The Step argument that says "the table is one ascending run", in either version's
+    spelling (runs since the pool's head-major layout, first_block before)."""
+    if "runs" in step_cls.__dataclass_fields__:
+        return {"runs": ((0, table.numel()),)}
+    return {"first_block": 0}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--before", required=True, type=Path, help="another checkout's engine/ folder")
@@ -94,10 +102,3 @@ def main() -> int:
 if __name__ == "__main__":
     raise SystemExit(main())
 
-
-def one_run(step_cls, table: torch.Tensor) -> dict:
-    """The Step argument that says "the table is one ascending run", in either version's
-    spelling (runs since the pool's head-major layout, first_block before)."""
-    if "runs" in step_cls.__dataclass_fields__:
-        return {"runs": ((0, table.numel()),)}
-    return {"first_block": 0}

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
 from dataclasses import dataclass, field
 
 import torch
@@ -232,7 +232,7 @@ class Conversation:
                 yield TokenEvent(tail, -1, len(turn.tokens) - 1, 0.0)
             yield stats
 
-    def _prefill_turn(self, cancel: threading.Event | None = None) -> Iterator[PrefillProgress]:
+    def _prefill_turn(self, cancel: threading.Event | None = None) -> Generator[PrefillProgress, None, Turn]:
         """Render, claim blocks and prefill; the first half of a turn. Yields PrefillProgress
         before the first chunk and after each; returns the Turn. Raises TurnCancelled between
         chunks if `cancel` is set: the chunks done stay cached (indexed for prefix reuse, or
@@ -342,10 +342,10 @@ class Conversation:
         self.reserve(len(ids))
         return reused
 
-    def _prefill(self, new_ids: list[int], start: int) -> Iterator[int]:
+    def _prefill(self, new_ids: list[int], start: int) -> Generator[int, None, torch.Tensor]:
         """Prefill in chunks, yielding the tokens done after each; returns the last
         token's logits (vocab,)."""
-        logits, size = None, self.prefill_chunk_size
+        size = self.prefill_chunk_size
         for c0 in range(0, len(new_ids), size):
             logits = self.prefill_chunk(new_ids[c0:c0 + size], start + c0)
             yield min(c0 + size, len(new_ids))

@@ -150,10 +150,11 @@ class GraphDecoder:
         self.table[:n_blocks].copy_(block_table[:n_blocks])
         if not self.use_graph:
             return self._forward(model, pool)[0]
-        if self.graph is None:
-            self._capture(model, pool)
-        self.graph.replay()
-        return self.logits[0].clone()  # the next replay overwrites the buffer
+        graph, logits = self.graph, self.logits
+        if graph is None or logits is None:
+            graph, logits = self._capture(model, pool)
+        graph.replay()
+        return logits[0].clone()  # the next replay overwrites the buffer
 
     def _forward(self, model: Llama, pool: KVPool) -> torch.Tensor:
         ids, positions = self.inputs[0:1], self.inputs[1:2]
@@ -161,7 +162,7 @@ class GraphDecoder:
             return decode_step(model, pool, ids, positions, self.step)        # (1, vocab)
         return model.forward(ids, positions, self.step, pool)                  # (1, vocab)
 
-    def _capture(self, model: Llama, pool: KVPool) -> None:
+    def _capture(self, model: Llama, pool: KVPool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # Every position the pool can hold, up to the model's trained context, so that a
         # conversation rarely outgrows the captured table (its tensors are kept alive in
         # self._rope: the graph reads their memory even after the model replaces them).
@@ -186,9 +187,10 @@ class GraphDecoder:
         graph = torch.cuda.CUDAGraph()
         # thread_local: the app's UI thread may query the device (memory telemetry) meanwhile
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self.logits = self._forward(model, pool)
+            self.logits = logits = self._forward(model, pool)
         self.graph = graph
         self._rope = model.rope_tables()
+        return graph, logits
 
 
 _DECODERS: weakref.WeakKeyDictionary[Llama, GraphDecoder] = weakref.WeakKeyDictionary()

@@ -51,6 +51,11 @@ class EngineConfig:
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise KvchatError(f"unknown --device {self.device!r}; accepted: auto, cpu, cuda, cuda:N")
 
+    @property
+    def budget_bytes(self) -> int | None:
+        """kv_budget in bytes (__post_init__ has parsed a string like "512MiB")."""
+        return None if self.kv_budget is None else int(self.kv_budget)
+
 
 def pick_device(name: str) -> torch.device:
     if name == "auto":
@@ -114,7 +119,7 @@ class Engine:
         self.device = pick_device(cfg.device)
         self.dtype_name, kv_dtype = pick_dtypes(cfg, self.device)
         self.dtype = TORCH_DTYPES[self.dtype_name]
-        check_memory(self.geometry, self.dtype_name, kv_dtype, cfg.kv_budget, self.device)
+        check_memory(self.geometry, self.dtype_name, kv_dtype, cfg.budget_bytes, self.device)
         self.tokenizer = load_tokenizer(self.source)
         self.model = load_model(self.source, self.device, self.dtype, cfg.seed)
         if self.device.type == "cpu":
@@ -131,10 +136,11 @@ class Engine:
         # the budget in bytes is fixed at the first build: another KV dtype changes the blocks
         # that fit, never the bytes (fp32 -> bf16 doubles the blocks, -> fp8 about quadruples)
         if getattr(self, "kv_budget_bytes", None) is None:
-            self.kv_budget_bytes = self.config.kv_budget or default_budget(self.geometry, kv_dtype, self.device)
+            self.kv_budget_bytes = self.config.budget_bytes or default_budget(self.geometry, kv_dtype, self.device)
         budget = self.kv_budget_bytes
         spec = plan_pool(self.geometry, kv_dtype, budget, self.config.block_size)
-        self.pool = None  # free the old tensors before allocating new ones
+        if hasattr(self, "pool"):
+            del self.pool  # free the old tensors before allocating new ones
         self.pool = KVPool(self.geometry, spec, self.device)
         self.blocks = BlockManager(spec.num_blocks, spec.block_size)
 

@@ -20,8 +20,9 @@ publisher sends.
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import zmq
@@ -109,7 +110,7 @@ class KvEventStore:
             self.undecodable += 1
             self.last_problem = why[:200]
 
-    def _apply(self, event) -> None:
+    def _apply(self, event: object) -> None:
         fields = _fields(event)
         kind = fields.get("type")
         if kind == "BlockStored":
@@ -134,9 +135,9 @@ class KvEventStore:
                 parent = h
         elif kind == "BlockRemoved":
             for h in _hashes(fields.get("block_hashes")):
-                key = self._blocks.pop(h, None)
-                if key is not None and self._by_content.get(key) == h:
-                    del self._by_content[key]
+                stored = self._blocks.pop(h) if h in self._blocks else None
+                if stored is not None and self._by_content.get(stored) == h:
+                    del self._by_content[stored]
         elif kind == "AllBlocksCleared":
             self._clear()
         else:
@@ -178,7 +179,7 @@ class KvEventStore:
                                   cleared=self.cleared, undecodable=self.undecodable, restarts=self.restarts,
                                   last_problem=self.last_problem, overflow=self.overflow)
 
-    def wait(self, predicate, timeout: float) -> bool:
+    def wait(self, predicate: Callable[[KvEventStore], bool], timeout: float) -> bool:
         """Block until predicate(self) holds after a message (for tests and the CLI)."""
         with self.changed:
             return self.changed.wait_for(lambda: predicate(self), timeout)
@@ -190,7 +191,7 @@ _POSITIONAL = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids",
                "BlockRemoved": ("block_hashes",), "AllBlocksCleared": ()}
 
 
-def _fields(event) -> dict:
+def _fields(event: object) -> dict[str, Any]:
     if isinstance(event, dict):
         return event
     if isinstance(event, list) and event and isinstance(event[0], str):
@@ -203,7 +204,7 @@ class BadEvent(ValueError):
     """An event that is not vLLM's; str() says which field."""
 
 
-def _hash(h) -> BlockHash:
+def _hash(h: object) -> BlockHash:
     """A block hash as vLLM sends it: an int, bytes, a string, or a list of ints."""
     if isinstance(h, bool):
         raise BadEvent("a block hash that is a boolean")
@@ -217,7 +218,7 @@ def _hash(h) -> BlockHash:
     raise BadEvent(f"a block hash that is a {type(h).__name__}; expected an int, bytes or a list of ints")
 
 
-def _hashes(value) -> list[BlockHash]:
+def _hashes(value: object) -> list[BlockHash]:
     if not isinstance(value, list):
         raise BadEvent(f"block_hashes is a {type(value).__name__}; expected a list")
     return [_hash(h) for h in value]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -109,7 +110,7 @@ def parse(text: str, model: str | None = None) -> ServerMetrics:
     if not any(name.startswith("vllm:") for name in families):
         raise MetricsError("the server's /metrics has no vllm: metrics; is it a vLLM server?")
 
-    def samples(family: str, suffix: str = ""):
+    def samples(family: str, suffix: str = "") -> list[Any] | None:
         # a counter is one family "x" with samples "x_total" when its TYPE line says x_total, and
         # an empty family "x" beside a family "x_total" when it says x: read both
         found = [f for f in (families.get(family), families.get(family + "_total")) if f is not None]
@@ -121,7 +122,7 @@ def parse(text: str, model: str | None = None) -> ServerMetrics:
             out = [s for s in out if s.labels.get("model_name", model) == model]
         return out
 
-    def scalar(names) -> float | None:
+    def scalar(names: tuple[str | None, ...]) -> float | None:
         for name in names:
             if name is None:
                 continue
@@ -130,7 +131,7 @@ def parse(text: str, model: str | None = None) -> ServerMetrics:
                 return sum(_figure(s.name, s.value) for s in found)
         return None
 
-    def histogram(names) -> Histogram | None:
+    def histogram(names: tuple[str | None, ...]) -> Histogram | None:
         for name in names:
             if name is None or name not in families:
                 continue
@@ -144,11 +145,11 @@ def parse(text: str, model: str | None = None) -> ServerMetrics:
                              buckets=tuple(sorted(buckets.items())))
         return None
 
-    figures = {k: scalar(v) for k, v in _GAUGES.items()}
+    figures: dict[str, Any] = {k: scalar(v) for k, v in _GAUGES.items()}
     if figures["usage"] is not None and figures["usage"] > 1.0 + 1e-9:
         raise MetricsError(f"the server's {_GAUGES['usage'][0]} is {figures['usage']!r}; expected a fraction from 0 to 1")
-    return ServerMetrics(cache=_cache_config(families), **figures,
-                         **{k: histogram(v) for k, v in _HISTOGRAMS.items()})
+    figures.update({k: histogram(v) for k, v in _HISTOGRAMS.items()})
+    return ServerMetrics(cache=_cache_config(families), **figures)
 
 
 def _figure(name: str, value: float) -> float:
@@ -169,7 +170,7 @@ def _bound(name: str, le: str | None) -> float:
     return bound
 
 
-def _cache_config(families) -> CacheConfig:
+def _cache_config(families: dict[str, Any]) -> CacheConfig:
     f = families.get("vllm:cache_config_info")
     labels = f.samples[0].labels if f is not None and f.samples else {}
 

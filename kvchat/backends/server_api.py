@@ -13,6 +13,7 @@ import threading
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 from urllib.parse import unquote, urlsplit
 
 import httpx
@@ -24,6 +25,7 @@ from .deadlines import Deadlines
 from .sse import EventStream, StreamError
 
 MAX_BODY = 16 * 2**20      # a plain answer: /metrics of a large server is about 1 MB
+Json = dict[str, Any]      # a JSON object as the server sent it
 
 
 class ServerError(KvchatError):
@@ -96,10 +98,10 @@ class ServerApi:
         self._http.close()
 
     # ---- requests ------------------------------------------------------------------------------
-    def get_json(self, path: str) -> dict:
+    def get_json(self, path: str) -> Json:
         return self._json(self._answer("GET", path), path)
 
-    def post_json(self, path: str, body: dict | None = None, params: dict | None = None) -> dict:
+    def post_json(self, path: str, body: Json | None = None, params: dict[str, str] | None = None) -> Json:
         return self._json(self._answer("POST", path, json=body, params=params), path)
 
     def get_text(self, path: str) -> str:
@@ -110,7 +112,7 @@ class ServerApi:
             raise ServerError(f"{self.url}{path} answered text that is not UTF-8 (byte {data[err.start]:#04x} "
                               f"at offset {err.start})") from None
 
-    def get_optional_json(self, path: str) -> dict | None:
+    def get_optional_json(self, path: str) -> Json | None:
         """For endpoints that exist only in dev mode: None where the server answers 404."""
         try:
             return self.get_json(path)
@@ -120,7 +122,7 @@ class ServerApi:
             raise
 
     @contextmanager
-    def stream_events(self, path: str, body: dict, cancel: threading.Event | None = None
+    def stream_events(self, path: str, body: Json, cancel: threading.Event | None = None
                       ) -> Iterator[EventStream]:
         """POST and iterate each server-sent event's JSON until [DONE], a deadline, `cancel`,
         or the end of the stream (the EventStream says which). Leaving the with-block early
@@ -140,7 +142,7 @@ class ServerApi:
                 events.close()
 
     # ---- reading answers -----------------------------------------------------------------------
-    def _answer(self, method: str, path: str, **kw) -> bytes:
+    def _answer(self, method: str, path: str, **kw: Any) -> bytes:
         """A plain request's whole answer, within the answer deadline and MAX_BODY bytes."""
         start = time.monotonic()
         with self._request(method, path, **kw) as r:
@@ -173,7 +175,7 @@ class ServerApi:
         return bytes(data)
 
     @contextmanager
-    def _request(self, method: str, path: str, **kw) -> Iterator[httpx.Response]:
+    def _request(self, method: str, path: str, **kw: Any) -> Iterator[httpx.Response]:
         d = self.deadlines
         try:
             with self._http.stream(method, path, **kw) as r:
@@ -201,7 +203,7 @@ class ServerApi:
             raise ServerError(f"{self.url}{path} does not exist (404): {error_text(_maybe_json(body))}", status)
         raise ServerError(f"{self.url}{path} answered {status}: {error_text(_maybe_json(body))}", status)
 
-    def _json(self, body: bytes, path: str) -> dict:
+    def _json(self, body: bytes, path: str) -> Json:
         data = _maybe_json(body)
         if not isinstance(data, dict):
             raise ServerError(f"{self.url}{path} did not answer a JSON object; is --server an OpenAI-compatible "
@@ -209,14 +211,14 @@ class ServerApi:
         return data
 
 
-def _maybe_json(body: bytes):
+def _maybe_json(body: bytes) -> Any:
     try:
         return json.loads(body)
     except (ValueError, RecursionError):
         return body.decode("utf-8", errors="replace")
 
 
-def error_text(body) -> str:
+def error_text(body: object) -> str:
     """The server's own message: OpenAI's {"error": {"message"}}, FastAPI's {"detail"}, or text;
     one line of at most 160 characters, secrets redacted, inert."""
     if isinstance(body, dict):

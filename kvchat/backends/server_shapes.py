@@ -49,7 +49,7 @@ def ids(value: Any, field: str) -> tuple[int, ...]:
     return tuple(value)
 
 
-def _obj(value: Any, field: str) -> dict:
+def _obj(value: Any, field: str) -> dict[str, Any]:
     if value is None:
         return {}
     if not isinstance(value, dict):
@@ -107,7 +107,7 @@ class Chunk:
     pieces: tuple[Piece, ...]
 
 
-def chunk(event: dict) -> Chunk:
+def chunk(event: dict[str, Any]) -> Chunk:
     """A streamed chat-completion chunk, every field the client reads checked."""
     where = "the stream event's"
     usage = None

@@ -13,6 +13,7 @@ import socket
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import httpx
 
@@ -57,7 +58,7 @@ class EventStream:
         self._thread.join(timeout=1)
 
     # ---- the reader ------------------------------------------------------------------------------
-    def __iter__(self) -> Iterator[dict]:
+    def __iter__(self) -> Iterator[dict[str, Any]]:
         try:
             for line in _lines(self._r.iter_raw()):
                 if self._cut is not None:
@@ -88,12 +89,12 @@ class EventStream:
     def _cut_reason(self) -> tuple[str, str]:
         if self._cut == CANCELLED:
             return CANCELLED, "stopped"
-        d = self._deadlines
-        seconds = {"first_token": d.first_token, "gap": d.gap, "total": d.total}[self._cut]
+        d, cut = self._deadlines, self._cut or "total"
+        seconds = {"first_token": d.first_token, "gap": d.gap, "total": d.total}[cut]
         what = {"first_token": "sent no reply", "gap": "sent nothing more",
-                "total": "was still replying"}[self._cut]
+                "total": "was still replying"}[cut]
         return TIMEOUT, (f"{self._where} {what} after {seconds:g} s; stopped waiting "
-                         f"(--timeouts {flag_name(self._cut)}=SECONDS waits longer)")
+                         f"(--timeouts {flag_name(cut)}=SECONDS waits longer)")
 
     # ---- the watcher -----------------------------------------------------------------------------
     def _watch(self) -> None:
@@ -133,7 +134,7 @@ def _lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
         yield bytes(buf).rstrip(b"\r")
 
 
-def _event(data: bytes, where: str) -> dict:
+def _event(data: bytes, where: str) -> dict[str, Any]:
     try:
         event = json.loads(data)
     except (ValueError, RecursionError):

@@ -15,21 +15,25 @@ What the server cannot tell stays None and is named in `unavailable`; nothing is
 """
 from __future__ import annotations
 
+import argparse
 import json
 import threading
+from typing import Any
 
 from kvchat.engine.errors import KvchatError
 from kvchat.engine.geometry import DTYPE_BYTES
-from kvchat.engine.telemetry import CACHED, FREE, HELD, REUSED, CacheSnapshot, ServerStats
+from kvchat.engine.sampler import SamplingParams
+from kvchat.engine.telemetry import CACHED, FREE, HELD, REUSED
 
 from . import metrics as prom
-from .kv_events import KvEventSubscriber
-from .protocol import (BLOCK_MAP, CACHE_TOGGLE, KV_DTYPE, RESET, SINK_WINDOW, BackendInfo, Capabilities,
-                       Message)
 from .deadlines import Deadlines
+from .kv_events import KvEventSubscriber
+from .protocol import (BLOCK_MAP, CACHE_TOGGLE, KV_DTYPE, RESET, SINK_WINDOW, BackendInfo, Capabilities, Chat,
+                       Message)
 from .server_api import ServerApi, ServerError
 from .server_model import DTYPES, ServerModel, match_geometry
 from .server_shapes import ShapeError, served_model, token_count
+from .server_stats import ServerSnapshot, ServerStats
 from .vllm_chat import DEFAULT_MAX_TOKENS, VllmChat
 
 EVENT_WAIT_S = 0.5   # after a turn, how long the snapshot waits for the KV events of its blocks
@@ -58,7 +62,7 @@ class VllmBackend:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_flags(cls, args) -> VllmBackend:
+    def from_flags(cls, args: argparse.Namespace) -> VllmBackend:
         """From the command line's flags (--server, --kv-events, --geometry, and --model as a
         local config.json, --kv-dtype as the cache's element type when the server cannot say).
         Flags that size kvchat's own engine are refused: the server sized its own."""
@@ -170,7 +174,7 @@ class VllmBackend:
         chat.set_mode(mode)
         return chat
 
-    def close(self, chat: VllmChat) -> None:
+    def close(self, chat: Chat) -> None:
         pass          # the server holds no conversation; its cached blocks stay for prefix reuse
 
     def set_kv_dtype(self, kv_dtype: str) -> str:
@@ -197,8 +201,8 @@ class VllmBackend:
         return before
 
     # ---- requests -------------------------------------------------------------------------------
-    def request_body(self, messages: list[Message], sampling) -> dict:
-        body = {"model": self.model.name, "messages": messages, "stream": True,
+    def request_body(self, messages: list[Message], sampling: SamplingParams | None) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.model.name, "messages": messages, "stream": True,
                 "stream_options": {"include_usage": True}, "return_token_ids": True}
         body["max_tokens"] = sampling.max_tokens if sampling is not None else DEFAULT_MAX_TOKENS
         if sampling is not None:
@@ -226,7 +230,12 @@ class VllmBackend:
         return self.events.store.chain(chat.token_ids, bs) * bs
 
     # ---- the panels -----------------------------------------------------------------------------
-    def snapshot(self, chat: VllmChat | None = None, wait_for_events: bool = False) -> CacheSnapshot:
+    def snapshot(self, chat: Chat | None = None, wait_for_events: bool = False) -> ServerSnapshot:
+        if chat is not None and not isinstance(chat, VllmChat):
+            raise TypeError(f"a {type(chat).__name__} is not a conversation of the vLLM backend")
+        return self._snapshot(chat, wait_for_events)
+
+    def _snapshot(self, chat: VllmChat | None, wait_for_events: bool) -> ServerSnapshot:
         """Scrapes /metrics; where that fails after a good start, keeps the last good scrape and
         names the failure in server.notes (the app retries on its next poll)."""
         notes: list[str] = []
@@ -244,13 +253,14 @@ class VllmBackend:
             notes.append(self.geometry_source if self.geometry is None else
                          f"the cache element size is unknown (cache_dtype {cc.cache_dtype!r}); give --kv-dtype")
         active = round(m.usage * nb) if m.usage is not None and nb else None
-        mine = resident = None
+        mine: int | None = None
+        resident: int | None = None
         store = self.events.store.summary() if self.events is not None else None
         if self.events is not None and bs:
             if wait_for_events and chat is not None and chat.token_ids:
                 want = len(chat.token_ids) // bs
                 self.events.store.wait(lambda s: s.chain(chat.token_ids, bs) >= want, EVENT_WAIT_S)
-                store = self.events.store.summary()
+            store = self.events.store.summary()
             mine = self.events.store.chain(chat.token_ids, bs) if chat is not None else 0
             resident = store.blocks
             if store.first_seq:
@@ -268,9 +278,9 @@ class VllmBackend:
             notes.append(self.capabilities.why_not(BLOCK_MAP) or "the server reports no block size")
             unavailable += ["tokens_held", "blocks_used", "bytes_used", "bytes_allocated", "pool_cached",
                             "block_map"]
-        held = mine * bs if mine is not None else None
+        held = mine * bs if mine is not None and bs else None
         codes = b""
-        if mine is not None and nb:
+        if mine is not None and resident is not None and nb and bs:
             reused = min(mine, (chat.reused_tokens // bs) if chat is not None else 0)
             others = max(0, min(nb - mine, resident - mine))
             codes = (bytes([REUSED]) * reused + bytes([HELD]) * (mine - reused) + bytes([CACHED]) * others
@@ -286,7 +296,7 @@ class VllmBackend:
             event_batches=store.batches if store else None, event_gaps=store.gaps if store else None,
             notes=tuple(notes) + ("the map shows resident full prefix blocks by content, in no physical "
                                   "order; partial last blocks and block ids are not reported",))
-        return CacheSnapshot(
+        return ServerSnapshot(
             model=self.model.name, kv_dtype=self.kv_dtype, block_size=bs or 0, num_blocks=nb or 0,
             bytes_per_token=bpt, capacity_bytes=nb * bs * bpt if nb and bs and bpt else None,
             tokens_held=held, bytes_used=held * bpt if held is not None and bpt else None,

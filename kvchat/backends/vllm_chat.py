@@ -9,16 +9,18 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 from kvchat.engine.errors import KvchatError
 from kvchat.engine.policy import make_policy
+from kvchat.engine.sampler import SamplingParams
 from kvchat.engine.telemetry import PrefillEvent, TokenEvent, TurnStats
 
 from .protocol import CACHE_TOGGLE, SINK_WINDOW, Capabilities, ChatState, Event, Message
 from .server_api import ServerApi, ServerError, error_text
 from .server_model import ServerModel
 from .server_shapes import ShapeError, Usage, chunk
+from .server_stats import ServerSnapshot
 from .sse import CANCELLED, DONE, LOST, TIMEOUT, EventStream
 from ..text import Redactor, redact
 
@@ -34,11 +36,11 @@ class Server(Protocol):
     capabilities: Capabilities
     kv_dtype: str
 
-    def request_body(self, messages: list[Message], sampling) -> dict: ...
+    def request_body(self, messages: list[Message], sampling: SamplingParams | None) -> dict[str, Any]: ...
     def count_messages(self, messages: list[Message]) -> int: ...
     def tokens_held(self, chat: VllmChat) -> int: ...
     def reset_prefix_cache(self) -> int: ...
-    def snapshot(self, chat: VllmChat | None = None, wait_for_events: bool = False): ...
+    def snapshot(self, chat: VllmChat | None = None, wait_for_events: bool = False) -> ServerSnapshot: ...
 
 
 class VllmChat:
@@ -48,7 +50,7 @@ class VllmChat:
     def __init__(self, backend: Server, system: str | None, cap: int | None, policy: str) -> None:
         self.backend = backend
         self.messages: list[Message] = [{"role": "system", "content": system}] if system else []
-        self.cap = None
+        self.cap: int | None = None
         self.policy = make_policy("stop")
         self.set_cap(cap)
         self.set_policy(policy)
@@ -106,7 +108,8 @@ class VllmChat:
         return self.backend.reset_prefix_cache()
 
     # ---- turns ----------------------------------------------------------------------------------
-    def send(self, text: str, sampling=None, cancel: threading.Event | None = None) -> Iterator[Event]:
+    def send(self, text: str, sampling: SamplingParams | None = None,
+             cancel: threading.Event | None = None) -> Iterator[Event]:
         if not text.strip():
             raise KvchatError("empty message: type something to send")
         messages = self.messages + [{"role": "user", "content": text}]
@@ -114,12 +117,14 @@ class VllmChat:
             messages = self.policy.fit(messages, self.backend.count_messages, self.cap)
         return self._turn(messages, len(self.messages) + 1 - len(messages), sampling, cancel)
 
-    def regenerate(self, sampling=None, cancel: threading.Event | None = None) -> Iterator[Event]:
+    def regenerate(self, sampling: SamplingParams | None = None,
+                   cancel: threading.Event | None = None) -> Iterator[Event]:
         if not self.messages or self.messages[-1]["role"] != "assistant":
             raise KvchatError("nothing to regenerate: the conversation has no reply yet")
         return self._turn(self.messages[:-1], 0, sampling, cancel)
 
-    def _turn(self, messages: list[Message], dropped: int, sampling, cancel) -> Iterator[Event]:
+    def _turn(self, messages: list[Message], dropped: int, sampling: SamplingParams | None,
+              cancel: threading.Event | None) -> Iterator[Event]:
         """The messages change only once the reply has arrived (complete, cancelled, or cut
         with something in it): a broken connection or a failure before any token raises
         ServerError and leaves the conversation as it was. The client itself stops at the

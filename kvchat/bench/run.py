@@ -25,6 +25,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from kvchat.engine.errors import KvchatError
 
@@ -34,6 +35,9 @@ from . import report as bench_report
 from .history import FOLLOW_UP, SYSTEM, history
 from .report import Series, Timing
 from ..cli.args import UsageError, add_model_args, int_at_least, positive_int
+
+if TYPE_CHECKING:
+    from .server_peer import VllmPeer
 
 DEFAULT_CONTEXTS = (256, 1024, 4096)
 NEXT_TURN_MARGIN = 64   # positions the follow-up turn adds beyond the reply
@@ -164,9 +168,10 @@ class Bench:
 
     def __init__(self, cfg: BenchConfig, engine) -> None:
         self.cfg, self.engine = cfg, engine
-        self.hf = self.llama = None           # the peers, when measured
-        self.server = None                    # a vLLM server (--server), server_peer.VllmPeer
-        self.probe = None                     # floor.BandwidthProbe, sampled before each context
+        self.hf: bench_peers.HFPeer | None = None           # the peers, when measured
+        self.llama: bench_peers.LlamaCppPeer | None = None
+        self.server: VllmPeer | None = None                 # a vLLM server (--server)
+        self.probe: bench_floor.BandwidthProbe | None = None   # sampled before each context
         self.base_kv = engine.kv_dtype
         self._renderer = engine.new_conversation()   # only its render() is used
         engine.close_conversation(self._renderer)

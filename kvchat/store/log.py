@@ -23,6 +23,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -180,7 +181,7 @@ class ConversationLog:
         self._held: list[dict[str, Any]] = []
         self.unsaved: list[dict[str, Any]] = []
         self.error: str | None = None
-        self.on_error = None
+        self.on_error: Callable[[str], None] | None = None
         self._lock = threading.Lock()
         if os.path.lexists(path):
             # the file's own view: a restored unanswered message is in it (restore() popped it
@@ -263,29 +264,6 @@ class ConversationLog:
             if self._file is not None:
                 self._file.close()
                 self._file = None
-
-
-def append_error_log(text: str, root: Path | None = None) -> str:
-    """Append `text` (a traceback, already made safe to show) to <data dir>/errors.log and
-    return where it went. Only a regular file is appended to, never through a symlink, and
-    opening never waits (a FIFO there is refused at once)."""
-    path = (root or data_dir()) / "errors.log"
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                     0o600)
-    except OSError as err:
-        why = "not a regular file" if err.errno == errno.ENXIO else err.strerror or err   # ENXIO: a FIFO
-        return f"nowhere: cannot write the error log {path} ({why})"
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            return f"nowhere: {path} is not a regular file"
-        os.write(fd, f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}\n{text}".encode("utf-8", errors="replace"))
-    except OSError as err:
-        return f"nowhere: cannot write the error log {path} ({err.strerror or err})"
-    finally:
-        os.close(fd)
-    return str(path)
 
 
 def saved_logs(root: Path | None = None) -> list[Path]:

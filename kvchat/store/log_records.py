@@ -142,7 +142,7 @@ def _start(rec: dict) -> Start:
         raise RecordError(f"start model is not a name of 1 to {MAX_NAME} characters")
     if rec.get("system") is not None and not isinstance(rec["system"], str):
         raise RecordError("start system is not text")
-    values = {key: rec.get(key, default) for key, default in (("cap", None), ("policy", "stop"), ("mode", "cache"))}
+    values: dict[str, Any] = {key: rec.get(key, default) for key, default in (("cap", None), ("policy", "stop"), ("mode", "cache"))}
     for key, value in values.items():
         if not SETTINGS[key](value):
             raise RecordError(f"start {key} {str(value)[:40]!r} is not one kvchat writes")
@@ -155,7 +155,7 @@ def _event(rec: dict) -> Event:
         raise RecordError("an event without a name")
     if name in SETTINGS and not SETTINGS[name](value):
         raise RecordError(f"{name} {str(value)[:40]!r} is not one kvchat writes")
-    if name == "title" and not (_name(value) and value.strip()):
+    if name == "title" and not (isinstance(value, str) and _name(value) and value.strip()):
         raise RecordError(f"a title that is not text of 1 to {MAX_NAME} characters")
     if name == "model" and not _name(value):
         raise RecordError(f"a model that is not a name of 1 to {MAX_NAME} characters")

@@ -1,15 +1,17 @@
-"""One saved turn: TurnRecord, the typed form of `TurnStats.summary()`.
+"""One saved turn: TurnRecord, the engine's flat `TurnSummary` as kvchat keeps it on disk.
 
 The conversation log, `--resume`, `/save`, the stats line under a reply and the latency
-panel all read turns through this class. On disk a turn stays the flat JSON object
-`TurnStats.summary()` gives (`to_dict()` writes the same keys in the same order), so files
-written before this class still resume: a missing key takes its default, and a key this
-class does not know is kept in `extra` and written back as found.
+panel all read turns through this class. Its fields are `TurnSummary`'s (the engine defines
+them once; `TurnStats.summarized()` fills them), so a turn stays on disk the flat JSON object
+`TurnStats.summary()` gives, in the same order. Files written before a field existed still
+resume: a missing key takes its default, and a key this class does not know is kept in
+`extra` and written back as found.
 
 A turn read back is checked field by field (`from_dict` raises RecordError naming the field):
 a log may have been edited by hand or by someone else, and a string where a latency belongs,
 NaN, 1e999 or a dict for a stop reason must not reach a panel's arithmetic. A figure a
-backend could not give is None, as TurnStats has it.
+backend could not give is None, as TurnSummary has it; a field TurnSummary always has may
+not be null.
 """
 from __future__ import annotations
 
@@ -17,7 +19,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvchat.engine.telemetry import TurnStats
+from kvchat.engine.telemetry import TurnStats, TurnSummary
 
 MAX_COUNT = 2**53           # tokens, bytes, blocks: past any machine, still exact in a float
 MAX_MS = 1e12               # 30 years
@@ -31,45 +33,23 @@ class RecordError(ValueError):
 def _shown(v: Any) -> str:
     return repr(v)[:40] if isinstance(v, (int, float, str)) else type(v).__name__
 
+
 @dataclass(frozen=True, slots=True)
-class TurnRecord:
-    turn: int = 0
-    reply: str | None = None
-    prompt_tokens: int = 0
-    reused_tokens: int = 0
-    computed_tokens: int = 0
-    generated_tokens: int = 0
-    ttft_ms: float = 0.0
-    prefill_ms: float = 0.0
-    decode_ms: tuple[float, ...] = ()        # one per generated token
-    positions: tuple[int, ...] = ()          # the context position each token was fed at
-    stop_reason: str | None = None           # eos, max_tokens, cap, cancelled
-    kv_bytes_per_token: int = 0
-    kv_bytes_used: int = 0
-    kv_bytes_allocated: int = 0
-    kv_capacity_bytes: int = 0
-    block_size: int = 0
-    blocks_used: int = 0
-    tokens_held: int = 0
-    mode: str = "cache"                      # "cache" or "off"
-    kv_dtype: str = ""
-    policy: str = ""
-    cap: int | None = None
-    dropped_messages: int = 0
-    evicted_blocks: int = 0
-    preempted: int = 0
-    recomputed_tokens: int = 0
+class TurnRecord(TurnSummary):
     extra: tuple[tuple[str, Any], ...] = ()  # keys this class does not know, kept for the file
 
     @classmethod
     def from_stats(cls, stats: TurnStats) -> TurnRecord:
-        return cls.from_dict(stats.summary())
+        s = stats.summarized()
+        return cls(**{f: getattr(s, f) for f in _FIELDS})
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TurnRecord:
         """From a summary or a log's turn record (its "type" key is not part of the turn);
         RecordError if a field holds what no backend writes."""
         known = {k: _check(k, v) for k, v in d.items() if k in _FIELDS}
+        if "unavailable" in known:
+            known["unavailable"] = _words("unavailable", known["unavailable"])
         if known.get("positions") and len(known["positions"]) != len(known.get("decode_ms", ())):
             raise RecordError(f"positions has {len(known['positions'])} entries for {len(known.get('decode_ms', ()))} "
                               "decode_ms; expected one position per decoded token")
@@ -77,24 +57,14 @@ class TurnRecord:
         return cls(**known, extra=extra)
 
     def to_dict(self) -> dict[str, Any]:
-        """The JSON object written to disk: TurnStats.summary()'s keys, in its order."""
-        out = {f: getattr(self, f) for f in _FIELDS}
-        out["decode_ms"], out["positions"] = list(self.decode_ms), list(self.positions)
+        """The JSON object written to disk: TurnStats.summary()'s keys, in its order, then `extra`."""
+        out = TurnSummary.to_dict(self)
         out.update(self.extra)
         return out
 
-    @property
-    def tokens_per_s(self) -> float:
-        total = sum(self.decode_ms)
-        return 1000.0 * len(self.decode_ms) / total if total > 0 else 0.0
 
-    @property
-    def context_tokens(self) -> int:
-        """The prompt plus the reply: what the conversation held at the turn's end."""
-        return self.prompt_tokens + self.generated_tokens
-
-
-_FIELDS = tuple(f.name for f in fields(TurnRecord) if f.name != "extra")
+_FIELDS = tuple(f.name for f in fields(TurnSummary))
+_OPTIONAL = frozenset(f.name for f in fields(TurnSummary) if "None" in str(f.type))
 _COUNTS = ("turn", "prompt_tokens", "reused_tokens", "computed_tokens", "generated_tokens", "kv_bytes_per_token",
            "kv_bytes_used", "kv_bytes_allocated", "kv_capacity_bytes", "block_size", "blocks_used", "tokens_held",
            "dropped_messages", "evicted_blocks", "preempted", "recomputed_tokens")
@@ -102,12 +72,16 @@ _WORDS = ("stop_reason", "kv_dtype", "policy")
 
 
 def _count(k: str, v: Any) -> int | None:
+    if v is None and k not in _OPTIONAL:
+        raise RecordError(f"{k} is null; expected a whole number from 0 to {MAX_COUNT:,}")
     if v is not None and (isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= MAX_COUNT):
         raise RecordError(f"{k} is {_shown(v)}; expected a whole number from 0 to {MAX_COUNT:,}")
     return v
 
 
 def _ms(k: str, v: Any) -> float | None:
+    if v is None and k not in _OPTIONAL:
+        raise RecordError(f"{k} is null; expected milliseconds, a finite number >= 0")
     if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
                           or not 0 <= v <= MAX_MS):
         raise RecordError(f"{k} is {_shown(v)}; expected milliseconds, a finite number >= 0")
@@ -135,7 +109,7 @@ def _check(k: str, v: Any) -> Any:
             raise RecordError(f"{k} holds null; expected a number for every token")
         return tuple(one(f"{k}[{i}]", x) for i, x in enumerate(v))
     if k in _WORDS:
-        if v is not None and not (isinstance(v, str) and len(v) <= MAX_WORD):
+        if (v is not None or k not in _OPTIONAL) and not (isinstance(v, str) and len(v) <= MAX_WORD):
             raise RecordError(f"{k} is {_shown(v)}; expected a word of at most {MAX_WORD} characters")
         return v
     if k == "mode":
@@ -151,3 +125,12 @@ def _check(k: str, v: Any) -> Any:
             raise RecordError(f"reply is {_shown(v)}; expected text")
         return v
     return v
+
+
+def _words(k: str, v: Any) -> tuple[str, ...]:
+    if v is None:
+        return ()
+    if not isinstance(v, (list, tuple)) or len(v) > len(_FIELDS) or not all(
+            isinstance(x, str) and len(x) <= MAX_WORD for x in v):
+        raise RecordError(f"{k} is {_shown(v)}; expected a list of field names")
+    return tuple(v)

@@ -51,10 +51,10 @@ async def test_escape_stops_a_reply_that_never_ends_within_a_second(running_app)
                 await pilot.pause(0.3)
                 t0 = time.monotonic()
                 await pilot.press("escape")
-                await wait_until(pilot, lambda: app.busy is None and len(app.view.turns) == 1, timeout=5,
+                await wait_until(pilot, lambda: app.chat_screen.jobs.busy is None and len(app.chat_screen.session.turns) == 1, timeout=5,
                                  what="the reply to stop")
                 assert time.monotonic() - t0 < 1.5
-                assert app.view.turns[-1].stop_reason == "cancelled" and app.view.turns[-1].reply == "Once upon"
+                assert app.chat_screen.session.turns[-1].stop_reason == "cancelled" and app.chat_screen.session.turns[-1].reply == "Once upon"
         finally:
             backend.shutdown()
 
@@ -66,9 +66,9 @@ async def test_a_reply_past_max_tokens_is_ended_by_the_client(running_app):
             async with running_app(backend, max_tokens=16) as (app, pilot):
                 app.query_one("#input").load_text("count")
                 await pilot.press("enter")
-                await wait_until(pilot, lambda: app.busy is None and len(app.view.turns) == 1, timeout=20,
+                await wait_until(pilot, lambda: app.chat_screen.jobs.busy is None and len(app.chat_screen.session.turns) == 1, timeout=20,
                                  what="the reply to end")
-                turn = app.view.turns[-1]
+                turn = app.chat_screen.session.turns[-1]
                 assert turn.stop_reason == "max_tokens" and turn.reply == " x" * 16
         finally:
             backend.shutdown()

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from kvchat.chat.view import ChatOptions, open_chat
+from kvchat.chat.session import ChatOptions, Session
 from kvchat.cli.command import main
 from kvchat.store import catalog
 from kvchat.store.log import StoreError, conversations_dir, data_dir, restore
@@ -73,12 +73,12 @@ BAD_TURNS = {
 async def test_a_bad_turn_record_is_skipped_by_name_and_the_rest_opens(running_app, name):
     path = write_log(conversation(BAD_TURNS[name]))
     async with running_app(restored=restore(path)) as (app, pilot):
-        await wait_until(pilot, lambda: len(app.view.query(Reply)) == 2, what="the restored replies")
+        await wait_until(pilot, lambda: len(app.chat_screen.view.query(Reply)) == 2, what="the restored replies")
         app.query_one(LatencyPanel)                   # the panels drew the restored turn
         await send(pilot, "a third question")          # and the conversation goes on
-        lines = [n.text for n in app.view.query(Notice) if n.has_class("error")]
+        lines = [n.text for n in app.chat_screen.view.query(Notice) if n.has_class("error")]
         assert any(f"{path.name} line 7" in line for line in lines), lines
-        assert len(app.view.turns) == 2
+        assert len(app.chat_screen.session.turns) == 2
     restored = restore(path)                          # the bad record stays on file, skipped again
     assert len(restored.turns) == 2 and len(restored.problems) == 1 and "line 7" in restored.problems[0]
 
@@ -94,11 +94,11 @@ def test_the_browser_and_resume_read_the_same_records():
 # ---- files that are not kvchat's --------------------------------------------------------------------
 def fake_resume() -> Path:
     """What --resume does before the UI: pick the conversations, read the focused one, and
-    open it for appending (open_chat writes a "resumed" event)."""
+    open it for appending (Session.open writes a "resumed" event)."""
     last, _ = catalog.resume_paths()
     restored = restore(last)
-    chat, log, _ = open_chat(FakeBackend(), ChatOptions(), None, restored)
-    log.close()
+    session = Session.open(FakeBackend(), 1, ChatOptions(), None, restored)
+    session.log.close()
     return last
 
 
@@ -171,9 +171,9 @@ async def test_a_log_that_is_not_utf8_names_its_lines_and_opens_the_rest(running
     assert len(restored.problems) == 1
     assert restored.problems[0].startswith(f"{path.name} line 5: not UTF-8 text (byte 0xe8 at offset")
     async with running_app(restored=restored) as (app, pilot):
-        await wait_until(pilot, lambda: len(app.view.query(Reply)) == 2, what="the restored replies")
-        assert [w.text for w in app.view.query(UserMessage)] == ["first question"]
-        assert any("line 5: not UTF-8" in n.text for n in app.view.query(Notice))
+        await wait_until(pilot, lambda: len(app.chat_screen.view.query(Reply)) == 2, what="the restored replies")
+        assert [w.text for w in app.chat_screen.view.query(UserMessage)] == ["first question"]
+        assert any("line 5: not UTF-8" in n.text for n in app.chat_screen.view.query(Notice))
 
 
 # ---- escape sequences in a saved conversation ---------------------------------------------------------
@@ -184,7 +184,7 @@ async def test_escape_sequences_in_a_resumed_log_and_its_title_reach_the_screen_
     lines[5]["content"] = f"second{evil}answer"
     path = write_log(lines + [{"type": "event", "event": "title", "value": f"title{evil}"}])
     async with running_app(restored=restore(path)) as (app, pilot):
-        await wait_until(pilot, lambda: len(app.view.query(Reply)) == 2, what="the restored replies")
+        await wait_until(pilot, lambda: len(app.chat_screen.view.query(Reply)) == 2, what="the restored replies")
         await pilot.pause()
         text = screen_text(app)
         assert "\x1b" not in text and "\x07" not in text and "question\\x1b]0;PWNED" in text
