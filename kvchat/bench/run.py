@@ -318,8 +318,13 @@ def run(args) -> int:
     import torch
     from kvchat.engine import Engine
 
+    from ..backends.deadlines import Deadlines
     from ..cli.args import engine_config
     cfg = BenchConfig.from_args(args)
+    if getattr(args, "timeouts", None):      # refused before the model loads, like every other flag
+        if not getattr(args, "server", None):
+            raise UsageError("--timeouts needs --server URL (it describes a vLLM server)")
+        Deadlines.parse(args.timeouts)
     engine = Engine(engine_config(args))  # quietly: a bad --contexts is still refused in one line
     check_fits(engine, cfg)
     bench = Bench(cfg, engine)
