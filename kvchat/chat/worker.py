@@ -34,7 +34,16 @@ Post = Callable[[Message], object]
 
 def run_turn(turn: RunningTurn, session: Session, backend: Backend, sampling: SamplingParams,
              focus: Callable[[], Session], interval: Callable[[], float], post: Post) -> None:
-    """Run the turn, posting TurnProgress batches and then TurnEnded."""
+    """Run the turn, posting TurnProgress batches and then TurnEnded; `turn.saved` is set
+    once its end is in the log (a signal's exit waits for it)."""
+    try:
+        _run_turn(turn, session, backend, sampling, focus, interval, post)
+    finally:
+        turn.saved.set()
+
+
+def _run_turn(turn: RunningTurn, session: Session, backend: Backend, sampling: SamplingParams,
+              focus: Callable[[], Session], interval: Callable[[], float], post: Post) -> None:
     chat = session.chat
     try:
         events = (chat.send(turn.text, sampling, turn.cancel) if turn.text is not None
@@ -61,7 +70,8 @@ def run_turn(turn: RunningTurn, session: Session, backend: Backend, sampling: Sa
         stats = relay(events, snapshot, emit, interval=interval)
     except Exception as err:
         error = one_line(err)
-    session.log.sync(list(chat.state().messages))
+    if stats is not None or turn.prefilled or not turn.quitting:
+        session.log.sync(list(chat.state().messages))
     record = TurnRecord.from_stats(stats) if stats is not None else None
     if record is not None:
         session.log.turn(record)
