@@ -15,7 +15,7 @@ from kvchat.engine.errors import KvchatError
 
 from ..screens.chat_browser import ChatBrowser
 from ..store import catalog
-from ..store.log import Restored, StoreError, restore
+from ..store.log import ConversationBusy, Restored, StoreError, restore
 from ..text import plural
 from .conversations import Conversations, read_the_cache
 from .host import Host
@@ -63,6 +63,8 @@ class Browser:
             return f"{summary.title!r} is open: close it first ({self.host.keymap['close_conversation']}), then delete"
         try:
             catalog.delete(summary.path)
+        except ConversationBusy as err:
+            return f"not deleted: {err}"
         except OSError as err:
             return f"cannot delete {summary.path.name}: {err.strerror or err}"
         return None

@@ -17,7 +17,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .log import ConversationLog, conversations_dir, data_dir, last_conversation
+from .log import ConversationLog, conversations_dir, data_dir, held, last_conversation
 
 TITLE_CHARS = 48
 OPEN_FILE = "open.json"
@@ -108,7 +108,10 @@ def rename(path: Path, title: str, log: ConversationLog | None = None) -> None:
 
 
 def delete(path: Path) -> None:
-    path.unlink()
+    """Remove a conversation's log under its writer's lock: one open in another kvchat is
+    refused (ConversationBusy), never unlinked while that process writes on into it."""
+    with held(path, "close it there first, then delete it"):
+        path.unlink()
 
 
 # ---- the conversations open at quit -------------------------------------------------------------

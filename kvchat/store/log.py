@@ -20,7 +20,7 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -83,11 +83,10 @@ def lock_holder(path: Path) -> int | None:
     return None
 
 
-def _busy(path: Path) -> ConversationBusy:
+def _busy(path: Path, then: str = "close it there first, or start a new conversation") -> ConversationBusy:
     pid = lock_holder(path)
     who = f"another kvchat (pid {pid})" if pid else "another kvchat"
-    return ConversationBusy(f"conversation {path.name} is open in {who}; close it there first, "
-                            "or start a new conversation")
+    return ConversationBusy(f"conversation {path.name} is open in {who}; {then}")
 
 
 def _repair_tail(fd: int) -> int:
@@ -114,6 +113,22 @@ def _repair_tail(fd: int) -> int:
         return len(tail)
     os.write(fd, b"\n")
     return 0
+
+
+@contextlib.contextmanager
+def held(path: Path, then: str) -> Iterator[None]:
+    """The lock a conversation's writer holds, taken for a change made from outside it (a
+    delete from the chat browser): ConversationBusy, naming the holder's pid, while another
+    kvchat has the conversation open, so it never writes on into an unlinked file."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _busy(path, then) from None
+        yield
+    finally:
+        os.close(fd)      # releases the lock
 
 
 class _LogFile:
