@@ -125,7 +125,7 @@ class Browser:
         session = view.session
         if session is None:
             return
-        await view.show_history(list(session.state.messages), session.turns)
+        await view.show_history(restored.history)
         view.add_notice(f"resumed {restored.path.name}: {plural(len(restored.turns), 'turn')}; the cache "
                         "is empty, so the next turn prefills the whole history")
         if restored.skipped:
@@ -146,9 +146,12 @@ class Browser:
         except OSError:
             summary = None
         if history:
-            await view.show_history(list(session.state.messages), session.turns)
+            await view.show_history(restored.history)
             view.add_notice(f"reopened {restored.path.name}: {plural(len(restored.turns), 'turn')}; the cache is "
                             "empty, so the next turn prefills the whole history")
+        if restored.dropped:
+            view.add_notice(f"{plural(restored.dropped, 'message')} dimmed above: drop-oldest dropped "
+                            f"{'it' if restored.dropped == 1 else 'them'}; the model no longer sees them")
         if summary is not None and summary.named:
             session.given_title = summary.title
         model = self.host.backend.info().model

@@ -231,8 +231,9 @@ class Controls:
         """/save [FILE], /save! FILE (overwrite), ctrl+s: the transcript and telemetry."""
         host, session = self.host, self.host.session
         path = path or Path.cwd() / f"kvchat-{time.strftime('%Y%m%d-%H%M%S')}"
+        session.log.sync(list(session.refresh().messages))     # a /system since the last turn, say
         try:
-            md, jl = export(path, list(session.refresh().messages), session.turns, host.backend.info().model,
+            md, jl = export(path, session.log.history, session.turns, host.backend.info().model,
                             overwrite=overwrite)
         except OSError as err:
             host.notice(f"cannot save to {path}: {err.strerror or err}", error=True)

@@ -10,12 +10,13 @@ conversation's transcript draw from it.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvchat.engine.telemetry import CacheSnapshot, TurnStats
 
-from ..backends.protocol import Backend, Chat, ChatState
+from ..backends.protocol import Backend, Chat, ChatState, Message
 from ..latency import LatencyData
 from ..store.log import ConversationLog, Restored
 from ..store.records import TurnRecord
@@ -32,6 +33,17 @@ class ChatOptions:
     cap: int | None = None
     policy: str = "stop"
     mode: str = "cache"
+
+
+def dropped_by(before: Sequence[Message], after: Sequence[Message]) -> int:
+    """How many of the oldest messages a send dropped: `after` is `before` with the new user
+    message appended and that many messages after the system prompt taken off (drop-oldest);
+    0 for any other change (a backend that adds the message only once the reply is done)."""
+    k = len(before) + 1 - len(after)
+    s = 1 if before and before[0]["role"] == "system" else 0
+    if k <= 0 or not after or after[-1]["role"] != "user" or list(after[:s]) != list(before[:s]):
+        return 0
+    return k if list(after[s:-1]) == list(before[s + k:]) else 0
 
 
 class Session:
@@ -59,7 +71,7 @@ class Session:
         backend is busy."""
         if restored is not None:
             chat = backend.open(cap=restored.cap, policy=restored.policy, mode=restored.mode)
-            chat.restore(restored.messages)
+            chat.restore(restored.visible)
             log = ConversationLog(restored.path, restored.messages)
             log.event("resumed")
             return cls(number, chat, log, restored.turns)
@@ -87,8 +99,10 @@ class Session:
 
     @property
     def title(self) -> str:
-        """The title given in the chat browser, else the first thing the user said, or "new"."""
-        first = next((m["content"] for m in self.state.messages if m["role"] == "user"), "")
+        """The title given in the chat browser, else the first thing the user said (dropped by
+        drop-oldest or not), or "new"."""
+        said = (m["content"] for m in (*self.log.messages, *self.state.messages) if m["role"] == "user")
+        first = next(said, "")
         words = self.given_title or " ".join(first.split())
         return (words[:TITLE_CHARS - 1] + "…" if len(words) > TITLE_CHARS else words) or "new"
 

@@ -7,6 +7,8 @@ fsynced as it happens, so a crash or a quit loses nothing.
     {"type": "messages", "messages": [...]}        the whole list, when it changed otherwise
     {"type": "turn", ...TurnStats.summary()}       one reply's telemetry
     {"type": "event", "event": "cap" | "policy" | "mode" | "reset_cache" | ..., ...}
+    {"type": "event", "event": "dropped", "value": N}   drop-oldest: the N oldest messages (after
+                                                    the system prompt) are out of the model's sight
 `--resume` replays the newest file; `/save FILE` exports Markdown and telemetry.
 """
 from __future__ import annotations
@@ -27,6 +29,7 @@ from typing import Any
 
 from kvchat.engine.policy import POLICIES
 
+from .history import History
 from .records import TurnRecord
 from ..text import stats_line
 
@@ -66,6 +69,17 @@ class Restored:
     mode: str = "cache"
     unanswered: str | None = None   # a last user message whose reply never finished
     skipped: int = 0                # damaged records left out (a torn line, a hand edit)
+    dropped: int = 0                # the oldest messages after the system prompt that drop-oldest dropped
+    replies: dict[int, TurnRecord] = field(default_factory=dict)   # index in messages -> its reply's turn
+
+    @property
+    def history(self) -> History:
+        return History(list(self.messages), self.dropped, dict(self.replies))
+
+    @property
+    def visible(self) -> Messages:
+        """What the model saw: the messages less the ones drop-oldest dropped."""
+        return self.history.visible
 
 
 def lock_holder(path: Path) -> int | None:
@@ -179,7 +193,7 @@ class ConversationLog:
 
     def __init__(self, path: Path, messages: Messages | None = None) -> None:
         self.path = path
-        self.messages: Messages = [dict(m) for m in messages or []]  # what the log says so far
+        self.history = History([dict(m) for m in messages or []])   # what the log says so far
         self._file: _LogFile | None = None
         self._held: list[dict[str, Any]] = []
         self.unsaved: list[dict[str, Any]] = []
@@ -191,7 +205,7 @@ class ConversationLog:
             # for the input), so sending that message again appends nothing twice
             on_file = restore(path)
             orphan = [{"role": "user", "content": on_file.unanswered}] if on_file.unanswered else []
-            self.messages = on_file.messages + orphan
+            self.history = History(on_file.messages + orphan, on_file.dropped, dict(on_file.replies))
             try:
                 self._file = _LogFile(path)
             except ConversationBusy:
@@ -235,29 +249,43 @@ class ConversationLog:
         log.write({"type": "start", "time": time.time(), **start})
         system = start.get("system")
         if system:
-            log.messages.append({"role": "system", "content": system})
+            log.history.append({"role": "system", "content": system})
         return log
+
+    @property
+    def messages(self) -> Messages:
+        """Every message the log holds, the ones drop-oldest dropped included."""
+        return self.history.messages
 
     def write(self, record: dict[str, Any]) -> None:
         with self._lock:
             self._put(record)
 
-    def sync(self, messages: Messages) -> None:
-        """Record how `messages` differs from what the log holds: appended messages one by
-        one, anything else as the whole list."""
+    def sync(self, visible: Messages, dropped: int | None = None) -> None:
+        """Record the conversation as the model now sees it (`visible`), with `dropped` of
+        its oldest messages out of its sight (None: as many as before), the dropped ones
+        kept: a change in that count as a "dropped" event, appended messages one by one,
+        anything else as the whole list."""
         with self._lock:
-            n = len(self.messages)
-            if messages == self.messages:
-                return
-            if messages[:n] == self.messages:
+            h = self.history
+            dropped = h.dropped if dropped is None else dropped
+            messages = h.with_visible(visible, dropped)
+            if dropped != h.dropped:
+                self._put({"type": "event", "event": "dropped", "value": dropped, "time": time.time()})
+            n = len(h.messages)
+            if messages[:n] == h.messages:
                 for m in messages[n:]:
                     self._put({"type": "message", "role": m["role"], "content": m["content"]})
+                    h.append(m)
             else:
                 self._put({"type": "messages", "messages": messages})
-            self.messages = [dict(m) for m in messages]
+                h.replace(messages)
+            h.dropped = dropped
 
     def turn(self, record: TurnRecord) -> None:
-        self.write({"type": "turn", **record.to_dict()})
+        with self._lock:
+            self._put({"type": "turn", **record.to_dict()})
+            self.history.link(record)
 
     def event(self, name: str, **fields: Any) -> None:
         self.write({"type": "event", "event": name, "time": time.time(), **fields})
@@ -293,6 +321,7 @@ def restore(path: Path) -> Restored:
     """Replay a conversation log. A damaged record (a torn line after a crash, a hand edit)
     is skipped and counted in `skipped`; the rest of the conversation is kept."""
     out = Restored(path)
+    history = History()
     try:
         lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
     except OSError as err:
@@ -305,16 +334,22 @@ def restore(path: Path) -> Restored:
             kind = rec.get("type")
             if kind == "start":
                 system = rec.get("system")
-                out.messages = [_message({"role": "system", "content": system})] if system else []
+                history = History([_message({"role": "system", "content": system})] if system else [])
                 for key, default in (("cap", None), ("policy", "stop"), ("mode", "cache")):
                     value = rec.get(key, default)
                     setattr(out, key, value if SETTINGS[key](value) else default)
             elif kind == "message":
-                out.messages.append(_message(rec))
+                history.append(_message(rec))
             elif kind == "messages":
-                out.messages = [_message(m) for m in rec["messages"]]
+                history.replace([_message(m) for m in rec["messages"]])
             elif kind == "turn":
                 out.turns.append(TurnRecord.from_dict(rec))
+                history.link(out.turns[-1])
+            elif kind == "event" and rec.get("event") == "dropped":
+                value = rec.get("value")
+                if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= len(history.chat):
+                    raise ValueError(f"bad dropped count {value!r}")
+                history.dropped = value
             elif kind == "event" and rec.get("event") in SETTINGS:
                 value = rec.get("value")
                 if not SETTINGS[rec["event"]](value):
@@ -324,18 +359,20 @@ def restore(path: Path) -> Restored:
                 raise ValueError(f"unknown record type {kind!r}")
         except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
             out.skipped += 1
-    if out.messages and out.messages[-1]["role"] == "user":
+    out.messages, out.dropped, out.replies = history.messages, history.dropped, history.replies
+    if out.messages and out.messages[-1]["role"] == "user" and not history.is_dropped(len(out.messages) - 1):
         out.unanswered = out.messages.pop()["content"]
     return out
 
 
 # ---- export -------------------------------------------------------------------------------------
-def export(base: Path, messages: Messages, turns: list[TurnRecord], model: str,
+def export(base: Path, history: History, turns: list[TurnRecord], model: str,
            overwrite: bool = False) -> tuple[Path, Path]:
-    """Write base.md (the transcript) and base.jsonl (one telemetry record per turn), mode
-    0600. An existing file is kept unless `overwrite` (/save!); a symlink is never followed;
-    a directory is refused (so `/save /etc` never writes /etc.md). Raises OSError with
-    strerror saying which."""
+    """Write base.md (the transcript: every message, the ones drop-oldest dropped marked, each
+    reply with its own turn's stats line) and base.jsonl (one telemetry record per turn),
+    mode 0600. An existing file is kept unless `overwrite` (/save!); a symlink is never
+    followed; a directory is refused (so `/save /etc` never writes /etc.md). Raises OSError
+    with strerror saying which."""
     if base.is_dir():
         raise IsADirectoryError(errno.EISDIR, "is a directory; give a file name, e.g. DIR/chat", str(base))
     if base.suffix in (".md", ".jsonl"):
@@ -349,15 +386,15 @@ def export(base: Path, messages: Messages, turns: list[TurnRecord], model: str,
         if f.exists() and not f.is_file():
             raise OSError(errno.EINVAL, f"{f} is not a regular file", str(f))
     md.parent.mkdir(parents=True, exist_ok=True)
-    by_reply = {t.reply: t for t in turns}   # dropped or regenerated turns stay in the telemetry
     parts = [f"# kvchat conversation\n\nmodel: {model} · saved {time.strftime('%Y-%m-%d %H:%M')}\n"]
-    for m in messages:
+    for i, m in enumerate(history.messages):     # regenerated and edited turns stay in the telemetry
         title = {"system": "System", "user": "You", "assistant": "Assistant"}.get(m["role"], m["role"])
+        if history.is_dropped(i):
+            title += " (dropped by drop-oldest: the model no longer saw it)"
         parts.append(f"## {title}\n\n{m['content']}\n")
-        if m["role"] == "assistant":
-            s = by_reply.get(m["content"])
-            if s is not None:
-                parts.append(f"*{stats_line(s)}*\n")
+        s = history.reply_record(i)
+        if s is not None:
+            parts.append(f"*{stats_line(s)}*\n")
     _write_private(md, "\n".join(parts), overwrite)
     _write_private(jl, "".join(json.dumps(s.to_dict(), ensure_ascii=False) + "\n" for s in turns), overwrite)
     return md, jl
