@@ -25,7 +25,7 @@ from ..commands import Command, CommandError, read_message_file, token_count
 from ..screens.policy_picker import PolicyPicker
 from ..screens.model_info import ModelInfoScreen
 from ..store.log import export
-from ..text import what_if_command
+from ..text import per_token, what_if_command
 from .browser import Browser
 from .conversations import Conversations
 from .editing import Editor
@@ -190,10 +190,10 @@ class Controls:
             for s in sessions:      # the pool is every conversation's
                 s.log.event("kv_dtype", value=now)
             chats = "every conversation's cache" if len(sessions) > 1 else "the cache"
-            per_token = backend.info().bytes_per_token
             snap = backend.snapshot(session.chat)
+            size = per_token(snap.bytes_per_token, snap.scale_bytes_per_token) if snap.bytes_per_token else "unknown"
             pool = human_bytes(snap.capacity_bytes) if snap.capacity_bytes is not None else "unknown"
-            return (f"KV pool rebuilt in {now}: {per_token or 0:,} B per token; the pool keeps its byte budget "
+            return (f"KV pool rebuilt in {now}: {size} per token; the pool keeps its byte budget "
                     f"({pool}), so it holds {snap.num_blocks:,} blocks of "
                     f"{snap.block_size} now; {chats} dropped, the next turn recomputes its history")
         host.run_op(f"rebuild the pool in {kv}", run)
