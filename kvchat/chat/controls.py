@@ -104,6 +104,12 @@ class Controls:
 
     def set_cap(self, cap: int | None) -> None:
         host, session = self.host, self.host.session
+        info = host.backend.info()
+        top = info.max_position
+        if cap is not None and top is not None and cap > top and not info.random_weights:   # as --cap
+            host.notice(f"/cap {cap:,} is past {info.model}'s context window of {top:,} tokens; accepted: 1 to "
+                        f"{top:,}, or /cap off", error=True)
+            return
         try:
             session.chat.set_cap(cap)
         except KvchatError as err:     # e.g. below sink-window's least window

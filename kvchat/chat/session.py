@@ -58,7 +58,10 @@ class Session:
         self.state: ChatState = chat.state()      # as the backend last reported it
         self.snapshot: CacheSnapshot | None = None   # the latest taken while it was in focus
         self.prompt_tokens = 0                    # this turn's prompt, while it streams
-        self.context_tokens = 0                   # prompt + generated, the last turn
+        # the conversation's tokens: the last turn's prompt and reply (a reopened one's too), this
+        # turn's so far once its prompt is in; what the cap is checked against
+        self.context_tokens = self.turns[-1].context_tokens if self.turns else 0
+        self._prompt_in = False                   # this turn's PrefillEvent came
         self.preempted_noted = False              # its transcript already says it was preempted
         self.given_title: str | None = None       # set by a rename in the chat browser
         self.editing: int | None = None           # index of the user message being edited (editing.py)
@@ -134,13 +137,15 @@ class Session:
     def begin_turn(self, kv_dtype: str | None) -> None:
         """The turn starts: its latency points go to the series of its cache mode and KV dtype."""
         s = self.refresh()
+        self._prompt_in = False
         self.latency.begin_turn(s.mode, kv_dtype=kv_dtype, policy=s.policy, cap=s.cap)
 
     def progress(self, p: Progress) -> None:
         self.latency.add_points(p.points)
         if p.prefill is not None:
-            self.prompt_tokens = p.prefill.prompt_tokens
-        self.context_tokens = self.prompt_tokens + p.generated
+            self.prompt_tokens, self._prompt_in = p.prefill.prompt_tokens, True
+        if self._prompt_in:
+            self.context_tokens = self.prompt_tokens + p.generated
 
     def end_turn(self, record: TurnRecord | None, stats: TurnStats | None) -> None:
         """The live latency points give way to the record's exact ones; the record joins the
