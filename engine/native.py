@@ -13,120 +13,56 @@ one-row product and its per-piece attention calls left a step at 2.7x the memory
 A row or sequence of a batch gets the bits it gets alone.
 
 The sources are compiled with the system's C compiler (`cc`, or $CC) with -O3 -march=native
--fopenmp into the kvchat cache folder, keyed by the sources, flags, compiler and CPU, so that a
-machine compiles it once (about a second). Where there is no compiler, the compile fails, or
-KVCHAT_NATIVE=0 is set, `lib()` is None and every caller keeps its torch path; `status()` says
-which and why. No C++ or torch headers: torch's C++ ABI differs between versions, plain C does not.
+-fopenmp into the kvchat cache folder, once per machine and version (about 4 s), checked, and
+loaded; engine/native_build.py says how (levels, flags per architecture, the key, the checks).
+Where there is no compiler, nothing builds, or KVCHAT_NATIVE=0 is set, `lib()` is None and
+every caller keeps its torch path; `status()` says which and why, in one line.
 """
 from __future__ import annotations
 
 import ctypes
-import hashlib
+import logging
 import os
-import platform
-import shutil
-import subprocess
-import tempfile
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 
 import torch
 
-CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / name for name in ("gemv.c", "decode.c", "write.c"))
-HEADERS = (CSRC / "vec.h",)
-# -ffp-contract=fast: a * b + c as one fused multiply-add wherever the target has one (GCC's
-# default in GNU C, not in ISO C; clang's `on` would not contract across statements)
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11", "-ffp-contract=fast")
+from . import native_build
+from .native_abi import DecodeArgs, WriteArgs
+
+log = logging.getLogger(__name__)
 
 _lock = threading.Lock()
 _state: dict = {}          # "lib": CDLL | None, "why": str
 _disabled = False          # tests: see disabled()
 
 
-class DecodeArgs(ctypes.Structure):
-    _fields_ = [(name, ctypes.c_void_p) for name in ("k", "v", "ks", "vs", "tables", "lens")] + [
-        (name, ctypes.c_int64) for name in
-        ("table_stride", "max_blocks", "num_blocks", "block_stride", "row_stride", "head_stride",
-         "sblock_stride", "srow_stride", "shead_stride", "batch", "block_size", "kv_heads", "group", "dim",
-         "q_stride", "length")] + [("scale", ctypes.c_float)]
-
-
-class WriteArgs(ctypes.Structure):
-    _fields_ = [("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("ks", ctypes.c_void_p), ("vs", ctypes.c_void_p)] + [
-        (name, ctypes.c_int64) for name in
-        ("block_stride", "row_stride", "head_stride", "sblock_stride", "srow_stride", "shead_stride",
-         "num_blocks", "block_size", "kv_heads", "dim")] + [
-        ("src_k", ctypes.c_void_p), ("src_v", ctypes.c_void_p), ("k_row_stride", ctypes.c_int64),
-        ("v_row_stride", ctypes.c_int64), ("src_head_stride", ctypes.c_int64)]
-
-
-def _compiler() -> str | None:
-    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc") or shutil.which("clang")
-    return cc if cc and shutil.which(cc) else None
-
-
-def _cpu_features() -> str:
-    """What -march=native compiles for: the CPU's flags, so that a cache folder shared by
-    machines with other CPUs (a network home) never hands one a library it cannot run."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next((line for line in f if line.startswith(("flags", "Features"))), platform.machine())
-    except OSError:
-        return platform.machine() + platform.processor()
-
-
-def _build(cc: str) -> Path:
-    version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout
-    code = b"".join(p.read_bytes() for p in SOURCES + HEADERS)
-    key = hashlib.sha256(code + repr(FLAGS).encode() + version.encode()
-                         + _cpu_features().encode()).hexdigest()[:16]
-    from .sources import cache_dir  # noqa: PLC0415  (platformdirs, only when compiling)
-    out = cache_dir() / "native" / f"kvchat_cpu-{key}.so"
-    if out.exists():
-        return out
-    out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=out.parent) as tmp:
-        part = Path(tmp) / out.name
-        done = subprocess.run([cc, *FLAGS, *map(str, SOURCES), "-o", str(part), "-lm"], capture_output=True,
-                              text=True, timeout=300)
-        if done.returncode != 0:
-            first = (done.stderr.strip().splitlines() or ["no output"])[0]
-            raise OSError(f"{Path(cc).name} failed on {CSRC.name}/: {first}")
-        os.replace(part, out)     # atomic: a second process sees the whole library or none
-    return out
-
-
-def _load():
+def _load(level: str | None = None, cc: str | None = None) -> tuple[ctypes.CDLL | None, str]:
     if os.environ.get("KVCHAT_NATIVE", "1") == "0":
         return None, "off: KVCHAT_NATIVE=0"
-    cc = _compiler()
-    if cc is None:
-        return None, "off: no C compiler (cc, gcc or clang; or set CC)"
-    try:
-        lib = ctypes.CDLL(str(_build(cc)))
-    except (OSError, subprocess.SubprocessError) as e:
-        return None, f"off: {e}"
-    lib.kv_gemv.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 3 + [ctypes.c_int]
-    lib.kv_gemv.restype = None
-    lib.kv_decode.argtypes = [ctypes.POINTER(DecodeArgs), ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int, ctypes.c_int]
-    lib.kv_decode.restype = ctypes.c_int
-    lib.kv_write.argtypes = [ctypes.POINTER(WriteArgs), ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
-    lib.kv_write.restype = ctypes.c_int
-    lib.kv_rms_norm.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64, ctypes.c_int64, ctypes.c_float]
-    lib.kv_rms_norm.restype = None
-    return lib, f"on: {Path(cc).name} -march=native, {torch.get_num_threads()} threads"
+    from .sources import cache_dir  # noqa: PLC0415  (platformdirs, only when loading)
+    level = level or os.environ.get("KVCHAT_NATIVE_LEVEL") or "native"
+    lib, why, cap = native_build.load(cache_dir() / "native", level, cc)
+    if lib is None:
+        return None, why
+    threads = cap or torch.get_num_threads()
+    return lib, f"{why}, {threads} thread{'s' if threads > 1 else ''}"
 
 
 def lib():
-    """The loaded library, or None (then status() says why)."""
+    """The loaded library, or None (then status() says why). The first call builds or finds
+    it; when that fails, one line on the `kvchat.engine.native` logger (stderr by default)
+    says why and that the torch paths serve."""
     if _disabled:
         return None
     if "lib" not in _state:
         with _lock:
             if "lib" not in _state:
                 _state["lib"], _state["why"] = _load()
+                if _state["lib"] is None and _state["why"] != "off: KVCHAT_NATIVE=0":
+                    log.warning("kvchat: C kernels %s; the torch paths serve", _state["why"])
     return _state["lib"]
 
 
@@ -136,6 +72,20 @@ def status() -> str:
         return "off: disabled"
     lib()
     return _state["why"]
+
+
+@contextmanager
+def using(level: str, cc: str | None = None) -> Iterator[str]:
+    """Tests: the library built for another level (or compiler) serves inside the block;
+    yields its status line (lib() is None there when it did not build). Not thread-safe."""
+    global _state
+    previous = _state
+    loaded, why = _load(level, cc)
+    _state = {"lib": loaded, "why": why}
+    try:
+        yield why
+    finally:
+        _state = previous
 
 
 @contextmanager

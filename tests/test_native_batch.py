@@ -30,7 +30,7 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (13, 33), (7, 100), 
 def test_gemv_of_b_rows_is_each_rows_own_product(n, k):
     gen = torch.Generator().manual_seed(n * 31 + k)
     w = torch.randn(n, k, generator=gen)
-    for b in (1, 2, 3, 4, 5, 7, 8, 9, 16, 17, native.GEMV_MAX_ROWS):
+    for b in (1, 3, 4, 5, 16, 17, native.GEMV_MAX_ROWS):     # one row, whole tiles of 4, and tails
         x = torch.randn(b, k, generator=gen) * 3
         got = native.gemv(x, w)
         assert_within(got, *gemv_reference(x, w), what=f"B={b}")
@@ -118,16 +118,20 @@ def paged_batch(lens: list[int], hk: int, d: int, gen: torch.Generator, fp8: boo
 
 
 def mixed_lengths(b: int, gen: torch.Generator) -> list[int]:
-    """b lengths drawn from 1, block boundaries (16, 17, 32, 33) and random ones up to 700."""
+    """b lengths drawn from 1, block boundaries (16, 17, 32, 33) and random ones up to 400."""
     edge = [1, BS, BS + 1, 2 * BS, 2 * BS + 1]
     return [edge[i] if i < len(edge) and int(torch.randint(2, (1,), generator=gen)) else
-            int(torch.randint(1, 700, (1,), generator=gen)) for i in range(b)]
+            int(torch.randint(1, 400, (1,), generator=gen)) for i in range(b)]
+
+
+# 17 sequences of the bundled model's geometry; 3 of a group past the specialised kernels (10)
+# and of Llama 3.1 8B's (8 KV heads of 4, d 128)
+BATCHES = [(17, 3, 3, 64), (3, 3, 3, 64), (3, 2, 10, 64), (3, 8, 4, 128)]
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
 @pytest.mark.parametrize("head_major", [False, True], ids=["tokens", "heads"])
-@pytest.mark.parametrize("hk, g, d", [(3, 3, 64), (2, 10, 64), (8, 4, 128)], ids=["3x3x64", "2x10x64", "8x4x128"])
-@pytest.mark.parametrize("b", [2, 3, 8, 17])
+@pytest.mark.parametrize("b, hk, g, d", BATCHES, ids=[f"{b}x{hk}x{g}x{d}" for b, hk, g, d in BATCHES])
 def test_decode_of_b_sequences_matches_float64_and_each_alone(b, hk, g, d, head_major, fp8):
     gen = torch.Generator().manual_seed(b * 1000 + hk * 100 + g * 10 + head_major * 2 + fp8)
     lens = mixed_lengths(b, gen)

@@ -20,6 +20,10 @@ import math
 import torch
 
 U = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+# half the spacing of each dtype's subnormals: the absolute error of rounding a value too small
+# for the relative bound u (fp16's subnormals start at 6e-5; bf16 has fp32's exponent range)
+ETA = {torch.float32: 2.0 ** -150, torch.bfloat16: 2.0 ** -134, torch.float16: 2.0 ** -25}
+FP8 = getattr(torch, "float8_e4m3fn", None)
 TINY = 2.0 ** -126       # fp32's least normal: products below it lose more than u (underflow)
 EXP_ULPS = 4             # exp's own relative error in units of u: libm's expf, torch's (SLEEF),
 #                          the C kernel's polynomial (under 1e-8 + its roundings), Triton's exp2
@@ -80,73 +84,140 @@ def rms_norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: 
     The sum of squares is of K positive terms: relative error gamma_K (squares included); the
     division by K, the addition of eps, the square root, the reciprocal and the two products
     add at most six roundings, and the root halves the sum's error: relative error at most
-    gamma_(K/2 + 6) of each output, plus u of the output's dtype where it is rounded to one."""
+    gamma_(K/2 + 6) of each output. In a 16-bit dtype the normalised row and its product with
+    w are each rounded to it (as torch's rms_norm followed by * w, and the fused Triton
+    kernel): gamma_2 of that dtype more, the two compounded."""
     xd, wd = x.double(), w.double()
     k = x.shape[-1]
     ref = xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * wd
-    rel = gamma(k / 2 + 6) + (U[out_dtype] if out_dtype != torch.float32 else 0.0)
-    return ref, rel * ref.abs() + TINY
+    rel = gamma(k / 2 + 6) + (gamma(2, U[out_dtype]) if out_dtype != torch.float32 else 0.0)
+    return ref, rel * (1 + gamma(k / 2 + 6)) * ref.abs() + 2 * ETA[out_dtype] + TINY
+
+
+def silu_mul_reference(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """gate_up: (T, 2 n), gate then up -> (silu(gate) * up in float64, its bound), (T, n).
+
+    silu(g) = g / (1 + e^-g) in fp32: exp's EXP_ULPS u, the addition (whose result is at
+    least 1 and at least e^-g, so it does not magnify the error), the division and the
+    product with up: (EXP_ULPS + 3) u of fp32 relative. In a 16-bit dtype the activation and
+    the product are each rounded to it, as torch rounds F.silu(gate) * up: 2 u of it more."""
+    gate, up = gate_up.double().chunk(2, dim=-1)
+    ref = gate * torch.sigmoid(gate) * up
+    inner = gamma(EXP_ULPS + 3)
+    rel = inner + (gamma(2, U[gate_up.dtype]) if gate_up.dtype != torch.float32 else 0.0)
+    return ref, rel * (1 + inner) * ref.abs() + 2 * ETA[gate_up.dtype] + TINY
 
 
 # ---- attention ----------------------------------------------------------------------------
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                        p_dtype: torch.dtype = torch.float32, out_dtype: torch.dtype = torch.float32
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One query per head against T rows. q: (H, d); k, v: (T, Hk, d), the values the kernel
-    reads (fp8 already times its scale, exactly, in float64). Returns (softmax(scale q k^T) v in
-    float64, its bound), both (H, d).
+                        mask: torch.Tensor | None = None, p_dtype: torch.dtype = torch.float32,
+                        out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    """softmax(scale q k^T) v in float64 and its bound. q: (H, Tq, d); k, v: (Hk, S, d), the
+    values the kernel reads (fp8 already times its scale, exactly, in float64); mask: (Tq, S)
+    bool, True where a query sees a key, or None. Returns (ref, bound), both (H, Tq, d).
 
-    Why the bound has the shape it has. Let s_i be row i's exact score and m = max_i s_i.
+    Why the bound has the shape it has. For one query let s_i be key i's exact score, m their
+    maximum, p_i the exact softmax, o the exact output and T the keys it sees.
     - Scores: a dot product of length d, the scale, and where it applies the fp8 scale and
-      Triton's log2(e): |s^_i - s_i| <= gamma_(d+3) a_i, with a_i = scale sum_c |q_c k_ic|.
-      It grows with the score's magnitude: at scores of +-250 it is 250 times larger than at
-      +-1, the case the fixed atol of 1e-5 failed (issue 21).
-    - The exponent: exp is taken of s^_i - m^ (any running max m^; a common shift cancels in
-      the normalisation), the subtraction rounds with u |s_i - m|, exp adds EXP_ULPS u, and
-      each later update of the running max multiplies the row's weight by a rounded
-      exp(m_old - m_new): at most 2 T / MIN_TILE updates (tiles, then the merge of splits).
-      So row i's weight is exp(s_i - m) e^(t_i) with |t_i| <= tau_i = gamma_(d+3) a_i +
-      u |s_i - m| + (EXP_ULPS + 1) u (2 T / MIN_TILE + 1).
+      Triton's log2(e): |s^_i - s_i| <= gamma_(d+3) a_i, with a_i = |scale| sum_c |q_c k_ic|.
+      It grows with the score's magnitude: at scores of +-150 it is about 30 times what it is
+      at +-5, the case the fixed atol of 1e-5 failed (issue 21).
+    - The exponent: exp is taken of s^_i - m^ (any running max m^: a shift common to all rows
+      cancels in the normalisation); the subtraction rounds with u |s_i - m|, exp adds
+      EXP_ULPS u, and each later update of the running max multiplies the row's weight by a
+      rounded exp(m_old - m_new): at most 2 T / MIN_TILE + 1 updates (per tile, then the
+      merge of splits). So row i's weight is exp(s_i - m) e^(t_i) with |t_i| <= tau_i =
+      gamma_(d+3) a_i + u |s_i - m| + (EXP_ULPS + 1) u (2 T / MIN_TILE + 1).
     - Perturbed weights: o^ - o = sum_i p_i (e^(t_i) - 1) (v_i - o) / sum_i p_i e^(t_i), so
-      |o^ - o| <= e^(max tau) sum_i p_i (e^(tau_i) - 1) |v_i - o|. Only rows that carry weight
-      count, and only by how far their values are from the output.
+      |o^ - o| <= e^(max tau) sum_i p_i (e^(tau_i) - 1) (|v_i| + |o|). Only the rows that
+      carry weight count.
     - The sums: the weighted sum of T values and the sum of T weights are off by at most
-      gamma_(T+2) (sum_i p_i |v_i| + |o|), products and the final division included.
-    - Probabilities rounded to q's dtype before the second product (the Triton kernel with bf16
-      or fp16 queries, as FlashAttention does): u_p sum_i p_i |v_i|; the output rounded to its
-      dtype: u_out |o|.
-    The sensitivity to the scores (first item) is what grows with the largest score and the
-    length; the sums' part grows with the length. Both are computed in float64."""
-    h, d = q.shape
-    t, hk, _ = k.shape
+      gamma_(T+2) (sum_i p_i |v_i| + |o|), the products and the final division included.
+    - Probabilities rounded to q's dtype before the second product (the Triton kernel with
+      bf16 or fp16 queries, as FlashAttention does): u_p sum_i p_i |v_i|, and where a weight
+      (at most 1 before the division by their sum, itself at least 1) falls among fp16's
+      subnormals, eta_p sum_i |v_i|; the output rounded to its dtype: u_out |o| + eta_out.
+      Roundings that follow one another compound: the weights' error is taken (1 + u_p)
+      times, and the whole error (1 + u_out) times before the output's own rounding is added.
+    So the bound grows with the largest scores (through a_i and |s_i - m|) and the length
+    (through the updates and gamma_T); it is computed in float64 from the inputs alone."""
+    h, tq, d = q.shape
+    hk, _, _ = k.shape
+    g = h // hk
     u = U[torch.float32]
-    qd = q.double().view(hk, h // hk, d)                                  # (hk, g, d)
-    kd, vd = k.double().transpose(0, 1), v.double().transpose(0, 1)      # (hk, T, d)
-    s = scale * qd @ kd.transpose(1, 2)                                   # (hk, g, T)
-    a = abs(scale) * qd.abs() @ kd.abs().transpose(1, 2)                  # (hk, g, T)
+    qd = q.double().reshape(hk, g * tq, d)                                # (hk, g*Tq, d): head = kv_head * g + j
+    kd, vd = k.double(), v.double()                                       # (hk, S, d)
+    s = scale * qd @ kd.transpose(1, 2)                                   # (hk, g*Tq, S)
+    a = abs(scale) * qd.abs() @ kd.abs().transpose(1, 2)
+    seen = torch.ones(tq, k.shape[1], dtype=torch.bool) if mask is None else mask.cpu()
+    seen = seen.repeat(g, 1)                                              # (g*Tq, S)
+    s = s.masked_fill(~seen, -math.inf)
     m = s.amax(-1, keepdim=True)
-    p = torch.softmax(s, -1)                                              # (hk, g, T)
-    o = p @ vd                                                            # (hk, g, d)
-    updates = 2 * math.ceil(t / MIN_TILE) + 1
-    tau = gamma(d + 3) * a + u * (s - m).abs() + (EXP_ULPS + 1) * u * updates   # (hk, g, T)
-    dev = (vd[:, None, :, :] - o[:, :, None, :]).abs()                   # (hk, g, T, d): |v_i - o|
-    first = math.exp(float(tau.max())) * (p * torch.expm1(tau))[..., None].mul(dev).sum(-2)
-    absv = p @ vd.abs()                                                   # (hk, g, d): sum p |v|
+    p = torch.softmax(s, -1)                                              # (hk, g*Tq, S)
+    o = p @ vd                                                            # (hk, g*Tq, d)
+    t = seen.sum(-1, keepdim=True).double()                               # (g*Tq, 1): keys seen
+    updates = 2 * torch.ceil(t / MIN_TILE) + 1
+    tau = gamma(d + 3) * a + u * (s - m).abs() + (EXP_ULPS + 1) * u * updates
+    tau = tau.masked_fill(~seen, 0.0)                                     # (hk, g*Tq, S)
+    w = p * torch.expm1(tau)
+    first = torch.exp(tau.amax(-1, keepdim=True)) * (w @ vd.abs() + w.sum(-1, keepdim=True) * o.abs())
+    absv = p @ vd.abs()                                                   # (hk, g*Tq, d): sum p |v|
     u_p = U[p_dtype] if p_dtype != torch.float32 else 0.0
     u_out = U[out_dtype] if out_dtype != torch.float32 else 0.0
-    bound = first + gamma(t + 2) * (absv + o.abs()) + u_p * absv + u_out * o.abs() + d * TINY
-    return o.reshape(h, d), bound.reshape(h, d)
+    sums = (t + 2) * u / (1 - (t + 2) * u)                                # gamma_(T+2), per query
+    # the output's own rounding applies to the computed output: (its error)(1 + u_out) + u_out |o|
+    inside = first * (1 + u_p) + sums * (absv + o.abs()) + u_p * absv + ETA[p_dtype] * (seen.double() @ vd.abs())
+    bound = inside * (1 + u_out) + u_out * o.abs() + ETA[out_dtype] + d * TINY
+    return o.reshape(h, tq, d), bound.reshape(h, tq, d)
+
+
+def lse_reference(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Tensor | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """log sum_i exp(s_i), the log-sum-exp a split-K kernel keeps beside its output, in float64
+    and its bound. q: (H, Tq, d); k: (Hk, S, d); mask as attention_reference's -> both (H, Tq).
+
+    Each weight is off by at most a factor e^(tau_i) (attention_reference), which moves the
+    log of their sum by at most max tau; the sum adds gamma_(T+2); the log and the addition
+    of the max round with (EXP_ULPS + 2) u of the magnitudes involved."""
+    h, tq, d = q.shape
+    hk = k.shape[0]
+    g = h // hk
+    u = U[torch.float32]
+    qd, kd = q.double().reshape(hk, g * tq, d), k.double()
+    seen = (torch.ones(tq, k.shape[1], dtype=torch.bool) if mask is None else mask.cpu()).repeat(g, 1)
+    s = (scale * qd @ kd.transpose(1, 2)).masked_fill(~seen, -math.inf)   # (hk, g*Tq, S)
+    a = abs(scale) * qd.abs() @ kd.abs().transpose(1, 2)
+    m = s.amax(-1, keepdim=True)
+    lse = torch.logsumexp(s, -1)                                          # (hk, g*Tq)
+    t = seen.sum(-1).double()
+    tau = gamma(d + 3) * a + u * (s - m).abs() + (EXP_ULPS + 1) * u * (2 * torch.ceil(t / MIN_TILE) + 1)[:, None]
+    bound = (tau.masked_fill(~seen, 0.0).amax(-1) + (t + 2) * u / (1 - (t + 2) * u)
+             + (EXP_ULPS + 2) * u * (lse.abs() + m[..., 0].abs()))
+    return lse.reshape(h, tq), bound.reshape(h, tq)
+
+
+def decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                     p_dtype: torch.dtype = torch.float32, out_dtype: torch.dtype = torch.float32
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One query per head. q: (H, d); k, v: (T, Hk, d) -> (ref, bound), both (H, d)."""
+    ref, bound = attention_reference(q[:, None], k.transpose(0, 1), v.transpose(0, 1), scale, None, p_dtype,
+                                     out_dtype)
+    return ref[:, 0], bound[:, 0]
 
 
 def paged_rows(cache: torch.Tensor, scale: torch.Tensor | None, table: torch.Tensor, length: int) -> torch.Tensor:
     """A sequence's first `length` rows from a paged cache (num_blocks, block_size, Hk, d), in
     float64, fp8 values times their scale exactly: (length, Hk, d)."""
     bs = cache.shape[1]
-    pos = torch.arange(length)
-    blocks = table.long().cpu()[pos // bs]
-    rows = cache.cpu()[blocks, pos % bs].double()                         # (length, Hk, d)
+    blocks = table.long().cpu()[:-(-length // bs)]
+    raw = cache.cpu()
+    if raw.dtype == FP8:           # CPU torch gathers float8 as bytes only
+        raw = raw.view(torch.uint8)[blocks].view(FP8)
+    else:
+        raw = raw[blocks]
+    rows = raw.flatten(0, 1)[:length].double()                            # (length, Hk, d)
     if scale is not None:
-        rows = rows * scale.cpu()[blocks, pos % bs].double()[..., None]
+        rows = rows * scale.cpu()[blocks].flatten(0, 1)[:length].double()[..., None]
     return rows
 
 
@@ -154,13 +225,13 @@ def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            lens, scale: float, k_scale: torch.Tensor | None = None,
                            v_scale: torch.Tensor | None = None, p_dtype: torch.dtype = torch.float32,
                            out_dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
-    """attention_reference for each of B sequences read through its block table.
+    """decode_reference for each of B sequences read through its block table.
     q: (B, H, d); tables: (B, max_blocks); lens: B ints -> (ref, bound), both (B, H, d)."""
     refs, bounds = [], []
     for b, n in enumerate(int(x) for x in lens):
         k = paged_rows(k_cache, k_scale, tables[b], n)
         v = paged_rows(v_cache, v_scale, tables[b], n)
-        r, e = attention_reference(q[b].cpu(), k, v, scale, p_dtype, out_dtype)
+        r, e = decode_reference(q[b].cpu(), k, v, scale, p_dtype, out_dtype)
         refs.append(r)
         bounds.append(e)
     return torch.stack(refs), torch.stack(bounds)

@@ -9,26 +9,13 @@
  * threads take items as they come (short sequences beside long ones balance). fp8 rows are
  * dequantized in registers: no fp32 copy of the cache is ever written.
  */
+#include "kvchat.h"
 #include "vec.h"
 
 #define TILE 16         /* cached rows per softmax update: one vector of scores */
 #define MAX_GROUP 16    /* query heads per KV head */
 #define MAX_DIM 256     /* head_dim */
-
-typedef struct {
-    const void *k, *v;            /* the layer's K and V storage: float32 or e4m3 bytes */
-    const float *ks, *vs;         /* fp8: one scale per (slot, KV head); NULL for fp32 */
-    const int32_t *tables;        /* (batch, table_stride): each sequence's block ids */
-    const int32_t *lens;          /* (batch,): rows each sequence reads, its new one included;
-                                     NULL: one sequence of `length` rows */
-    int64_t table_stride, max_blocks, num_blocks;
-    int64_t block_stride, row_stride, head_stride;            /* in elements, for k and v */
-    int64_t sblock_stride, srow_stride, shead_stride;         /* in elements, for ks and vs */
-    int64_t batch, block_size, kv_heads, group, dim;
-    int64_t q_stride;             /* elements between sequences in q; heads and dims contiguous */
-    int64_t length;
-    float scale;
-} DecodeArgs;
+#define SMALL 8192      /* cached values (rows x KV heads x head_dim) below which one thread decodes */
 
 /* rows of e4m3 bytes into fp32, unscaled: each byte's sign placed at bit 31 and its exponent
  * and mantissa at bits 20-26 of a float32 give the value times 2^-120, exactly (see
@@ -161,7 +148,7 @@ int kv_decode(const DecodeArgs *a, const float *q, float *out, int splits, int t
     const int64_t g = a->group, d = a->dim, hk = a->kv_heads, bs = a->block_size, nb = a->batch;
     if (g < 1 || g > MAX_GROUP || d % LANES || d > MAX_DIM || bs < 1 || nb < 1 || splits < 1)
         return -1;
-    int64_t items = 0;
+    int64_t items = 0, rows = 0;
     for (int64_t s = 0; s < nb; s++) {
         const int64_t len = length_of(a, s), blocks = (len + bs - 1) / bs;
         if (len < 1 || blocks > a->max_blocks)
@@ -172,7 +159,10 @@ int kv_decode(const DecodeArgs *a, const float *q, float *out, int splits, int t
                 return -1;
         }
         items += hk * (blocks < splits ? blocks : splits);
+        rows += len;
     }
+    if (rows * hk * d < SMALL)       /* waking a second thread would cost more than it saves */
+        threads = 1;
     /* one allocation: the items, each sequence's first item, then each item's m, l and acc */
     char *mem = malloc(sizeof(Item) * items + sizeof(int64_t) * (nb + 1) + sizeof(float) * items * g * (d + 2));
     if (mem == NULL)

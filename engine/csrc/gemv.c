@@ -13,9 +13,11 @@
  * not. A bf16 weight path (AVX512-BF16's vdpbf16ps) replaces tile()'s loop body: weight rows
  * of bf16 pairs against x converted to bf16 once per call; the tiling and threads stay.
  */
+#include "kvchat.h"
 #include "vec.h"
 
 #define ROWS_ONE 8      /* weight rows per pass for one row of x */
+#define SMALL 32768     /* multiply-adds below which one thread computes */
 #if defined(__AVX512F__) || defined(__aarch64__)
 #define ROWS_MANY 4     /* weight rows per tile with several rows of x: 32 vector registers */
 #define XS_MANY 4       /* rows of x per tile: R x X accumulators, R weight vectors, one x */
@@ -73,7 +75,8 @@ static inline __attribute__((always_inline)) void column(const float *x, const f
 /* x: (b, k); w: (n, k); y: (b, n); all contiguous fp32. */
 void kv_gemv(const float *x, const float *w, float *y, int64_t b, int64_t n, int64_t k, int threads) {
     const int64_t rows = b == 1 ? ROWS_ONE : ROWS_MANY, groups = n / rows;
-    #pragma omp parallel num_threads(threads)
+    /* below SMALL, waking a second thread would cost more than it saves */
+    #pragma omp parallel num_threads(threads) if (b * n * k >= SMALL)
     {
         #pragma omp for schedule(static) nowait
         for (int64_t gi = 0; gi < groups; gi++) {

@@ -1,6 +1,7 @@
 /* A step's new K/V rows written into their pool slots: copied for an fp32 cache, quantized to
  * e4m3 with one scale per (row, KV head) for an fp8 one, with the bytes torch's own conversion
  * gives. The rows may belong to any number of sequences: each carries its own flat slot. */
+#include "kvchat.h"
 #include "vec.h"
 
 /* float32 -> e4m3fn, rounding to nearest even: the conversion torch itself does (c10's
@@ -29,15 +30,6 @@ static inline uint8_t e4m3_from_float(float f) {
     }
     return out | (uint8_t)(sign >> 24);
 }
-
-typedef struct {
-    void *k, *v;                  /* the layer's cache storage, as in DecodeArgs */
-    float *ks, *vs;               /* fp8 scales, or NULL for an fp32 cache */
-    int64_t block_stride, row_stride, head_stride, sblock_stride, srow_stride, shead_stride;
-    int64_t num_blocks, block_size, kv_heads, dim;
-    const float *src_k, *src_v;   /* the new rows: (rows, kv_heads, dim), unit stride in dim */
-    int64_t k_row_stride, v_row_stride, src_head_stride;
-} WriteArgs;
 
 /* rows t = 0 .. n-1 go to flat slots[t] = block * block_size + offset. fp8: one scale per
  * (row, KV head), amax / 448 (amax at least 1e-12), each value divided by it, clamped to +-448
@@ -73,4 +65,9 @@ int kv_write(const WriteArgs *a, const int64_t *slots, int64_t n, int threads) {
         }
     }
     return 0;
+}
+
+void kv_sizes(int64_t *sizes) {
+    sizes[0] = sizeof(DecodeArgs);
+    sizes[1] = sizeof(WriteArgs);
 }
