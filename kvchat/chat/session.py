@@ -143,7 +143,8 @@ class Session:
     def progress(self, p: Progress) -> None:
         self.latency.add_points(p.points)
         if p.prefill is not None:
-            self.prompt_tokens, self._prompt_in = p.prefill.prompt_tokens, True
+            self.prompt_tokens = p.prefill.prompt_tokens
+            self._prompt_in = True
         if self._prompt_in:
             self.context_tokens = self.prompt_tokens + p.generated
 
