@@ -31,6 +31,7 @@ class Panels:
     def __init__(self, screen: Screen[None]) -> None:
         self.screen = screen
         self.notes: list[str] = []              # status-line notes (cap, policy, theme...), oldest first
+        self.sampling = ""                      # the sampling line, as the status line last showed it
 
     @cached_property
     def status_bar(self) -> StatusBar:
@@ -68,6 +69,7 @@ class Panels:
         self.notes.append(text)
 
     def settings(self, info: BackendInfo, session: Session, open_chats: int, sampling: str) -> None:
+        self.sampling = sampling        # the screen's, which every conversation shares (ctrl+n says so)
         self.status_bar.show_settings(info, session.state, session.number, open_chats, sampling)
 
     # ---- the telemetry panels ---------------------------------------------------------------------
