@@ -154,7 +154,8 @@ class Engine:
 
     @property
     def bytes_per_token(self) -> int:
-        return self.spec.bytes_per_token
+        """What one token holds in the pool, fp8's scales included (PoolSpec.stored_bytes_per_token)."""
+        return self.spec.stored_bytes_per_token
 
     def set_kv_dtype(self, kv_dtype: str) -> None:
         """Rebuild the pool in another storage dtype, keeping the same byte budget. Every
@@ -237,9 +238,10 @@ class Engine:
                         codes[block_id] = HELD
             return CacheSnapshot(
                 model=self.source.name, kv_dtype=spec.kv_dtype, block_size=spec.block_size,
-                num_blocks=spec.num_blocks, bytes_per_token=spec.bytes_per_token,
-                capacity_bytes=self.pool.nbytes, tokens_held=held, bytes_used=held * spec.bytes_per_token,
-                bytes_allocated=blocks * spec.block_size * spec.bytes_per_token, blocks_used=blocks,
+                num_blocks=spec.num_blocks, bytes_per_token=self.bytes_per_token,
+                scale_bytes_per_token=spec.scale_bytes_per_token, capacity_bytes=self.pool.nbytes,
+                tokens_held=held, bytes_used=held * self.bytes_per_token,
+                bytes_allocated=blocks * spec.block_size * self.bytes_per_token, blocks_used=blocks,
                 wasted_slots=wasted, pool_free=bm.num_free, pool_active=bm.num_active,
                 pool_cached=bm.num_cached, pool_shared=len(shared), block_map=bytes(codes),
                 cap=focus.cap if focus is not None else None,
@@ -253,7 +255,8 @@ class Engine:
             "model": self.source.name, "device": str(self.device), "dtype": self.dtype_name,
             "kv_dtype": spec.kv_dtype, "random_weights": self.source.random_weights,
             "n_layers": g.n_layers, "n_heads": g.n_heads, "n_kv_heads": g.n_kv_heads, "head_dim": g.head_dim,
-            "kv_bytes_per_token": spec.bytes_per_token, "block_size": spec.block_size,
+            "kv_bytes_per_token": self.bytes_per_token, "kv_scale_bytes_per_token": spec.scale_bytes_per_token,
+            "block_size": spec.block_size,
             "num_blocks": spec.num_blocks, "capacity_tokens": spec.capacity_tokens,
             "capacity_bytes": self.pool.nbytes, "weight_bytes": self.model.weight_bytes,
         }

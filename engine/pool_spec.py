@@ -21,8 +21,14 @@ class PoolSpec:
     scale_bytes_per_token: int  # fp8 only: 2 x L x H_kv x 4
 
     @property
+    def stored_bytes_per_token(self) -> int:
+        """What one token takes in the pool: its elements and (fp8) their scales. Every figure
+        kvchat shows or writes counts bytes this way, with the scales' share beside it."""
+        return self.bytes_per_token + self.scale_bytes_per_token
+
+    @property
     def block_bytes(self) -> int:
-        return self.block_size * (self.bytes_per_token + self.scale_bytes_per_token)
+        return self.block_size * self.stored_bytes_per_token
 
     @property
     def capacity_bytes(self) -> int:

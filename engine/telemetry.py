@@ -73,11 +73,11 @@ class CacheSnapshot:
     kv_dtype: str
     block_size: int
     num_blocks: int
-    bytes_per_token: int | None     # 2 x L x H_kv x d_h x element bytes
+    bytes_per_token: int | None     # 2 x L x H_kv x d_h x element bytes, + fp8's scales (scale_bytes_per_token)
     capacity_bytes: int | None      # the whole pool, scales included
     tokens_held: int | None         # this conversation's cached tokens
-    bytes_used: int | None          # tokens_held x bytes_per_token
-    bytes_allocated: int | None     # blocks_used x block_size x bytes_per_token
+    bytes_used: int | None          # tokens_held x bytes_per_token (scales included)
+    bytes_allocated: int | None     # blocks_used x block_size x bytes_per_token (scales included)
     blocks_used: int | None
     wasted_slots: int | None        # empty slots in this conversation's partial last block
     pool_free: int | None           # blocks by state, whole pool
@@ -94,6 +94,7 @@ class CacheSnapshot:
     # came from, and the fields it left None because the server cannot tell them
     source: str = "local"
     unavailable: tuple[str, ...] = ()
+    scale_bytes_per_token: int | None = 0   # of bytes_per_token, fp8's scales: 2 x L x H_kv x 4 (0 otherwise)
 
     @property
     def occupancy(self) -> float | None:
@@ -119,7 +120,8 @@ class TurnSummary:
     decode_ms: tuple[float, ...] = ()        # one per generated token
     positions: tuple[int, ...] = ()          # the context position each token was fed at
     stop_reason: str | None = None           # eos, max_tokens, cap, cancelled
-    kv_bytes_per_token: int | None = 0
+    kv_bytes_per_token: int | None = 0       # elements and (fp8) scales; the scales' share next
+    kv_scale_bytes_per_token: int | None = 0
     kv_bytes_used: int | None = 0
     kv_bytes_allocated: int | None = 0
     kv_capacity_bytes: int | None = 0
@@ -191,7 +193,8 @@ class TurnStats:
             generated_tokens=self.generated_tokens, ttft_ms=round(self.ttft_ms, 3),
             prefill_ms=_round(self.prefill_ms), decode_ms=tuple(round(x, 3) for x in self.decode_ms),
             positions=tuple(self.positions), stop_reason=self.stop_reason,
-            kv_bytes_per_token=c.bytes_per_token, kv_bytes_used=c.bytes_used,
+            kv_bytes_per_token=c.bytes_per_token, kv_scale_bytes_per_token=c.scale_bytes_per_token,
+            kv_bytes_used=c.bytes_used,
             kv_bytes_allocated=c.bytes_allocated, kv_capacity_bytes=c.capacity_bytes,
             block_size=c.block_size, blocks_used=c.blocks_used, tokens_held=c.tokens_held,
             mode=self.mode, kv_dtype=self.kv_dtype, policy=self.policy, cap=c.cap,
@@ -209,7 +212,8 @@ def _round(ms: float | None) -> float | None:
 
 
 # CacheSnapshot field -> the summary() key that carries it
-_SUMMARY_KEYS = {"bytes_per_token": "kv_bytes_per_token", "bytes_used": "kv_bytes_used",
+_SUMMARY_KEYS = {"bytes_per_token": "kv_bytes_per_token", "scale_bytes_per_token": "kv_scale_bytes_per_token",
+                 "bytes_used": "kv_bytes_used",
                  "bytes_allocated": "kv_bytes_allocated", "capacity_bytes": "kv_capacity_bytes"}
 
 

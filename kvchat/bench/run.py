@@ -209,7 +209,7 @@ class Bench:
                 s.kv = {"tokens_held": c.tokens_held, "bytes_per_token": c.bytes_per_token,
                         "bytes_used": c.bytes_used, "bytes_allocated": c.bytes_allocated,
                         "blocks_used": c.blocks_used, "block_size": c.block_size,
-                        "scale_bytes": c.tokens_held * eng.spec.scale_bytes_per_token}
+                        "scale_bytes": c.tokens_held * (c.scale_bytes_per_token or 0)}   # of bytes_used
             if next_turn == "none":
                 return None
             second = finish(conv.send(FOLLOW_UP, SamplingParams(max_tokens=1)))

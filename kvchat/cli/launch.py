@@ -42,6 +42,12 @@ def run_chat(args) -> int:
     if app.failure:
         print(f"kvchat: {shown(app.failure)}", file=sys.stderr)
         return 2
+    if app.signalled is not None and app.backend is None:
+        # signalled while the model loads: the load cannot be interrupted, and nothing is
+        # open to save yet, so the process ends now rather than after the load's thread
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + app.signalled)
     return app.return_code or 0
 
 

@@ -4,8 +4,9 @@ context at which the two are equal), what the same tokens would cost on well-kno
 their own serving dtypes, and the pool's eviction and preemption counters (every
 conversation shares the pool).
 
-fp8 figures count the scales as the bench does: one fp32 scale per token, layer, K/V and
-KV head, beside the one-byte elements.
+fp8 figures count the scales as every figure of kvchat does (the engine's snapshot, the logs,
+`ask --json`, the bench): one fp32 scale per token, layer, K/V and KV head, beside the
+one-byte elements, with the scales' share shown.
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ from kvchat.engine.telemetry import CacheSnapshot
 from kvchat.engine.units import human_bytes
 
 from ..backends.server_stats import ServerSnapshot, ServerStats
+from ..text import per_token as per_token_text
 from .panel import Panel
 from ..text import inert
 
@@ -139,11 +141,13 @@ class CachePanel(Panel, Static):
         kv = s.kv_dtype if s.kv_dtype in DTYPE_BYTES else "bf16"
         self._drawn_width = width = self.content_region.width or self._width
         narrow, gauge, _ = _form(width)
-        rows = [("used", _bytes(s.bytes_used), f"{_count(S)} tokens"),
+        scaled = f" · {human_bytes(S * s.scale_bytes_per_token)} of it scales" if S and s.scale_bytes_per_token else ""
+        rows = [("used", _bytes(s.bytes_used), f"{_count(S)} tokens{scaled}"),
                 ("allocated", _bytes(s.bytes_allocated), f"{_count(s.blocks_used)} blocks of {s.block_size}"),
                 ("pool", _bytes(s.capacity_bytes), f"{s.num_blocks:,} blocks")]
         if g is None:
-            rows.append(("per token", _bytes(s.bytes_per_token), f"{_count(s.bytes_per_token)} B"))
+            rows.append(("per token", _bytes(s.bytes_per_token),
+                         per_token_text(s.bytes_per_token, s.scale_bytes_per_token) if s.bytes_per_token else "unknown"))
         else:
             elems, scales = g.kv_bytes_per_token(kv), scale_bytes_per_token(g, kv)
             how = f"2 × {g.n_layers} × {g.n_kv_heads} × {g.head_dim} × {DTYPE_BYTES[kv]} B"
