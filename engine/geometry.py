@@ -17,6 +17,7 @@ from typing import Any
 from .errors import ModelLoadError
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+SCALE_BYTES = 4   # an fp8 cache keeps one fp32 scale per token, layer, K/V and KV head
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,6 +50,10 @@ class Geometry:
     def kv_bytes_per_token(self, kv_dtype: str) -> int:
         """2 (K and V) x layers x KV heads x head_dim x bytes per element."""
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * DTYPE_BYTES[kv_dtype]
+
+    def kv_scale_bytes_per_token(self, kv_dtype: str) -> int:
+        """fp8: 2 (K and V) x layers x KV heads fp32 scales per token; other dtypes store none."""
+        return 2 * self.n_layers * self.n_kv_heads * SCALE_BYTES if kv_dtype == "fp8" else 0
 
     def formula(self, kv_dtype: str) -> str:
         b = DTYPE_BYTES[kv_dtype]
