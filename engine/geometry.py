@@ -18,6 +18,8 @@ from .errors import ModelLoadError
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 SCALE_BYTES = 4   # an fp8 cache keeps one fp32 scale per token, layer, K/V and KV head
+MODEL_DTYPES = ("auto", "fp32", "bf16", "fp16")          # --dtype's choices (auto: bf16 on CUDA, fp32 on CPU)
+KV_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp8")      # --kv-dtype's (auto: the model's dtype)
 
 
 @dataclass(frozen=True, slots=True)

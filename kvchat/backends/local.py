@@ -4,9 +4,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
-from kvchat.engine.engine import KV_DTYPES, Engine, EngineConfig
-from kvchat.engine.errors import KvchatError
-from kvchat.engine.policy import POLICIES
+from kvchat.engine import KV_DTYPES, POLICIES, Engine, EngineConfig
 
 from .protocol import BackendInfo, Capabilities, ChatState, Event, Message
 
@@ -30,17 +28,10 @@ class LocalChat:
         return self.conv.regenerate(sampling, cancel)
 
     def restore(self, messages: list[Message]) -> None:
-        self.conv.reset_cache()
-        self.conv.messages = [dict(m) for m in messages]
+        self.conv.restore_messages(messages)
 
     def truncate(self, n_messages: int) -> None:
-        c = self.conv
-        if not 0 <= n_messages <= len(c.messages):
-            raise KvchatError(f"cannot keep {n_messages} messages of {len(c.messages)}")
-        with c.engine.lock:
-            c.messages = c.messages[:n_messages]
-            if c.streaming:   # a sink-window cache is not a prefix of the text: start it again
-                c.reset_cache()
+        self.conv.truncate(n_messages)
 
     def reset_cache(self) -> int:
         return self.conv.reset_cache()
@@ -55,13 +46,7 @@ class LocalChat:
         self.conv.set_mode(mode)
 
     def set_system(self, text: str | None) -> None:
-        conv = self.conv
-        with conv.engine.lock:
-            if conv.messages and conv.messages[0]["role"] == "system":
-                del conv.messages[0]
-            if text:
-                conv.messages.insert(0, {"role": "system", "content": text})
-            conv.drop_cache(keep_index=True)   # the old prefix stays cached for the chats that share it
+        self.conv.set_system(text)
 
 
 class LocalBackend:
@@ -74,8 +59,8 @@ class LocalBackend:
         self.engine = engine
 
     @classmethod
-    def load(cls, config: EngineConfig, source=None) -> LocalBackend:
-        return cls(Engine(config, source=source))
+    def load(cls, config: EngineConfig, source=None, checked=None) -> LocalBackend:
+        return cls(Engine(config, source=source, checked=checked))
 
     def info(self) -> BackendInfo:
         e = self.engine

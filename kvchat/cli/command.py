@@ -63,20 +63,15 @@ def load_backend(args, quiet: bool = False):
         if not quiet:
             print(f"attached to {backend.model.name} at {backend.api.url}", file=sys.stderr, flush=True)
         return backend
-    from kvchat.engine import Engine
-    from kvchat.engine.engine import check_memory, pick_device, pick_dtypes
-    from kvchat.engine.sources import resolve
+    from kvchat.engine import preflight
 
     from ..backends.local import LocalBackend
     cfg = engine_config(args)
-    src = resolve(cfg.model, cfg.random_weights)
-    device = pick_device(cfg.device)
-    dtype, kv_dtype = pick_dtypes(cfg, device)
-    args.cap = check_start(args, src, device, kv_dtype)
-    check_memory(src.geometry, dtype, kv_dtype, cfg.kv_budget, device)
+    checked = preflight(cfg)
+    args.cap = check_start(args, checked.source, checked.device, checked.kv_dtype)
     if not quiet:
-        print(f"loading {src.name} ...", file=sys.stderr, flush=True)
-    return LocalBackend(Engine(cfg, source=src))
+        print(f"loading {checked.source.name} ...", file=sys.stderr, flush=True)
+    return LocalBackend.load(cfg, checked=checked)
 
 
 def check_server_flags(args) -> bool:
