@@ -223,11 +223,15 @@ class Conversation:
             raise
         self._request = req
         detok = Detokenizer(eng.tokenizer)
-        started = False
+        started, seen = False, 0
         try:
             for ev in self._events(req):
                 if isinstance(ev, Fed):
                     yield TokenEvent(detok.add(ev.token_id), ev.token_id, ev.position, ev.latency_ms)
+                    seen += 1
+                    if cancel is not None and cancel.is_set():
+                        eng.cut(req, seen)   # other readers' steps may have queued more: the reply ends here
+                        break
                     continue
                 if isinstance(ev, PrefillEvent):
                     started = True

@@ -256,6 +256,10 @@ class Engine:
         with self.lock:
             self.scheduler.abort(req)
 
+    def cut(self, req: Request, kept: int) -> None:
+        with self.lock:
+            self.scheduler.cut(req, kept)
+
     def step(self) -> StepRecord | None:
         """One step for every running request: schedule, run, postprocess. None when there
         was nothing to run."""

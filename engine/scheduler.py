@@ -47,6 +47,7 @@ class Plan:
     dense: list[Request] = field(default_factory=list)          # cache off: a whole forward each
     shifts: list[tuple[Request, Shift]] = field(default_factory=list)   # sink-window re-rotations, first
     preemptions: int = 0
+    yielded: set[int] = field(default_factory=set)              # ids preempted while planning: not readmitted
 
     def __bool__(self) -> bool:
         return bool(self.decode or self.chunks or self.dense)
@@ -103,6 +104,21 @@ class Scheduler:
             self.blocks.free(req.seq, keep_index=True)   # the prompt's unwritten blocks; the chunks done stay cached
         self._stop(req, reason)
 
+    def cut(self, req: Request, kept: int) -> None:
+        """Its reader cancelled after `kept` reply tokens while other readers' steps ran
+        ahead: the reply ends at the tokens it saw (the cache may hold a few more, which
+        the next turn's prefix match leaves unused)."""
+        if req.finished and kept >= req.generated:
+            return
+        if not req.finished:
+            self._stop(req, "cancelled")
+        del req.tokens[len(req.prompt) + kept:]
+        del req.decode_ms[kept:]
+        del req.positions[kept:]
+        req.generated = kept
+        req.stop_reason = "cancelled"
+        req.events.clear()
+
     @property
     def busy(self) -> bool:
         return bool(self.running or self.waiting)
@@ -128,9 +144,11 @@ class Scheduler:
         for req in list(self.running):
             if req.state == RUNNING and req.phase == PREFILL:
                 budget -= self._schedule_chunk(req, plan, budget)
-        while self.waiting and (budget > 0 or not plan):
+        for _ in range(len(self.waiting)):   # at most once each: a request that yields is not retried
+            if not self.waiting or (budget <= 0 and plan):
+                break
             req = self.waiting[0]
-            if not self._admit(req):
+            if req.id in plan.yielded or not self._admit(req):
                 break
             self.waiting.popleft()
             self.running.append(req)
@@ -419,6 +437,7 @@ class Scheduler:
         self.waiting.appendleft(req)
         self._count(seq, plan)
         if plan is not None:   # rows this step gave it before it yielded
+            plan.yielded.add(req.id)
             plan.decode = [r for r in plan.decode if r is not req]
             plan.chunks = [c for c in plan.chunks if c[0] is not req]
             plan.shifts = [x for x in plan.shifts if x[0] is not req]
