@@ -296,4 +296,5 @@ class Conversation:
             positions=tuple(req.positions), stop_reason=req.stop_reason or "max_tokens", reply=reply,
             mode=self.mode, kv_dtype=eng.kv_dtype, policy=self.policy.name, dropped_messages=dropped,
             evicted_blocks=evicted, preempted=eng.preemptions - preemptions0,
-            recomputed_tokens=req.recomputed if self.mode == "cache" else 0, cache=eng.snapshot(self))
+            recomputed_tokens=req.recomputed if self.mode == "cache" else 0, cache=eng.snapshot(self),
+            step_sequences=tuple(req.step_sequences), step_tokens=tuple(req.step_tokens))

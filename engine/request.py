@@ -58,6 +58,8 @@ class Request:
     ttft_ms: float | None = None
     decode_ms: list[float] = field(default_factory=list)
     positions: list[int] = field(default_factory=list)
+    step_sequences: list[int] = field(default_factory=list)   # per fed token: sequences in its step
+    step_tokens: list[int] = field(default_factory=list)      # and the cached tokens that step read
     stop_reason: str | None = None
     error: BaseException | None = None
     events: deque = field(default_factory=deque)   # PrefillProgress, PrefillEvent, Fed

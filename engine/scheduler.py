@@ -113,8 +113,8 @@ class Scheduler:
         if not req.finished:
             self._stop(req, "cancelled")
         del req.tokens[len(req.prompt) + kept:]
-        del req.decode_ms[kept:]
-        del req.positions[kept:]
+        for figures in (req.decode_ms, req.positions, req.step_sequences, req.step_tokens):
+            del figures[kept:]
         req.generated = kept
         req.stop_reason = "cancelled"
         req.events.clear()
@@ -202,8 +202,9 @@ class Scheduler:
         picks = self._sample(rows, logits, wanted)            # reading them waits for the device
         step_ms = (time.perf_counter() - t0) * 1000
         out = 0
+        shared = (len(rows), context_tokens)
         for req, tok, row in zip(plan.decode, picks, logits):
-            self._fed(req, step_ms)
+            self._fed(req, step_ms, shared)
             out += self._after_feed(req, tok, row)
         for (req, start, n), ok, tok, row in zip(plan.chunks, done, picks[len(plan.decode):], logits[len(plan.decode):]):
             self.blocks.append(req.seq, req.tokens[start:start + n])
@@ -211,7 +212,7 @@ class Scheduler:
         base = len(plan.decode) + len(plan.chunks)
         for req, tok, row in zip(plan.dense, picks[base:], logits[base:]):
             if req.phase == DECODE:
-                self._fed(req, step_ms)
+                self._fed(req, step_ms, shared)
                 out += self._after_feed(req, tok, row)
             else:
                 out += self._after_chunk(req, True, tok, row, step_ms)
@@ -250,13 +251,15 @@ class Scheduler:
             return view.argmax(-1).tolist()
         return [int(r.sampler(row)) if want else -1 for r, row, want in zip(rows, logits, wanted)]
 
-    def _fed(self, req: Request, step_ms: float) -> None:
-        """The step wrote the K/V of req's newest token."""
+    def _fed(self, req: Request, step_ms: float, shared: tuple[int, int]) -> None:
+        """The step wrote the K/V of req's newest token; shared: (sequences, cached tokens read) of the step."""
         pos = len(req.tokens) - 1
         if req.mode == "cache":
             self.blocks.append(req.seq, req.tokens[-1:])
         req.decode_ms.append(step_ms)
         req.positions.append(pos)
+        req.step_sequences.append(shared[0])
+        req.step_tokens.append(shared[1])
         req.events.append(Fed(req.tokens[-1], pos, step_ms))
 
     def _after_feed(self, req: Request, token: int, row: torch.Tensor) -> int:

@@ -208,6 +208,10 @@ class TurnStats:
     recomputed_tokens: int
     cache: CacheSnapshot
     unavailable: tuple[str, ...] = ()   # summary() keys the backend cannot tell (they are None)
+    # aligned with decode_ms, each token's step: the sequences in it (1 alone; more when
+    # conversations shared it) and the cached tokens it read over all of them
+    step_sequences: tuple[int, ...] = ()
+    step_tokens: tuple[int, ...] = ()
 
     @property
     def tokens_per_s(self) -> float:
@@ -230,6 +234,7 @@ class TurnStats:
             "dropped_messages": self.dropped_messages, "evicted_blocks": self.evicted_blocks,
             "preempted": self.preempted, "recomputed_tokens": self.recomputed_tokens,
             "unavailable": sorted(set(self.unavailable) | {_SUMMARY_KEYS.get(k, k) for k in c.unavailable}),
+            "step_sequences": list(self.step_sequences), "step_tokens": list(self.step_tokens),
         }
 
 

@@ -53,7 +53,7 @@ class LocalBackend:
     """One Engine: one model, one KV pool shared by every conversation."""
 
     capabilities = Capabilities(policies=tuple(POLICIES), kv_dtypes=tuple(k for k in KV_DTYPES if k != "auto"),
-                                block_map="pool")
+                                block_map="pool", concurrent_turns=True)
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine

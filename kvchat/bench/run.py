@@ -71,6 +71,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--nocache-tokens", type=positive_int("--nocache-tokens"), default=8,
                    help="timed steps for the cache-off baseline (default 8)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated history text (default 0)")
+    p.add_argument("--batch", default=None, metavar="B,B,...",
+                   help="batch sizes, e.g. 1,2,4,8,16: measure conversations decoding together instead "
+                        "(aggregate tokens/s against B and context, beside the roofline; kvchat/bench/batch.py)")
     return p
 
 
@@ -165,10 +168,8 @@ class Bench:
         self.server = None                    # a vLLM server (--server), server_peer.VllmPeer
         self.probe = None                     # floor.BandwidthProbe, sampled before each context
         self.base_kv = engine.kv_dtype
-        renderer = engine.new_conversation()   # only its render() is used
-        engine.close_conversation(renderer)
         fit = usable_history(engine, cfg)
-        self.histories = {(ctx, run): history(renderer.render, engine.tokenizer, min(ctx, fit),
+        self.histories = {(ctx, run): history(engine.render, engine.tokenizer, min(ctx, fit),
                                               cfg.seed + 1000 * run + ctx)
                           for ctx in cfg.contexts for run in range(cfg.runs)}
         self.cut = {ctx: fit for ctx in cfg.contexts if ctx > fit}  # contexts shortened to fit
@@ -303,6 +304,9 @@ def usable_history(engine, cfg: BenchConfig) -> int:
 
 
 def run(args) -> int:
+    if args.batch is not None:
+        from .batch import run_batch
+        return run_batch(args)
     import torch
     from kvchat.engine import Engine
 

@@ -152,31 +152,72 @@ def read_replay(path: str) -> list[list[str]]:
 
 
 def cmd_replay(args) -> int:
+    """Each conversation's messages in order. Several conversations on the local engine run
+    at once, one thread each, so their replies share the engine's steps (each record's
+    step_sequences says how many conversations every token's step carried); a backend that
+    takes one reply at a time gets them interleaved, turn 1 of each, then turn 2, ..."""
     convs_msgs = read_replay(args.file)
     sp = sampling(args)
     backend = load_backend(args, quiet=args.json)
     mode = "off" if args.no_cache else "cache"
     convs = [backend.open(system=args.system, cap=args.cap, policy=args.policy, mode=mode) for _ in convs_msgs]
-    records = []
-    rounds = max(len(m) for m in convs_msgs)
-    for turn in range(rounds):  # interleave: turn 1 of every conversation, then turn 2, ...
-        for ci, (conv, msgs) in enumerate(zip(convs, convs_msgs)):
-            if turn >= len(msgs):
-                continue
-            if not args.json:
-                tag = f"[{ci + 1}] " if len(convs) > 1 else ""
-                print(f"{tag}> {msgs[turn]}")
-            rec = run_turn(conv, msgs[turn], sp, None if args.json else sys.stdout)
-            rec["conversation"] = ci
-            records.append(rec)
-            if not args.json:
-                print(f"  turn {rec['turn']}: prompt {rec['prompt_tokens']} tokens, reused {rec['reused_tokens']}, "
-                      f"computed {rec['computed_tokens']}, generated {rec['generated_tokens']}, "
-                      f"TTFT {rec['ttft_ms']:.0f} ms, KV {_n(rec['kv_bytes_used'])} B used / "
-                      f"{_n(rec['kv_bytes_allocated'])} B allocated in {_n(rec['blocks_used'])} blocks")
+    tagged = len(convs) > 1
+    if tagged and backend.capabilities.concurrent_turns:
+        records = _replay_together(convs, convs_msgs, sp, args.json)
+    else:
+        records = []
+        for turn in range(max(len(m) for m in convs_msgs)):  # interleave: turn 1 of every conversation, then 2, ...
+            for ci, (conv, msgs) in enumerate(zip(convs, convs_msgs)):
+                if turn >= len(msgs):
+                    continue
+                if not args.json:
+                    print(f"{f'[{ci + 1}] ' if tagged else ''}> {msgs[turn]}")
+                rec = run_turn(conv, msgs[turn], sp, None if args.json else sys.stdout)
+                rec["conversation"] = ci
+                records.append(rec)
+                if not args.json:
+                    print(_replay_line(rec, ""))
     if args.json:
         print(json.dumps(records))
     return 0
+
+
+def _replay_together(convs, convs_msgs, sp, quiet: bool) -> list[dict]:
+    """One thread per conversation, its turns in order; records ordered as the interleaved
+    run orders them (by turn, then conversation). The first error ends the command."""
+    import threading
+    records, errors, lock = [], [], threading.Lock()
+
+    def talk(ci: int) -> None:
+        try:
+            for msg in convs_msgs[ci]:
+                rec = run_turn(convs[ci], msg, sp, None)
+                rec["conversation"] = ci
+                with lock:
+                    records.append(rec)
+                    if not quiet:
+                        print(f"[{ci + 1}] > {msg}\n[{ci + 1}] {rec['reply']}\n{_replay_line(rec, f'[{ci + 1}] ')}",
+                              flush=True)
+        except BaseException as err:  # noqa: BLE001  (re-raised in the main thread, one line)
+            errors.append(err)
+
+    threads = [threading.Thread(target=talk, args=(ci,), daemon=True) for ci in range(len(convs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return sorted(records, key=lambda r: (r["turn"], r["conversation"]))
+
+
+def _replay_line(rec: dict, tag: str) -> str:
+    shared = rec.get("step_sequences") or []
+    batch = f", steps shared by up to {max(shared)} conversations" if shared and max(shared) > 1 else ""
+    return (f"{tag}  turn {rec['turn']}: prompt {rec['prompt_tokens']} tokens, reused {rec['reused_tokens']}, "
+            f"computed {rec['computed_tokens']}, generated {rec['generated_tokens']}, "
+            f"TTFT {rec['ttft_ms']:.0f} ms, KV {_n(rec['kv_bytes_used'])} B used / "
+            f"{_n(rec['kv_bytes_allocated'])} B allocated in {_n(rec['blocks_used'])} blocks{batch}")
 
 
 def _n(value) -> str:
