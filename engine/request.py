@@ -94,3 +94,42 @@ class Request:
     @property
     def ms_per_token(self) -> float | None:
         return sum(self.decode_ms) / len(self.decode_ms) if self.decode_ms else None
+
+    # ---- what a step does to it (called by the scheduler only) ------------------------------
+    def record_feed(self, step_ms: float, sequences: int, context_tokens: int) -> None:
+        """A step fed its newest token: that step's time and how many shared it."""
+        pos = len(self.tokens) - 1
+        self.decode_ms.append(step_ms)
+        self.positions.append(pos)
+        self.step_sequences.append(sequences)
+        self.step_tokens.append(context_tokens)
+        self.events.append(Fed(self.tokens[-1], pos, step_ms))
+
+    def take(self, token: int, first: bool) -> str | None:
+        """A token sampled for it: kept, to be fed by the next step, or the reply's stop
+        reason (a token that ends the reply at the limit is shown, never fed)."""
+        if token in self.stops:
+            return "eos"
+        pos = len(self.tokens)
+        self.tokens.append(token)
+        self.generated += 1
+        self.phase = DECODE
+        stop = None
+        if self.generated >= self.max_tokens:
+            stop = "max_tokens"
+        elif not self.streaming and len(self.tokens) >= self.limit:
+            stop = self.limit_reason
+        elif first and self.cancel is not None and self.cancel.is_set():
+            stop = "cancelled"
+        if stop is not None:
+            self.events.append(Fed(token, pos, self.last_ms))
+        return stop
+
+    def cut(self, kept: int) -> None:
+        """The reply ends after its first `kept` tokens: the rest, queued or not, is dropped."""
+        del self.tokens[len(self.prompt) + kept:]
+        for figures in (self.decode_ms, self.positions, self.step_sequences, self.step_tokens):
+            del figures[kept:]
+        self.generated = kept
+        self.stop_reason = "cancelled"
+        self.events.clear()

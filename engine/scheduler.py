@@ -31,7 +31,7 @@ import torch
 
 from .block_manager import BlockManager
 from .errors import KvchatError, TurnCancelled
-from .request import DECODE, FINISHED, PREFILL, RUNNING, WAITING, Fed, Request
+from .request import DECODE, FINISHED, PREFILL, RUNNING, WAITING, Request
 from .sequence import Sequence
 from .streaming import Shift, claim_window, make_window_room, window_chunk
 from .telemetry import PrefillEvent, PrefillProgress, RequestView, SchedulerSnapshot, StepRecord
@@ -112,12 +112,7 @@ class Scheduler:
             return
         if not req.finished:
             self._stop(req, "cancelled")
-        del req.tokens[len(req.prompt) + kept:]
-        for figures in (req.decode_ms, req.positions, req.step_sequences, req.step_tokens):
-            del figures[kept:]
-        req.generated = kept
-        req.stop_reason = "cancelled"
-        req.events.clear()
+        req.cut(kept)
 
     @property
     def busy(self) -> bool:
@@ -196,32 +191,27 @@ class Scheduler:
                     forwards: int) -> StepRecord:
         """logits: (R, vocab) fp32, one row per decode row, per chunk, per cache-off request,
         in the plan's order. Samples, records and emits; t0: perf_counter at the step's start."""
-        rows = list(plan.decode) + [c[0] for c in plan.chunks] + list(plan.dense)
-        done = [self._prompt_done(c) for c in plan.chunks]
-        wanted = [True] * len(plan.decode) + done + [True] * len(plan.dense)
-        picks = self._sample(rows, logits, wanted)            # reading them waits for the device
+        # (request, its chunk (None: a token fed), whether its prompt is done and a token wanted)
+        entries = ([(r, None, True) for r in plan.decode]
+                   + [(c[0], c, c[1] + c[2] >= c[0].target and not c[0].generated) for c in plan.chunks]
+                   + [(r, None if r.phase == DECODE else (r, 0, 0), True) for r in plan.dense])
+        picks = self._sample([e[0] for e in entries], logits, [e[2] for e in entries])   # waits for the device
         step_ms = (time.perf_counter() - t0) * 1000
-        out = 0
-        shared = (len(rows), context_tokens)
-        for req, tok, row in zip(plan.decode, picks, logits):
-            self._fed(req, step_ms, shared)
-            out += self._after_feed(req, tok, row)
-        for (req, start, n), ok, tok, row in zip(plan.chunks, done, picks[len(plan.decode):], logits[len(plan.decode):]):
-            self.blocks.append(req.seq, req.tokens[start:start + n])
-            out += self._after_chunk(req, ok, tok, row, step_ms)
-        base = len(plan.decode) + len(plan.chunks)
-        for req, tok, row in zip(plan.dense, picks[base:], logits[base:]):
-            if req.phase == DECODE:
+        shared, out = (len(entries), context_tokens), 0
+        for i, (req, chunk, done) in enumerate(entries):
+            if chunk is None:
                 self._fed(req, step_ms, shared)
-                out += self._after_feed(req, tok, row)
-            else:
-                out += self._after_chunk(req, True, tok, row, step_ms)
+                out += self._after_feed(req, picks[i])
+                continue
+            if req.mode == "cache":
+                self.blocks.append(req.seq, req.tokens[chunk[1]:chunk[1] + chunk[2]])
+            out += self._after_chunk(req, done, picks[i], logits, i)
         self.steps += 1
         prefill = sum(n for _, _, n in plan.chunks)
         record = StepRecord(
             index=self.steps, rows=len(plan.decode) + prefill + len(plan.dense), decode_rows=len(plan.decode),
             prefill_tokens=prefill, prefill_chunks=len(plan.chunks), dense_rows=len(plan.dense),
-            sequences=len(rows), context_tokens=context_tokens, tokens_out=out, step_ms=step_ms,
+            sequences=len(entries), context_tokens=context_tokens, tokens_out=out, step_ms=step_ms,
             weight_bytes=self.weight_bytes * forwards, cache_bytes=context_tokens * self.cache_bytes_per_token,
             preemptions=plan.preemptions, time=time.monotonic())
         self.recent.append(record)
@@ -237,10 +227,6 @@ class Scheduler:
             self._stop(req, "error")
 
     # ---- postprocess pieces ----------------------------------------------------------------------
-    def _prompt_done(self, chunk: tuple[Request, int, int]) -> bool:
-        req, start, n = chunk
-        return start + n >= req.target and req.generated == 0
-
     def _sample(self, rows: list[Request], logits: torch.Tensor, wanted: list[bool]) -> list[int]:
         if not rows:
             return []
@@ -252,24 +238,19 @@ class Scheduler:
         return [int(r.sampler(row)) if want else -1 for r, row, want in zip(rows, logits, wanted)]
 
     def _fed(self, req: Request, step_ms: float, shared: tuple[int, int]) -> None:
-        """The step wrote the K/V of req's newest token; shared: (sequences, cached tokens read) of the step."""
-        pos = len(req.tokens) - 1
+        """The step wrote the K/V of req's newest token."""
         if req.mode == "cache":
             self.blocks.append(req.seq, req.tokens[-1:])
-        req.decode_ms.append(step_ms)
-        req.positions.append(pos)
-        req.step_sequences.append(shared[0])
-        req.step_tokens.append(shared[1])
-        req.events.append(Fed(req.tokens[-1], pos, step_ms))
+        req.record_feed(step_ms, *shared)
 
-    def _after_feed(self, req: Request, token: int, row: torch.Tensor) -> int:
+    def _after_feed(self, req: Request, token: int) -> int:
         if req.cancel is not None and req.cancel.is_set():
             self._stop(req, "cancelled")     # the token this step sampled is not kept
             return 0
         self._take(req, token, first=False)
         return 1
 
-    def _after_chunk(self, req: Request, done: bool, token: int, row: torch.Tensor, step_ms: float) -> int:
+    def _after_chunk(self, req: Request, done: bool, token: int, logits: torch.Tensor, row: int) -> int:
         if req.generated:           # a recomputed text: its newest token is fed next step
             if req.target <= req.fed or req.mode == "off":
                 req.phase = DECODE
@@ -279,30 +260,15 @@ class Scheduler:
             req.events.append(PrefillProgress(req.fed - req.base, req.target - req.base, now))
         if not done:
             return 0
-        req.first_logits = row
+        req.first_logits = logits[row]
         req.prefill_ms = req.ttft_ms = now
         req.events.append(PrefillEvent(len(req.prompt), req.reused, len(req.prompt) - req.reused, now))
         self._take(req, token, first=True)
         return 1
 
     def _take(self, req: Request, token: int, first: bool) -> None:
-        """A token sampled for req: kept, to be fed next step, or the reply ends."""
-        if token in req.stops:
-            self._stop(req, "eos")
-            return
-        pos = len(req.tokens)
-        req.tokens.append(token)
-        req.generated += 1
-        req.phase = DECODE
-        stop = None
-        if req.generated >= req.max_tokens:
-            stop = "max_tokens"
-        elif not req.streaming and len(req.tokens) >= req.limit:
-            stop = req.limit_reason
-        elif first and req.cancel is not None and req.cancel.is_set():
-            stop = "cancelled"
-        if stop is not None:   # the reply ends on this token: it is never fed
-            req.events.append(Fed(token, pos, req.last_ms))
+        stop = req.take(token, first)
+        if stop is not None:
             self._stop(req, stop)
 
     def _cancel_requested(self) -> None:
