@@ -43,6 +43,14 @@ def load_engine_package(folder: Path, name: str = "before_engine"):
     return mod
 
 
+def one_run(step_cls, table: torch.Tensor) -> dict:
+    """The Step argument that says "the table is one ascending run", in either version's
+    spelling (runs since the pool's head-major layout, first_block before)."""
+    if "runs" in step_cls.__dataclass_fields__:
+        return {"runs": ((0, table.numel()),)}
+    return {"first_block": 0}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--before", required=True, type=Path, help="another checkout's engine/ folder")
@@ -141,14 +149,6 @@ def loop_ab(args) -> int:
     for kind, c, b, a in rows:
         print(f"| {kind} | {c} | {b:.1f} | {a:.1f} | {a / b:.3f} |")
     return 0
-
-
-def one_run(step_cls, table: torch.Tensor) -> dict:
-    """The Step argument that says "the table is one ascending run", in either version's
-    spelling (runs since the pool's head-major layout, first_block before)."""
-    if "runs" in step_cls.__dataclass_fields__:
-        return {"runs": ((0, table.numel()),)}
-    return {"first_block": 0}
 
 
 if __name__ == "__main__":

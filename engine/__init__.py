@@ -23,7 +23,7 @@ _WHERE = {
     "resolve": "sources", "DEFAULT_SINK_TOKENS": "streaming", "check_window_cap": "streaming",
     "human_bytes": "units", "parse_bytes": "units", "render_chat": "template",
     "CacheSnapshot": "telemetry", "PrefillEvent": "telemetry", "PrefillProgress": "telemetry",
-    "RequestView": "telemetry", "SchedulerSnapshot": "telemetry", "ServerStats": "telemetry",
+    "RequestView": "telemetry", "SchedulerSnapshot": "telemetry",
     "StepRecord": "telemetry", "TokenEvent": "telemetry", "TurnStats": "telemetry",
     "CACHED": "telemetry", "FREE": "telemetry", "HELD": "telemetry", "OTHER": "telemetry",
     "PARTIAL": "telemetry", "REUSED": "telemetry", "SHARED": "telemetry",

@@ -169,7 +169,11 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
     """q: (B, n_heads, head_dim); block_tables: (B, max_blocks) int32; context_lens: (B,)
     int32 (rows to read, the new one included). Returns (B, n_heads, head_dim).
     `max_context` and `runs` (B = 1: the table as runs of consecutive ids), when the caller
-    knows them, spare device-to-host reads on the CPU path."""
+    knows them, spare device-to-host reads on the CPU path.
+
+    On the CPU, B > 1 takes the C kernel's batch (native.decode_batch: threads over sequence,
+    KV head and split, each table read in place); without it, each sequence takes decode_one's
+    torch path in turn. Either way a sequence gets the bits it gets alone."""
     if _use_triton(q):
         return _kernels().paged_decode(q, k_cache, v_cache, block_tables, context_lens, scale,
                                        k_scale, v_scale)
@@ -177,6 +181,14 @@ def paged_decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
         length = int(context_lens[0]) if max_context is None else max_context
         return decode_one(q[0], k_cache, v_cache, block_tables[0], length, scale, k_scale, v_scale,
                           runs)[None]
+    if q.device.type == "cpu" and native.decode_serves(q, k_cache):
+        out = native.decode_batch(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
+        if out is not None:
+            return out
+    if q.device.type == "cpu":
+        lens = context_lens.tolist()
+        return torch.stack([decode_one(q[b], k_cache, v_cache, block_tables[b], lens[b], scale, k_scale, v_scale)
+                            for b in range(q.shape[0])])                 # (B, n_heads, head_dim)
     return paged_decode_ref(q, k_cache, v_cache, block_tables, context_lens, scale, k_scale, v_scale)
 
 

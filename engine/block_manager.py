@@ -332,25 +332,25 @@ class BlockManager:
         indexed block after it can no longer match and leaves the index too (cached ones to
         the free list, held ones when their sequence releases them). A held block keeps its
         tokens (it is still a sequence's); an unreferenced one is cleared."""
-        b = self.blocks[block_id]
-        if self._indexed(block_id):
+        b, key = self.blocks[block_id], self.blocks[block_id].key
+        if key is not None and self._index.get(key) == block_id:
             twins = self._twins.get(b.chain)
             if twins and (b.parent == ROOT or b.parent in self._by_chain):
                 heir = twins.pop()
                 if not twins:
                     del self._twins[b.chain]
-                self._index[b.key] = self._by_chain[b.chain] = heir
+                self._index[key] = self._by_chain[b.chain] = heir
                 siblings = self._children[b.parent]
                 siblings.discard(block_id)
                 siblings.add(heir)
             else:
                 self._twins.pop(b.chain, None)   # copies after a gone prefix cannot match either
-                del self._index[b.key]
+                del self._index[key]
                 del self._by_chain[b.chain]
-                siblings = self._children.get(b.parent)
-                if siblings is not None:
-                    siblings.discard(block_id)
-                    if not siblings:
+                others = self._children.get(b.parent)
+                if others is not None:
+                    others.discard(block_id)
+                    if not others:
                         del self._children[b.parent]
                 for child in sorted(self._children.pop(b.chain, ())):
                     self._strand(child)

@@ -11,6 +11,8 @@ strides with unit stride in head_dim: the CPU pool is head-major (kv_cache.py).
 """
 from __future__ import annotations
 
+from typing import Any
+
 import math
 import threading
 
@@ -60,7 +62,7 @@ def window_bias(n: int, c: int, s: int) -> torch.Tensor | None:
     return bias
 
 
-_FLASH_LSE = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_LSE: Any = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
 
 
 def fused_lse(t: torch.Tensor) -> bool:

@@ -70,6 +70,11 @@ class EngineConfig:
         if self.step_tokens is not None and (not isinstance(self.step_tokens, int) or self.step_tokens <= 0):
             raise KvchatError(f"step tokens must be a positive number, got {self.step_tokens!r}")
 
+    @property
+    def budget_bytes(self) -> int | None:
+        """kv_budget in bytes (__post_init__ has parsed a string like "512MiB")."""
+        return None if self.kv_budget is None else int(self.kv_budget)
+
 
 def pick_device(name: str) -> torch.device:
     if name == "auto":
@@ -151,7 +156,7 @@ def preflight(cfg: EngineConfig, source: ModelSource | None = None) -> Preflight
     src = source or resolve(cfg.model, cfg.random_weights)
     device = pick_device(cfg.device)
     dtype, kv_dtype = pick_dtypes(cfg, device)
-    check_memory(src.geometry, dtype, kv_dtype, cfg.kv_budget, device)
+    check_memory(src.geometry, dtype, kv_dtype, cfg.budget_bytes, device)
     return Preflight(src, device, dtype, kv_dtype)
 
 
@@ -172,7 +177,7 @@ class Engine:
         self.conversations: list = []
         self.prefill_chunk = PREFILL_CHUNK if self.device.type == "cuda" else CPU_PREFILL_CHUNK
         self._next_conversation = 0
-        self.scheduler: Scheduler | None = None
+        self.scheduler: Scheduler
         self.pool: KVPool
         self.blocks: BlockManager
         self.runner: Runner
@@ -183,12 +188,13 @@ class Engine:
         # the budget in bytes is fixed at the first build: another KV dtype changes the blocks
         # that fit, never the bytes (fp32 -> bf16 doubles the blocks, -> fp8 about quadruples)
         if getattr(self, "kv_budget_bytes", None) is None:
-            self.kv_budget_bytes = self.config.kv_budget or default_budget(self.geometry, kv_dtype, self.device)
+            self.kv_budget_bytes = self.config.budget_bytes or default_budget(self.geometry, kv_dtype, self.device)
         spec = plan_pool(self.geometry, kv_dtype, self.kv_budget_bytes, self.config.block_size)
-        self.pool = None  # free the old tensors before allocating new ones
+        if hasattr(self, "pool"):
+            del self.pool  # free the old tensors before allocating new ones
         self.pool = KVPool(self.geometry, spec, self.device)
         self.blocks = BlockManager(spec.num_blocks, spec.block_size)
-        if self.scheduler is None:
+        if not hasattr(self, "scheduler"):    # the first build; a rebuild keeps the scheduler
             self.scheduler = Scheduler(self.blocks, self.config.step_tokens or self.prefill_chunk,
                                        self.model.step_weight_bytes)
         self.scheduler.blocks = self.blocks     # the scheduler outlives a rebuild: its queues and counts stay

@@ -58,7 +58,7 @@ class KVPool:
         vs = self.scales[i, 1] if self.scales is not None else None
         if self.layout == "heads":
             k, v = k.permute(1, 2, 0, 3), v.permute(1, 2, 0, 3)
-            if ks is not None:
+            if ks is not None and vs is not None:
                 ks, vs = ks.permute(1, 2, 0), vs.permute(1, 2, 0)
         return k, v, ks, vs
 

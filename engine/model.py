@@ -109,7 +109,7 @@ def rope_inv_freq(geom: Geometry) -> torch.Tensor:
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    if native.gemv_serves(x, w):  # one fp32 CPU row: one C call, not torch's eight ops
+    if native.gemv_serves(x, w):  # a decode step's rows (1 to 16) in fp32 on CPU: one C call, not torch's eight ops
         return native.rms_norm(x, w, eps)
     if x.dtype == torch.float32 and _FUSED_RMS_NORM:
         return F.rms_norm(x, w.shape, w, eps)  # one op instead of eight: decode is op-bound on CPU
@@ -121,9 +121,10 @@ _FUSED_RMS_NORM = hasattr(F, "rms_norm")
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T. One fp32 CPU row takes the C kernel (engine/native.py) where it compiled.
-    Otherwise w's rows are split across a batched matmul: a single-row product runs on one
-    thread in MKL, a batch of S runs on S threads (the same dot products, so the same
+    """x @ w.T. A decode step's fp32 CPU rows (1 to native.GEMV_MAX_ROWS, one per sequence)
+    take the C kernel (engine/native.py) where it compiled: each weight row read once for all.
+    Otherwise one row splits w's rows across a batched matmul: a single-row product runs on
+    one thread in MKL, a batch of S runs on S threads (the same dot products, so the same
     numbers; a decode step's weight reads went 45 ms -> 25 ms on 2 cores)."""
     if native.gemv_serves(x, w):
         return native.gemv(x, w)

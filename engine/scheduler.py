@@ -156,7 +156,7 @@ class Scheduler:
             plan.dense.append(req)
             return 0
         seq = req.seq
-        if req.streaming and len(seq) + 1 > req.limit:
+        if req.sink_tokens is not None and len(seq) + 1 > req.limit:     # a sink window
             shift = make_window_room(self.blocks, seq, req.sink_tokens, req.limit, 1)
             if shift is not None:
                 plan.shifts.append((req, shift))
@@ -174,12 +174,13 @@ class Scheduler:
         n = min(req.target - start, req.chunk_size)
         if plan:   # others share this step: the budget bounds it; a lone prompt takes its chunk
             n = min(n, budget)
-        if req.streaming:
-            n = min(n, window_chunk(req.limit, req.sink_tokens, seq.block_size, req.chunk_size))
+        sink = req.sink_tokens          # None: no sink window
+        if sink is not None:
+            n = min(n, window_chunk(req.limit, sink, seq.block_size, req.chunk_size))
         if n <= 0:
             return 0
-        if req.streaming:
-            shift = make_window_room(self.blocks, seq, req.sink_tokens, req.limit, n)
+        if sink is not None:
+            shift = make_window_room(self.blocks, seq, sink, req.limit, n)
             if shift is not None:
                 plan.shifts.append((req, shift))
             if not self._grow(req, len(seq) + n, plan):
@@ -311,7 +312,7 @@ class Scheduler:
             self._begin(req, 0)
             return True
         pending = 1 if req.generated else 0
-        if req.streaming:
+        if req.sink_tokens is not None:    # a sink window
             kept = claim_window(self.blocks, seq, req.tokens[:req.target + 1], req.sink_tokens)
             self._begin(req, kept)
             return True

@@ -2,12 +2,17 @@
 
 Every object here is plain data (frozen dataclasses of ints, floats, strings and tuples),
 serialisable with `to_dict` and written as JSON Lines by `JsonlWriter`.
+
+A figure typed `int | None` (or `float | None`) is one a backend may be unable to tell: kvchat's
+own engine fills every one, a serving engine seen from outside leaves some None (and names
+them in `unavailable`). Readers show None as unknown, never as 0; the type checker holds
+them to it (tests/test_types.py).
 """
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -28,7 +33,8 @@ def to_dict(obj: Any) -> dict[str, Any]:
 class TokenEvent:
     """One decoded token: its text delta, the position it was fed at, and the step time."""
     text: str
-    token_id: int
+    token_id: int | None        # -1: text with no token of its own (the detokenizer's held-back tail);
+                                # None: a token whose id the backend cannot tell
     position: int
     latency_ms: float
 
@@ -56,27 +62,9 @@ class PrefillProgress:
 class PrefillEvent:
     """The prompt has been prefilled (sent before the first TokenEvent)."""
     prompt_tokens: int
-    reused_tokens: int
-    computed_tokens: int
-    prefill_ms: float
-
-
-@dataclass(frozen=True, slots=True)
-class ServerStats:
-    """A serving engine's own figures (its /metrics and KV-event stream); None where it
-    exports nothing. Server-wide: every client's requests, not only this conversation's."""
-    url: str
-    usage: float | None              # fraction of the pool's blocks referenced by running requests
-    prefix_hit_rate: float | None    # prefix-cache hits / queries, in tokens, since the server started
-    preemptions: int | None
-    running: int | None
-    waiting: int | None
-    inter_token_ms: float | None     # the server's inter-token latency histogram, mean
-    ttft_ms: float | None            # the server's time-to-first-token histogram, mean
-    resident_blocks: int | None      # full prefix blocks resident per the KV events (None: no stream)
-    event_batches: int | None
-    event_gaps: int | None           # sequence numbers skipped: events lost, the map may be stale
-    notes: tuple[str, ...] = ()      # what the panels cannot show in this mode, and why
+    reused_tokens: int | None
+    computed_tokens: int | None
+    prefill_ms: float | None
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,28 +73,27 @@ class CacheSnapshot:
     kv_dtype: str
     block_size: int
     num_blocks: int
-    bytes_per_token: int       # 2 x L x H_kv x d_h x element bytes
-    capacity_bytes: int        # the whole pool, scales included
-    tokens_held: int           # this conversation's cached tokens
-    bytes_used: int            # tokens_held x bytes_per_token
-    bytes_allocated: int       # blocks_used x block_size x bytes_per_token
-    blocks_used: int
-    wasted_slots: int          # empty slots in this conversation's partial last block
-    pool_free: int             # blocks by state, whole pool
-    pool_active: int
-    pool_cached: int
-    pool_shared: int
-    block_map: bytes           # one code per block: FREE, HELD, PARTIAL, REUSED, CACHED, SHARED, OTHER
+    bytes_per_token: int | None     # 2 x L x H_kv x d_h x element bytes
+    capacity_bytes: int | None      # the whole pool, scales included
+    tokens_held: int | None         # this conversation's cached tokens
+    bytes_used: int | None          # tokens_held x bytes_per_token
+    bytes_allocated: int | None     # blocks_used x block_size x bytes_per_token
+    blocks_used: int | None
+    wasted_slots: int | None        # empty slots in this conversation's partial last block
+    pool_free: int | None           # blocks by state, whole pool
+    pool_active: int | None
+    pool_cached: int | None
+    pool_shared: int | None
+    block_map: bytes                # one code per block: FREE, HELD, PARTIAL, REUSED, CACHED, SHARED, OTHER
     cap: int | None
     policy: str
-    mode: str                  # "cache" or "off"
-    evictions: int
-    preemptions: int
+    mode: str                       # "cache" or "off"
+    evictions: int | None
+    preemptions: int | None
     # a serving engine's cache seen from outside (kvchat/backends/vllm.py): where the figures
-    # came from, the fields it left None because the server cannot tell them, and its own figures
+    # came from, and the fields it left None because the server cannot tell them
     source: str = "local"
     unavailable: tuple[str, ...] = ()
-    server: ServerStats | None = None
     # who holds each block, for a map coloured by conversation: block_owner has one byte per
     # block, 0 for none (free or cached), else 1 + the index in `owners` of the conversation
     # id that holds it (the oldest holder of a shared block; 255: the 255th owner or later)
@@ -119,7 +106,10 @@ class CacheSnapshot:
         return self.owners[code - 1] if code else None
 
     @property
-    def occupancy(self) -> float:
+    def occupancy(self) -> float | None:
+        """The share of the pool's blocks not free (None: the free count is unknown)."""
+        if self.pool_free is None:
+            return None
         return (self.num_blocks - self.pool_free) / self.num_blocks if self.num_blocks else 0.0
 
 
@@ -186,15 +176,74 @@ class SchedulerSnapshot:
         return self.recent[-1] if self.recent else None
 
 
+# TurnSummary's fields that are tuples in Python and lists in JSON
+TUPLE_FIELDS = ("decode_ms", "positions", "unavailable", "step_sequences", "step_tokens")
+
+
+@dataclass(frozen=True, slots=True)
+class TurnSummary:
+    """One turn as a flat record: what `kvchat ask --json` prints and the JSON Lines log keeps
+    (`to_dict`), in this field order. Every field has a default, so a record written before a
+    field existed still reads (kvchat/store/records.py)."""
+    turn: int = 0
+    reply: str | None = None
+    prompt_tokens: int = 0
+    reused_tokens: int | None = 0
+    computed_tokens: int | None = 0
+    generated_tokens: int = 0
+    ttft_ms: float = 0.0
+    prefill_ms: float | None = 0.0
+    decode_ms: tuple[float, ...] = ()        # one per generated token
+    positions: tuple[int, ...] = ()          # the context position each token was fed at
+    stop_reason: str | None = None           # eos, max_tokens, cap, cancelled
+    kv_bytes_per_token: int | None = 0
+    kv_bytes_used: int | None = 0
+    kv_bytes_allocated: int | None = 0
+    kv_capacity_bytes: int | None = 0
+    block_size: int = 0
+    blocks_used: int | None = 0
+    tokens_held: int | None = 0
+    mode: str = "cache"                      # "cache" or "off"
+    kv_dtype: str = ""
+    policy: str = ""
+    cap: int | None = None
+    dropped_messages: int = 0
+    evicted_blocks: int | None = 0
+    preempted: int | None = 0
+    recomputed_tokens: int | None = 0
+    unavailable: tuple[str, ...] = ()        # the keys above the backend could not tell (they are None)
+    # aligned with decode_ms, each token's step: the sequences in it (1 alone; more when
+    # conversations shared it) and the cached tokens it read over all of them
+    step_sequences: tuple[int, ...] = ()
+    step_tokens: tuple[int, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON object: the fields in order, the tuples as lists."""
+        out = {f.name: getattr(self, f.name) for f in fields(TurnSummary)}
+        for k in TUPLE_FIELDS:
+            out[k] = list(out[k])
+        return out
+
+    @property
+    def tokens_per_s(self) -> float:
+        total = sum(self.decode_ms)
+        return 1000.0 * len(self.decode_ms) / total if total > 0 else 0.0
+
+    @property
+    def context_tokens(self) -> int:
+        """The prompt plus the reply: what the conversation held at the turn's end."""
+        return self.prompt_tokens + self.generated_tokens
+
+
 @dataclass(frozen=True, slots=True)
 class TurnStats:
     turn: int
     prompt_tokens: int
-    reused_tokens: int
-    computed_tokens: int
+    reused_tokens: int | None
+    computed_tokens: int | None
     generated_tokens: int
     ttft_ms: float
-    prefill_ms: float
+    prefill_ms: float | None
     decode_ms: tuple[float, ...]
     positions: tuple[int, ...]
     stop_reason: str           # eos, max_tokens, cap, cancelled
@@ -203,9 +252,9 @@ class TurnStats:
     kv_dtype: str
     policy: str
     dropped_messages: int
-    evicted_blocks: int
-    preempted: int
-    recomputed_tokens: int
+    evicted_blocks: int | None
+    preempted: int | None
+    recomputed_tokens: int | None
     cache: CacheSnapshot
     unavailable: tuple[str, ...] = ()   # summary() keys the backend cannot tell (they are None)
     # aligned with decode_ms, each token's step: the sequences in it (1 alone; more when
@@ -218,24 +267,27 @@ class TurnStats:
         total = sum(self.decode_ms)
         return 1000.0 * len(self.decode_ms) / total if total > 0 else 0.0
 
+    def summarized(self) -> TurnSummary:
+        """The flat record (times rounded to the microsecond)."""
+        c = self.cache
+        return TurnSummary(
+            turn=self.turn, reply=self.reply, prompt_tokens=self.prompt_tokens,
+            reused_tokens=self.reused_tokens, computed_tokens=self.computed_tokens,
+            generated_tokens=self.generated_tokens, ttft_ms=round(self.ttft_ms, 3),
+            prefill_ms=_round(self.prefill_ms), decode_ms=tuple(round(x, 3) for x in self.decode_ms),
+            positions=tuple(self.positions), stop_reason=self.stop_reason,
+            kv_bytes_per_token=c.bytes_per_token, kv_bytes_used=c.bytes_used,
+            kv_bytes_allocated=c.bytes_allocated, kv_capacity_bytes=c.capacity_bytes,
+            block_size=c.block_size, blocks_used=c.blocks_used, tokens_held=c.tokens_held,
+            mode=self.mode, kv_dtype=self.kv_dtype, policy=self.policy, cap=c.cap,
+            dropped_messages=self.dropped_messages, evicted_blocks=self.evicted_blocks,
+            preempted=self.preempted, recomputed_tokens=self.recomputed_tokens,
+            unavailable=tuple(sorted(set(self.unavailable) | {_SUMMARY_KEYS.get(k, k) for k in c.unavailable})),
+            step_sequences=tuple(self.step_sequences), step_tokens=tuple(self.step_tokens))
+
     def summary(self) -> dict[str, Any]:
         """The flat record `kvchat ask --json` prints and the JSON Lines log keeps."""
-        c = self.cache
-        return {
-            "turn": self.turn, "reply": self.reply, "prompt_tokens": self.prompt_tokens,
-            "reused_tokens": self.reused_tokens, "computed_tokens": self.computed_tokens,
-            "generated_tokens": self.generated_tokens, "ttft_ms": _round(self.ttft_ms),
-            "prefill_ms": _round(self.prefill_ms), "decode_ms": [round(x, 3) for x in self.decode_ms],
-            "positions": list(self.positions), "stop_reason": self.stop_reason,
-            "kv_bytes_per_token": c.bytes_per_token, "kv_bytes_used": c.bytes_used,
-            "kv_bytes_allocated": c.bytes_allocated, "kv_capacity_bytes": c.capacity_bytes,
-            "block_size": c.block_size, "blocks_used": c.blocks_used, "tokens_held": c.tokens_held,
-            "mode": self.mode, "kv_dtype": self.kv_dtype, "policy": self.policy, "cap": c.cap,
-            "dropped_messages": self.dropped_messages, "evicted_blocks": self.evicted_blocks,
-            "preempted": self.preempted, "recomputed_tokens": self.recomputed_tokens,
-            "unavailable": sorted(set(self.unavailable) | {_SUMMARY_KEYS.get(k, k) for k in c.unavailable}),
-            "step_sequences": list(self.step_sequences), "step_tokens": list(self.step_tokens),
-        }
+        return self.summarized().to_dict()
 
 
 def _round(ms: float | None) -> float | None:

@@ -15,10 +15,13 @@ from typing import Any
 from kvchat.engine.geometry import KV_DTYPES
 from kvchat.engine.policy import POLICIES
 
+from .keys import PANELS
 from .store.files import FileRefused, read_text
 
 MAX_LOAD_BYTES = 1 << 20
-PANELS = ("cache", "cap", "blocks", "latency", "all")
+# what runs before the model has loaded, by key id and command name: the App's help, themes and
+# quitting, and the panels' layout; everything else acts on a conversation and waits for it
+BEFORE_LOAD = frozenset({"help", "quit", "theme", "panel", "toggle_panels", "next_panel"})
 
 
 class CommandError(Exception):
@@ -195,7 +198,8 @@ COMMANDS: dict[str, Spec] = {s.name: s for s in (
     Spec("cache", "/cache on|off", "keep the KV cache, or recompute everything each token",
          _choice("cache", ("on", "off"))),
     Spec("kv", f"/kv {'|'.join(KV_DTYPES)}", "rebuild the KV pool in another dtype", _choice("kv", KV_DTYPES)),
-    Spec("panel", f"/panel {'|'.join(PANELS)}", "hide or show a telemetry panel", _choice("panel", PANELS)),
+    Spec("panel", f"/panel {'|'.join(PANELS)}|all", "hide or show a telemetry panel",
+         _choice("panel", (*PANELS, "all"))),
     Spec("new", "/new", "open another conversation in the same pool (the others stay open)", _no_arg("new")),
     Spec("switch", "/switch N", "show conversation N (its transcript and panels)", _number("switch", False)),
     Spec("close", "/close [N]", "close conversation N (default: this one); it stays saved", _number("close", True)),

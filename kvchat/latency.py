@@ -40,20 +40,6 @@ def series_label(key: Key) -> str:
     return "cache off" if mode == "off" else f"{kv} cache" if kv else "cache on"
 
 
-def fit_slope(points: list[tuple[int, float]]) -> float | None:
-    """Least-squares slope in ms per 1,000 positions, or None without enough points or spread."""
-    n = len(points)
-    if n < MIN_FIT_POINTS or max(p for p, _ in points) - min(p for p, _ in points) < MIN_FIT_SPAN:
-        return None
-    mx = sum(p for p, _ in points) / n
-    my = sum(m for _, m in points) / n
-    sxx = sum((p - mx) ** 2 for p, _ in points)
-    if sxx == 0:
-        return None
-    sxy = sum((p - mx) * (m - my) for p, m in points)
-    return 1000.0 * sxy / sxx
-
-
 @dataclass(frozen=True, slots=True)
 class Fit:
     """One series' growth: `slope` ms per 1k tokens of context (± `stderr`), or None and

@@ -14,10 +14,10 @@ from kvchat.engine.sizing import WhatIf, what_if
 from kvchat.engine.units import human_bytes, parse_bytes
 
 if TYPE_CHECKING:
-    from kvchat.engine.telemetry import PrefillProgress
+    from kvchat.engine.telemetry import PrefillProgress, TurnSummary
 
-    from .store.records import TurnRecord
-
+RANDOM_WEIGHTS = ("random weights (--random-weights): the text is gibberish by design; the cache, its blocks "
+                  "and the latency are real")
 SLOW_MS = 10_000.0      # durations from here on read in seconds
 BAR = 20        # the prefill bar's cells
 NO_BUDGET = "give --kv-budget to compare it with a budget"
@@ -47,11 +47,14 @@ STOP_WORDS = {None: "", "eos": "", "max_tokens": "max tokens reached", "cap": "s
               "cancelled": "stopped", "max_position": "stopped at the model's maximum context"}
 
 
-def stats_line(r: TurnRecord) -> str:
+def stats_line(r: TurnSummary) -> str:
     """The line under a reply: tokens, TTFT, speed, prompt reuse."""
     line = (f"{plural(r.generated_tokens, 'token')} · TTFT {duration(r.ttft_ms)} · "
-            f"{r.tokens_per_s:.1f} tok/s · "
-            f"prompt {r.prompt_tokens}: {r.reused_tokens} reused, {r.computed_tokens} computed")
+            f"{r.tokens_per_s:.1f} tok/s · prompt {r.prompt_tokens}: ")
+    if r.reused_tokens is None or r.computed_tokens is None:     # a server that does not report it
+        line += "reuse not reported"
+    else:
+        line += f"{r.reused_tokens} reused, {r.computed_tokens} computed"
     if r.mode == "off":
         line += " · cache off"
     if r.dropped_messages:

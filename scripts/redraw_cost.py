@@ -30,7 +30,7 @@ def p90(xs: list[float]) -> float:
 
 
 async def measure(tokens: int, rounds: int, size: tuple[int, int]) -> dict[str, list[float]]:
-    from kvchat.chat import jobs
+    from kvchat.chat import worker
     from kvchat.app.shell import AppOptions, KvChatApp
     from kvchat.backends.local import LocalBackend
     from kvchat.engine import Engine, EngineConfig
@@ -48,22 +48,23 @@ async def measure(tokens: int, rounds: int, size: tuple[int, int]) -> dict[str, 
             await pilot.pause(0.02)
 
     async def turn(text: str) -> None:
-        n = len(app.view.turns)
+        n = len(app.chat_screen.session.turns)
         app.query_one("#input").load_text(text)
         await pilot.press("enter")
-        await until(lambda: len(app.view.turns) > n and app.busy is None, f"the reply to {text!r}")
+        await until(lambda: len(app.chat_screen.session.turns) > n and app.chat_screen.jobs.busy is None, f"the reply to {text!r}")
 
     async with app.run_test(size=size) as pilot:
-        await until(lambda: app.view is not None and app.busy is None and app.snapshot is not None, "the load")
+        await until(lambda: app.chat_screen.conversations.session is not None and app.chat_screen.jobs.busy is None
+                     and app.chat_screen.conversations.session.snapshot is not None, "the load")
         await turn(PROMPT)                                  # warm up; later turns regenerate this reply
         order = [HIDDEN, DRAWN, FREE]
         for r in range(rounds):
             for cond in order[r % 3:] + order[:r % 3]:     # rotated, so a load trend hits each alike
-                app.part("#panels").display = cond != HIDDEN
-                jobs.DRAW_BETWEEN_STEPS = cond != FREE
+                app.chat_screen.query_one("#panels").display = cond != HIDDEN
+                worker.DRAW_BETWEEN_STEPS = cond != FREE
                 await turn("/regen")
-                steps[cond].extend(app.view.turns[-1].decode_ms)
-        jobs.DRAW_BETWEEN_STEPS = True
+                steps[cond].extend(app.chat_screen.session.turns[-1].decode_ms)
+        worker.DRAW_BETWEEN_STEPS = True
     return steps
 
 

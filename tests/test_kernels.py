@@ -1,15 +1,13 @@
-"""The Triton kernels against their torch references (engine/attention.py) on fresh random
-inputs. Without a GPU they run in triton's interpreter: tests/conftest.py sets
-TRITON_INTERPRET=1 before the engine is imported.
+"""The Triton kernels against float64 on fresh random inputs. Without a GPU they run in
+triton's interpreter: tests/conftest.py sets TRITON_INTERPRET=1 before the engine is imported.
 
 Every run starts from poison: caches are NaN outside the rows a sequence owns (so a read past
 the context shows), and every buffer the decode wrapper allocates is NaN-filled (so an
-element left unwritten shows). Tolerances, on outputs compared in fp32:
-  fp32 1e-5; fp16 2e-3; bf16 and fp8-with-bf16-queries 1.6e-2 relative + 1e-2 absolute
-(the kernel rounds the probabilities to q's dtype for the second matmul, as FlashAttention
-does; the reference keeps them in fp32). Cache writes must match bit for bit, RoPE too (it
-rounds where torch rounds); RMSNorm and silu within torch's default tolerance for the dtype
-(their reductions and exp run in another order or precision).
+element left unwritten shows). Decode attention, RMSNorm and silu are held to the error
+bounds of tests/tolerance.py, for the dtype they compute in: the decode kernel rounds the
+probabilities to q's dtype for the second matmul (as FlashAttention does) and its output to
+q's dtype, and the bound counts both. Cache writes must match torch's bit for bit, RoPE too
+(it rounds where torch rounds).
 """
 from __future__ import annotations
 
@@ -18,6 +16,7 @@ import math
 import pytest
 import torch
 
+from tolerance import assert_within, paged_decode_reference, rms_norm_reference, silu_mul_reference
 from kvchat.engine import attention as A
 from kvchat.engine.cuda_graph import TorchOps
 from kvchat.engine.kernels import DecodeConfig, add_rms_norm, paged_decode, rope_write, silu_mul, write_kv
@@ -28,8 +27,6 @@ pytestmark = pytest.mark.slow  # interpreted kernels: a couple of minutes on two
 
 DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 FP8 = torch.float8_e4m3fn
-TOL = {torch.float32: (1e-5, 1e-5), torch.float16: (2e-3, 2e-3), torch.bfloat16: (1e-2, 1.6e-2),
-       FP8: (1e-2, 1.6e-2)}  # (atol, rtol)
 
 
 def q_dtype_for(cache_dtype: torch.dtype) -> torch.dtype:
@@ -96,13 +93,12 @@ def check_decode(group: int, d: int, bs: int, dtype: torch.dtype, lens: list[int
     q, tables = q.to(DEVICE), tables.to(DEVICE)
     context_lens = torch.tensor(lens, dtype=torch.int32, device=DEVICE)
     scale = d ** -0.5
-    ref = A.paged_decode_ref(q, k_cache, v_cache, tables, context_lens, scale, k_scale, v_scale)
+    ref = paged_decode_reference(q, k_cache, v_cache, tables, lens, scale, k_scale, v_scale, q.dtype, q.dtype)
     out = paged_decode(q, poisoned(k_cache, owned), poisoned(v_cache, owned), tables, context_lens, scale,
                        None if k_scale is None else poisoned(k_scale, owned),
                        None if v_scale is None else poisoned(v_scale, owned), config=config)
-    assert out.shape == ref.shape and out.dtype == q.dtype
-    atol, rtol = TOL[dtype]
-    torch.testing.assert_close(out.float(), ref.float(), atol=atol, rtol=rtol)
+    assert out.shape == ref[0].shape and out.dtype == q.dtype
+    assert_within(out.cpu(), *ref, what=f"{dtype} lens {lens}")
 
 
 # Context lengths per case: 1, an exact block multiple, one past a multiple, and one long
@@ -139,7 +135,7 @@ def test_paged_decode_any_tile_size_and_split_count(nan_buffers, block_n, splits
 
 def test_paged_decode_default_config_with_eight_kv_heads(nan_buffers):
     """Llama 3.1 8B's head layout (8 KV heads of 4 queries), splits picked by the wrapper."""
-    check_decode(4, 128, 16, torch.bfloat16, [1, 129, 700], hk=8)
+    check_decode(4, 128, 16, torch.bfloat16, [1, 129, 300], hk=8)
 
 
 def test_paged_decode_reads_strided_queries(nan_buffers):
@@ -147,7 +143,7 @@ def test_paged_decode_reads_strided_queries(nan_buffers):
 
 
 def test_paged_decode_more_splits_than_tiles_leaves_empty_splits_harmless(nan_buffers):
-    check_decode(4, 64, 16, torch.float32, [1, 5, 65], config=DecodeConfig(num_splits=16, block_n=16))
+    check_decode(4, 64, 16, torch.float32, [1, 5, 65], config=DecodeConfig(num_splits=8, block_n=16))  # 5 tiles at most
 
 
 # ---- cache write ---------------------------------------------------------------------------
@@ -159,12 +155,12 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("hk,d,bs,tokens,dtype,act", [
     (2, 64, 16, 1, torch.bfloat16, torch.bfloat16),
     (8, 128, 16, 37, torch.bfloat16, torch.bfloat16),
-    (3, 64, 8, 200, torch.float16, torch.float16),
+    (3, 64, 8, 60, torch.float16, torch.float16),
     (1, 128, 128, 130, torch.float32, torch.float32),
     (2, 64, 32, 50, torch.float32, torch.bfloat16),
     (8, 128, 16, 1, FP8, torch.bfloat16),
-    (3, 64, 8, 77, FP8, torch.float32),
-    (1, 128, 64, 100, FP8, torch.float16),
+    (3, 64, 8, 41, FP8, torch.float32),
+    (1, 128, 64, 70, FP8, torch.float16),
 ], ids=lambda p: str(p).replace("torch.", ""))
 def test_write_kv_matches_reference_and_touches_nothing_else(hk, d, bs, tokens, dtype, act):
     gen = torch.Generator().manual_seed(hk * 1000 + tokens)
@@ -203,14 +199,14 @@ def test_add_rms_norm_matches_torch_ops(dtype, hidden, tokens, residual):
     res = torch.randn(tokens, hidden, generator=gen).to(dtype).to(DEVICE) if residual else None
     w = (1 + torch.randn(hidden, generator=gen) * 0.1).to(dtype).to(DEVICE)
     x_ref = x.clone()
-    want = TorchOps.add_rms_norm(x_ref, res, w, 1e-5)
+    TorchOps.add_rms_norm(x_ref, res, w, 1e-5)
     got = add_rms_norm(x, res, w, 1e-5)
     assert torch.equal(bits(x), bits(x_ref))        # the residual add, in place, bit for bit
-    torch.testing.assert_close(got, want)
+    assert_within(got.cpu(), *rms_norm_reference(x.cpu(), w.cpu(), 1e-5, dtype))
 
 
 @pytest.mark.parametrize("hq,hk,d,dtype,cache", [
-    (8, 2, 64, torch.bfloat16, torch.bfloat16), (32, 8, 128, torch.bfloat16, torch.bfloat16),
+    (8, 2, 64, torch.bfloat16, torch.bfloat16), (16, 8, 128, torch.bfloat16, torch.bfloat16),
     (9, 3, 64, torch.float32, torch.float32), (4, 4, 128, torch.float16, torch.float16),
     (8, 2, 128, torch.bfloat16, FP8), (6, 3, 64, torch.float32, FP8),
 ], ids=lambda p: str(p).replace("torch.", ""))
@@ -246,7 +242,7 @@ def test_rope_write_matches_torch_ops_bit_for_bit(hq, hk, d, dtype, cache):
 def test_silu_mul_matches_torch_ops(dtype, inter, tokens):
     gate_up = (torch.randn(tokens, 2 * inter, generator=torch.Generator().manual_seed(inter)) * 4).to(dtype)
     gate_up = gate_up.to(DEVICE)
-    torch.testing.assert_close(silu_mul(gate_up), TorchOps.silu_mul(gate_up))
+    assert_within(silu_mul(gate_up).cpu(), *silu_mul_reference(gate_up.cpu()))
 
 
 @pytest.mark.parametrize("call,message", [

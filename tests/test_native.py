@@ -1,45 +1,45 @@
-"""The C kernels (engine/native.py, engine/csrc/kvchat_cpu.c), compiled here with the
-machine's own compiler, against plain-torch references on fresh random data.
-
-Tolerances: the one-row product sums in another order than MKL's, so it is held to fp32
-accumulation error for sums of ~1,500 N(0, 1) products (atol 1e-4 on values of magnitude ~40,
-rtol 1e-5). Decode attention reorders softmax sums and uses its own exp (error under 1e-8
-relative): atol/rtol 1e-5 on outputs of magnitude ~1, as tests/test_cpu_attention.py holds
-the torch path and tests/test_kernels.py the Triton kernels.
+"""The C kernels (engine/native.py, engine/csrc/), compiled here with the machine's own
+compiler, against float64 references on fresh random data, within the error bounds of
+tests/tolerance.py (they grow with the dot products' lengths, the operands' and the scores'
+magnitudes, and the context's length). The batched forms: tests/test_native_batch.py.
 """
 from __future__ import annotations
+
+import os
 
 import pytest
 import torch
 
 from counting import count_calls
+from tolerance import assert_within, gemv_reference, paged_decode_reference, rms_norm_reference
 from kvchat.engine import attention as A
 from kvchat.engine import native
 
 FP8 = torch.float8_e4m3fn
-TOL = dict(atol=1e-5, rtol=1e-5)
 BS = 16
 
 
 def test_the_kernels_compile_and_load_here():
-    """CI and the README's machines have a C compiler: the kernels must serve there."""
-    assert native.status().startswith("on:"), native.status()
+    """CI and the README's machines have a C compiler: the kernels must serve there, built
+    for the level asked for (.ci/run runs this file once per level with KVCHAT_NATIVE_LEVEL)."""
+    level = os.environ.get("KVCHAT_NATIVE_LEVEL") or "native"
+    assert native.status().startswith("on:") and f"(level {level})" in native.status(), native.status()
     assert native.lib() is not None
 
 
-@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (49152, 576), (7, 100), (13, 33), (8, 16), (1, 1)])
+@pytest.mark.parametrize("n, k", [(960, 576), (576, 1536), (7, 100), (13, 33), (8, 16), (1, 1)])   # lm_head: test_native_batch
 def test_gemv_is_the_matmul(n, k):
     gen = torch.Generator().manual_seed(n * 7 + k)
     w, x = torch.randn(n, k, generator=gen), torch.randn(1, k, generator=gen)
     got = native.gemv(x, w)
     assert got.shape == (1, n)
-    torch.testing.assert_close(got, (x.double() @ w.double().T).float(), atol=1e-4, rtol=1e-5)
+    assert_within(got, *gemv_reference(x, w))
 
 
 def test_gemv_declines_what_it_does_not_serve():
     w, x = torch.randn(8, 16), torch.randn(1, 16)
     assert native.gemv_serves(x, w)
-    assert not native.gemv_serves(torch.randn(2, 16), w)                # a prefill: MKL's GEMM
+    assert not native.gemv_serves(torch.randn(native.GEMV_MAX_ROWS + 1, 16), w)   # a prefill: MKL's GEMM
     assert not native.gemv_serves(x, w.t().contiguous().t())            # strided weights
     assert not native.gemv_serves(x.bfloat16(), w.bfloat16())
     with native.disabled():
@@ -84,10 +84,12 @@ def paged(length: int, hk: int, d: int, gen: torch.Generator, fp8: bool, head_ma
     return k, v, ks, vs, table, clean
 
 
-def reference(q, clean, table, length):
+def reference(q, clean, table, length, scale=None):
+    """(float64 result, its bound), both (n_heads, head_dim), for one sequence of the pool."""
     k, v, ks, vs = clean
-    return A.paged_decode_ref(q[None], k, v, table[None], torch.tensor([length], dtype=torch.int32),
-                              q.shape[-1] ** -0.5, ks, vs)[0]
+    scale = q.shape[-1] ** -0.5 if scale is None else scale
+    ref, bound = paged_decode_reference(q[None], k, v, table[None], [length], scale, ks, vs)
+    return ref[0], bound[0]
 
 
 # the bundled model (3 KV heads x 3), Llama 3.1 8B (8 x 4, d 128), MHA, a group past the
@@ -98,7 +100,7 @@ GEOMETRIES = [(3, 3, 64), (8, 4, 128), (4, 1, 64), (2, 10, 64), (2, 2, 32), (1, 
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
 @pytest.mark.parametrize("head_major", [False, True], ids=["tokens", "heads"])
 @pytest.mark.parametrize("hk, g, d", GEOMETRIES, ids=[f"{a}x{b}x{c}" for a, b, c in GEOMETRIES])
-@pytest.mark.parametrize("length", [1, 15, 17, 333, 2049])
+@pytest.mark.parametrize("length", [1, 17, 2049])   # one row; a block and one; many blocks and splits
 def test_decode_matches_the_reference_on_a_shuffled_table(length, hk, g, d, head_major, fp8):
     gen = torch.Generator().manual_seed(length * 131 + hk * 17 + g * 5 + d + fp8)
     k, v, ks, vs, table, clean = paged(length, hk, d, gen, fp8, head_major)
@@ -106,7 +108,7 @@ def test_decode_matches_the_reference_on_a_shuffled_table(length, hk, g, d, head
     assert native.decode_serves(q, k)
     got = native.decode(q, k, v, table, length, d ** -0.5, ks, vs)
     assert got is not None and got.isfinite().all()
-    torch.testing.assert_close(got, reference(q, clean, table, length), **TOL)
+    assert_within(got, *reference(q, clean, table, length))
 
 
 @pytest.mark.parametrize("threads", [1, 2, 3])
@@ -121,7 +123,7 @@ def test_decode_gives_the_same_result_on_any_thread_count(threads):
         got = native.decode(q, k, v, table, 1500, 0.125)
     finally:
         torch.set_num_threads(before)
-    torch.testing.assert_close(got, reference(q, clean, table, 1500), **TOL)   # scale 64^-0.5 = 0.125
+    assert_within(got, *reference(q, clean, table, 1500))   # scale 64^-0.5 = 0.125
 
 
 def test_decode_declines_what_it_does_not_serve():
@@ -134,24 +136,27 @@ def test_decode_declines_what_it_does_not_serve():
 
 
 def test_large_scores_do_not_overflow_the_softmax():
-    """Scores far from 0 (here about +-2,000): the running max must keep exp in range."""
+    """Scores far from 0 (here up to about +-150 after scaling; e^150 is past fp32's range):
+    the running max must keep exp in range. The bound grows with the scores' magnitude: a
+    fixed atol of 1e-5 failed here against an fp32 reference, whose own error was the larger
+    (issue 21); against float64 this kernel is within 1% of its bound."""
     gen = torch.Generator().manual_seed(5)
     k, v, ks, vs, table, clean = paged(700, 3, 64, gen, False, True)
     q = torch.randn(9, 64, generator=gen) * 40
     got = native.decode(q, k, v, table, 700, 64 ** -0.5)
-    torch.testing.assert_close(got, reference(q, clean, table, 700), **TOL)
+    assert_within(got, *reference(q, clean, table, 700))
 
 
+@pytest.mark.slow   # the bundled model
 def test_the_engine_takes_the_kernels_for_a_decode_step(engine, monkeypatch):
     """The model's decode step goes through both kernels, and their logits are the torch
     path's within the model-level tolerance of tests/test_model_reference.py."""
-    from test_cpu_attention import PREFIX, REL_TOL, STEPS, decode_logits  # noqa: PLC0415
-    from pydoc_data.topics import topics  # noqa: PLC0415
+    from test_cpu_attention import REL_TOL, STEPS, _decode_logits, bundled_text_ids, decode_logits  # noqa: PLC0415
 
-    ids = engine.tokenizer.encode(topics["if"] * 40)[:PREFIX + STEPS]
+    ids = bundled_text_ids(engine)      # the torch path's logits: shared with test_cpu_attention's
     calls = count_calls(monkeypatch, native, "gemv", "decode")
     for kv in ("fp32", "fp8"):
-        got = decode_logits(engine, ids, kv, "runs")
+        got = _decode_logits(engine, ids, kv, "runs")     # computed here, so the calls are counted
         with native.disabled():
             want = decode_logits(engine, ids, kv, "runs")
         err = float((got - want).abs().max() / want.abs().max())
@@ -221,5 +226,4 @@ def test_e4m3_rounding_is_torchs_for_a_sweep_of_values():
 def test_rms_norm_is_torchs(k):
     gen = torch.Generator().manual_seed(k)
     x, w = torch.randn(1, k, generator=gen) * 3, torch.randn(k, generator=gen)
-    want = (x.double() * torch.rsqrt(x.double().pow(2).mean(-1, keepdim=True) + 1e-5) * w.double()).float()
-    torch.testing.assert_close(native.rms_norm(x, w, 1e-5), want, atol=1e-5, rtol=1e-5)
+    assert_within(native.rms_norm(x, w, 1e-5), *rms_norm_reference(x, w, 1e-5))

@@ -15,8 +15,9 @@ before we subscribed are unknown to us; a gap in sequence numbers is counted, no
 from __future__ import annotations
 
 import threading
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import msgspec
 import zmq
@@ -90,7 +91,7 @@ class KvEventStore:
                 self._apply(event)
             self.changed.notify_all()
 
-    def _apply(self, event) -> None:
+    def _apply(self, event: object) -> None:
         fields = _fields(event)
         kind = fields.get("type")
         if kind == "BlockStored" and fields.keys() >= {"block_hashes", "token_ids", "block_size"}:
@@ -103,10 +104,10 @@ class KvEventStore:
                 self._by_content[key] = h
                 parent = h
         elif kind == "BlockRemoved" and "block_hashes" in fields:
-            for h in fields["block_hashes"]:
-                key = self._blocks.pop(_hashable(h), None)
-                if key is not None and self._by_content.get(key) == _hashable(h):
-                    del self._by_content[key]
+            for h in map(_hashable, fields["block_hashes"]):
+                stored = self._blocks.pop(h) if h in self._blocks else None
+                if stored is not None and self._by_content.get(stored) == h:
+                    del self._by_content[stored]
         elif kind == "AllBlocksCleared":
             self._clear()
         else:
@@ -146,7 +147,7 @@ class KvEventStore:
                                   first_seq=self.first_seq, last_seq=self.last_seq, gaps=self.gaps,
                                   cleared=self.cleared, undecodable=self.undecodable, restarts=self.restarts)
 
-    def wait(self, predicate, timeout: float) -> bool:
+    def wait(self, predicate: Callable[[KvEventStore], bool], timeout: float) -> bool:
         """Block until predicate(self) holds after a message (for tests and the CLI)."""
         with self.changed:
             return self.changed.wait_for(lambda: predicate(self), timeout)
@@ -158,7 +159,7 @@ _POSITIONAL = {"BlockStored": ("block_hashes", "parent_block_hash", "token_ids",
                "BlockRemoved": ("block_hashes",), "AllBlocksCleared": ()}
 
 
-def _fields(event) -> dict:
+def _fields(event: object) -> dict[str, Any]:
     if isinstance(event, dict):
         return event
     if isinstance(event, list) and event and isinstance(event[0], str):
@@ -167,7 +168,7 @@ def _fields(event) -> dict:
     return {}
 
 
-def _hashable(h):
+def _hashable(h: Any) -> BlockHash:
     return tuple(h) if isinstance(h, list) else h
 
 

@@ -4,15 +4,20 @@ from __future__ import annotations
 import threading
 from collections.abc import Iterator
 
-from kvchat.engine import KV_DTYPES, POLICIES, Engine, EngineConfig
+from kvchat.engine.conversation import Conversation
+from kvchat.engine.engine import KV_DTYPES, Engine, EngineConfig, Preflight
+from kvchat.engine.policy import POLICIES
+from kvchat.engine.sampler import SamplingParams
+from kvchat.engine.sources import ModelSource
+from kvchat.engine.telemetry import CacheSnapshot
 
-from .protocol import BackendInfo, Capabilities, ChatState, Event, Message
+from .protocol import BackendInfo, Capabilities, Chat, ChatState, Event, Message
 
 
 class LocalChat:
     """An engine Conversation, seen through the Chat protocol."""
 
-    def __init__(self, conv) -> None:
+    def __init__(self, conv: Conversation) -> None:
         self.conv = conv
 
     def state(self) -> ChatState:
@@ -21,10 +26,12 @@ class LocalChat:
                          policy_description=c.policy.description, mode=c.mode, tokens_held=c.tokens_held,
                          evicted_tokens=c.evicted_tokens, preempted_pending=c.preempted_pending, turns=c.turns)
 
-    def send(self, text: str, sampling=None, cancel: threading.Event | None = None) -> Iterator[Event]:
+    def send(self, text: str, sampling: SamplingParams | None = None,
+             cancel: threading.Event | None = None) -> Iterator[Event]:
         return self.conv.send(text, sampling, cancel)
 
-    def regenerate(self, sampling=None, cancel: threading.Event | None = None) -> Iterator[Event]:
+    def regenerate(self, sampling: SamplingParams | None = None,
+                   cancel: threading.Event | None = None) -> Iterator[Event]:
         return self.conv.regenerate(sampling, cancel)
 
     def restore(self, messages: list[Message]) -> None:
@@ -59,7 +66,8 @@ class LocalBackend:
         self.engine = engine
 
     @classmethod
-    def load(cls, config: EngineConfig, source=None, checked=None) -> LocalBackend:
+    def load(cls, config: EngineConfig, source: ModelSource | None = None,
+             checked: Preflight | None = None) -> LocalBackend:
         return cls(Engine(config, source=source, checked=checked))
 
     def info(self) -> BackendInfo:
@@ -81,11 +89,11 @@ class LocalBackend:
                 raise
         return chat
 
-    def close(self, chat: LocalChat) -> None:
-        self.engine.close_conversation(chat.conv)
+    def close(self, chat: Chat) -> None:
+        self.engine.close_conversation(_conversation(chat))
 
-    def snapshot(self, chat: LocalChat | None = None):
-        return self.engine.snapshot(chat.conv if chat is not None else None)
+    def snapshot(self, chat: Chat | None = None) -> CacheSnapshot:
+        return self.engine.snapshot(_conversation(chat) if chat is not None else None)
 
     def count_tokens(self, text: str) -> int | None:
         try:
@@ -99,3 +107,10 @@ class LocalBackend:
 
     def shutdown(self) -> None:
         pass
+
+
+def _conversation(chat: Chat) -> Conversation:
+    """The engine's Conversation behind one of this backend's chats."""
+    if not isinstance(chat, LocalChat):
+        raise TypeError(f"a {type(chat).__name__} is not a conversation of the local backend")
+    return chat.conv

@@ -9,6 +9,7 @@ ones are absent. A figure the server does not export stays None.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -99,7 +100,7 @@ def parse(text: str, model: str | None = None) -> ServerMetrics:
     if not any(name.startswith("vllm:") for name in families):
         raise MetricsError("the server's /metrics has no vllm: metrics; is it a vLLM server?")
 
-    def samples(family: str, suffix: str = ""):
+    def samples(family: str, suffix: str = "") -> list[Any] | None:
         # a counter is one family "x" with samples "x_total" when its TYPE line says x_total, and
         # an empty family "x" beside a family "x_total" when it says x: read both
         found = [f for f in (families.get(family), families.get(family + "_total")) if f is not None]
@@ -111,16 +112,16 @@ def parse(text: str, model: str | None = None) -> ServerMetrics:
             out = [s for s in out if s.labels.get("model_name", model) == model]
         return out
 
-    def scalar(names) -> float | None:
+    def scalar(names: tuple[str | None, ...]) -> float | None:
         for name in names:
             if name is None:
                 continue
             found = samples(name)
             if found:
-                return sum(s.value for s in found)
+                return float(sum(s.value for s in found))
         return None
 
-    def histogram(names) -> Histogram | None:
+    def histogram(names: tuple[str | None, ...]) -> Histogram | None:
         for name in names:
             if name is None or name not in families:
                 continue
@@ -133,11 +134,12 @@ def parse(text: str, model: str | None = None) -> ServerMetrics:
                              buckets=tuple(sorted(buckets.items())))
         return None
 
-    return ServerMetrics(cache=_cache_config(families), **{k: scalar(v) for k, v in _GAUGES.items()},
-                         **{k: histogram(v) for k, v in _HISTOGRAMS.items()})
+    figures: dict[str, Any] = {k: scalar(v) for k, v in _GAUGES.items()}
+    figures.update({k: histogram(v) for k, v in _HISTOGRAMS.items()})
+    return ServerMetrics(cache=_cache_config(families), **figures)
 
 
-def _cache_config(families) -> CacheConfig:
+def _cache_config(families: dict[str, Any]) -> CacheConfig:
     f = families.get("vllm:cache_config_info")
     labels = f.samples[0].labels if f is not None and f.samples else {}
 

@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, Union, runtime_checkable
 
 from kvchat.engine.geometry import Geometry
-from kvchat.engine.telemetry import CacheSnapshot, PrefillEvent, TokenEvent, TurnStats
+from kvchat.engine.telemetry import CacheSnapshot, PrefillEvent, PrefillProgress, TokenEvent, TurnStats
 
 if TYPE_CHECKING:
     from kvchat.engine.sampler import SamplingParams
 
-Event = Union[PrefillEvent, TokenEvent, TurnStats]
+Event = Union[PrefillProgress, PrefillEvent, TokenEvent, TurnStats]   # what a turn yields, in that order
 Message = dict[str, str]          # {"role": "system" | "user" | "assistant", "content": ...}
 
 # what a backend may lack; each name is a key of Capabilities.missing

@@ -11,6 +11,7 @@ import json
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -19,10 +20,12 @@ from kvchat.engine.errors import KvchatError
 
 API_KEY_ENVS = ("KVCHAT_API_KEY", "OPENAI_API_KEY")
 CONNECT_S, READ_S = 5.0, 300.0     # a cold 8k-token prefill on a CPU server takes tens of seconds
+Json = dict[str, Any]              # a JSON object as the server sent it
 
 
 class ServerError(KvchatError):
     """The server could not be reached, or answered something other than what vLLM answers."""
+    status: int | None = None      # the HTTP status, where the server answered one
 
 
 def normalise_url(url: str) -> str:
@@ -66,36 +69,37 @@ class ServerApi:
         self._http.close()
 
     # ---- requests ------------------------------------------------------------------------------
-    def get_json(self, path: str) -> dict:
+    def get_json(self, path: str) -> Json:
         with self._request("GET", path) as r:
             return self._json(r, path)
 
-    def post_json(self, path: str, body: dict | None = None, params: dict | None = None) -> dict:
+    def post_json(self, path: str, body: Json | None = None, params: dict[str, str] | None = None) -> Json:
         with self._request("POST", path, json=body, params=params) as r:
             return self._json(r, path)
 
     def get_text(self, path: str, timeout: float | None = None) -> str:
-        kw = {"timeout": httpx.Timeout(timeout, connect=min(timeout, CONNECT_S))} if timeout else {}
+        kw: dict[str, Any] = {"timeout": httpx.Timeout(timeout, connect=min(timeout, CONNECT_S))} if timeout else {}
         with self._request("GET", path, **kw) as r:
-            return r.text
+            text: str = r.text
+            return text
 
-    def get_optional_json(self, path: str) -> dict | None:
+    def get_optional_json(self, path: str) -> Json | None:
         """For endpoints that exist only in dev mode: None where the server answers 404."""
         try:
             return self.get_json(path)
         except ServerError as err:
-            if getattr(err, "status", None) == 404:
+            if err.status == 404:
                 return None
             raise
 
     @contextmanager
-    def stream_events(self, path: str, body: dict) -> Iterator[Iterator[dict]]:
+    def stream_events(self, path: str, body: Json) -> Iterator[Iterator[Json]]:
         """POST and yield each server-sent event's JSON until [DONE]; leaving the with-block
         early closes the connection, which makes vLLM abort the request."""
         with self._request("POST", path, json=body, stream=True) as r:
             yield self._events(r, path)
 
-    def _events(self, r: httpx.Response, path: str) -> Iterator[dict]:
+    def _events(self, r: httpx.Response, path: str) -> Iterator[Json]:
         try:
             for line in r.iter_lines():
                 if not line.startswith("data:"):
@@ -119,7 +123,7 @@ class ServerApi:
                               "the conversation so far is kept, send again once the server is back") from None
 
     @contextmanager
-    def _request(self, method: str, path: str, stream: bool = False, **kw) -> Iterator[httpx.Response]:
+    def _request(self, method: str, path: str, stream: bool = False, **kw: Any) -> Iterator[httpx.Response]:
         try:
             if stream:
                 with self._http.stream(method, path, **kw) as r:
@@ -154,7 +158,7 @@ class ServerApi:
         err.status = r.status_code
         raise err
 
-    def _json(self, r: httpx.Response, path: str) -> dict:
+    def _json(self, r: httpx.Response, path: str) -> Json:
         data = _maybe_json(r)
         if not isinstance(data, dict):
             raise ServerError(f"{self.url}{path} did not answer JSON; is --server an OpenAI-compatible "
@@ -162,14 +166,14 @@ class ServerApi:
         return data
 
 
-def _maybe_json(r: httpx.Response):
+def _maybe_json(r: httpx.Response) -> Any:
     try:
         return r.json()
     except ValueError:
         return r.text
 
 
-def _error_text(body) -> str:
+def _error_text(body: object) -> str:
     """The server's own message: OpenAI's {"error": {"message"}}, FastAPI's {"detail"}, or text."""
     if isinstance(body, dict):
         err = body.get("error", body.get("detail", body.get("message")))

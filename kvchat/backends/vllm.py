@@ -15,24 +15,27 @@ What the server cannot tell stays None and is named in `unavailable`; nothing is
 """
 from __future__ import annotations
 
+import argparse
 import json
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 from kvchat.engine.errors import KvchatError
 from kvchat.engine.geometry import DTYPE_BYTES
 from kvchat.engine.policy import make_policy
-from kvchat.engine.telemetry import (CACHED, FREE, HELD, REUSED, CacheSnapshot, PrefillEvent, ServerStats,
-                                     TokenEvent, TurnStats)
+from kvchat.engine.sampler import SamplingParams
+from kvchat.engine.telemetry import CACHED, FREE, HELD, REUSED, PrefillEvent, TokenEvent, TurnStats
 
 from . import metrics as prom
 from .kv_events import KvEventSubscriber
-from .protocol import (BLOCK_MAP, CACHE_TOGGLE, KV_DTYPE, RESET, SINK_WINDOW, BackendInfo, Capabilities,
+from .protocol import (BLOCK_MAP, CACHE_TOGGLE, KV_DTYPE, RESET, SINK_WINDOW, BackendInfo, Capabilities, Chat,
                        ChatState, Event, Message)
 from .server_api import ServerApi, ServerError
 from .server_model import DTYPES
 from .server_model import ServerModel, match_geometry
+from .server_stats import ServerSnapshot, ServerStats
 
 _FINISH = {"stop": "eos", "length": "max_tokens", "abort": "cancelled"}
 EVENT_WAIT_S = 0.5   # after a turn, how long the snapshot waits for the KV events of its blocks
@@ -46,7 +49,7 @@ class VllmChat:
     def __init__(self, backend: VllmBackend, system: str | None, cap: int | None, policy: str) -> None:
         self.backend = backend
         self.messages: list[Message] = [{"role": "system", "content": system}] if system else []
-        self.cap = None
+        self.cap: int | None = None
         self.policy = make_policy("stop")
         self.set_cap(cap)
         self.set_policy(policy)
@@ -104,7 +107,8 @@ class VllmChat:
         return self.backend.reset_prefix_cache()
 
     # ---- turns ----------------------------------------------------------------------------------
-    def send(self, text: str, sampling=None, cancel: threading.Event | None = None) -> Iterator[Event]:
+    def send(self, text: str, sampling: SamplingParams | None = None,
+             cancel: threading.Event | None = None) -> Iterator[Event]:
         if not text.strip():
             raise KvchatError("empty message: type something to send")
         messages = self.messages + [{"role": "user", "content": text}]
@@ -112,12 +116,14 @@ class VllmChat:
             messages = self.policy.fit(messages, self.backend.count_messages, self.cap)
         return self._turn(messages, len(self.messages) + 1 - len(messages), sampling, cancel)
 
-    def regenerate(self, sampling=None, cancel: threading.Event | None = None) -> Iterator[Event]:
+    def regenerate(self, sampling: SamplingParams | None = None,
+                   cancel: threading.Event | None = None) -> Iterator[Event]:
         if not self.messages or self.messages[-1]["role"] != "assistant":
             raise KvchatError("nothing to regenerate: the conversation has no reply yet")
         return self._turn(self.messages[:-1], 0, sampling, cancel)
 
-    def _turn(self, messages: list[Message], dropped: int, sampling, cancel) -> Iterator[Event]:
+    def _turn(self, messages: list[Message], dropped: int, sampling: SamplingParams | None,
+              cancel: threading.Event | None) -> Iterator[Event]:
         """The messages change only once the reply is complete (or cancelled): a failure
         mid-reply raises ServerError and leaves the conversation as it was."""
         b = self.backend
@@ -127,7 +133,7 @@ class VllmChat:
         text: list[str] = []
         decode_ms: list[float] = []
         positions: list[int] = []
-        usage: dict = {}
+        usage: dict[str, Any] = {}
         finish = None
         ttft_ms = 0.0
         t0 = last = time.perf_counter()
@@ -208,7 +214,7 @@ class VllmBackend:
         self._lock = threading.Lock()
 
     @classmethod
-    def from_flags(cls, args) -> VllmBackend:
+    def from_flags(cls, args: argparse.Namespace) -> VllmBackend:
         """From the command line's flags (--server, --kv-events, --geometry, and --model as a
         local config.json, --kv-dtype as the cache's element type when the server cannot say).
         Flags that size kvchat's own engine are refused: the server sized its own."""
@@ -318,7 +324,7 @@ class VllmBackend:
         chat.set_mode(mode)
         return chat
 
-    def close(self, chat: VllmChat) -> None:
+    def close(self, chat: Chat) -> None:
         pass          # the server holds no conversation; its cached blocks stay for prefix reuse
 
     def set_kv_dtype(self, kv_dtype: str) -> str:
@@ -345,8 +351,8 @@ class VllmBackend:
         return before
 
     # ---- requests -------------------------------------------------------------------------------
-    def request_body(self, messages: list[Message], sampling) -> dict:
-        body = {"model": self.model.name, "messages": messages, "stream": True,
+    def request_body(self, messages: list[Message], sampling: SamplingParams | None) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.model.name, "messages": messages, "stream": True,
                 "stream_options": {"include_usage": True}, "return_token_ids": True}
         if sampling is not None:
             body.update(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_tokens)
@@ -362,7 +368,8 @@ class VllmBackend:
                                                 "add_generation_prompt": True})
         if not isinstance(data.get("count"), int):
             raise ServerError(f"{self.api.url}/tokenize answered without a token count")
-        return data["count"]
+        count: int = data["count"]
+        return count
 
     def tokens_held(self, chat: VllmChat) -> int:
         """This conversation's tokens in resident full blocks (0 without a KV-event stream)."""
@@ -372,7 +379,12 @@ class VllmBackend:
         return self.events.store.chain(chat.token_ids, bs) * bs
 
     # ---- the panels -----------------------------------------------------------------------------
-    def snapshot(self, chat: VllmChat | None = None, wait_for_events: bool = False) -> CacheSnapshot:
+    def snapshot(self, chat: Chat | None = None, wait_for_events: bool = False) -> ServerSnapshot:
+        if chat is not None and not isinstance(chat, VllmChat):
+            raise TypeError(f"a {type(chat).__name__} is not a conversation of the vLLM backend")
+        return self._snapshot(chat, wait_for_events)
+
+    def _snapshot(self, chat: VllmChat | None, wait_for_events: bool) -> ServerSnapshot:
         """Scrapes /metrics; where that fails after a good start, keeps the last good scrape and
         names the failure in server.notes (the app retries on its next poll)."""
         notes: list[str] = []
@@ -390,13 +402,14 @@ class VllmBackend:
             notes.append(self.geometry_source if self.geometry is None else
                          f"the cache element size is unknown (cache_dtype {cc.cache_dtype!r}); give --kv-dtype")
         active = round(m.usage * nb) if m.usage is not None and nb else None
-        mine = resident = None
+        mine: int | None = None
+        resident: int | None = None
         store = self.events.store.summary() if self.events is not None else None
         if self.events is not None and bs:
             if wait_for_events and chat is not None and chat.token_ids:
                 want = len(chat.token_ids) // bs
                 self.events.store.wait(lambda s: s.chain(chat.token_ids, bs) >= want, EVENT_WAIT_S)
-                store = self.events.store.summary()
+            store = self.events.store.summary()
             mine = self.events.store.chain(chat.token_ids, bs) if chat is not None else 0
             resident = store.blocks
             if store.first_seq:
@@ -410,9 +423,9 @@ class VllmBackend:
             notes.append(self.capabilities.why_not(BLOCK_MAP) or "the server reports no block size")
             unavailable += ["tokens_held", "blocks_used", "bytes_used", "bytes_allocated", "pool_cached",
                             "block_map"]
-        held = mine * bs if mine is not None else None
+        held = mine * bs if mine is not None and bs else None
         codes = b""
-        if mine is not None and nb:
+        if mine is not None and resident is not None and nb and bs:
             reused = min(mine, (chat.reused_tokens // bs) if chat is not None else 0)
             others = max(0, min(nb - mine, resident - mine))
             codes = bytes([REUSED] * reused + [HELD] * (mine - reused) + [CACHED] * others
@@ -428,7 +441,7 @@ class VllmBackend:
             event_batches=store.batches if store else None, event_gaps=store.gaps if store else None,
             notes=tuple(notes) + ("the map shows resident full prefix blocks by content, in no physical "
                                   "order; partial last blocks and block ids are not reported",))
-        return CacheSnapshot(
+        return ServerSnapshot(
             model=self.model.name, kv_dtype=self.kv_dtype, block_size=bs or 0, num_blocks=nb or 0,
             bytes_per_token=bpt, capacity_bytes=nb * bs * bpt if nb and bs and bpt else None,
             tokens_held=held, bytes_used=held * bpt if held is not None and bpt else None,

@@ -24,12 +24,19 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from kvchat.engine.errors import KvchatError
 
 from . import batch_report as report
 from . import floor as bench_floor
+from .flags import output_path, parse_contexts
 from .history import history
+from .machine import busy_note, checkout_commit, load_average
+
+if TYPE_CHECKING:      # the peers import transformers and torch: only when measured
+    from .peers import HFPeer
+    from .server_peer import VllmPeer
 
 MARGIN = 64          # positions past the history and the timed tokens
 
@@ -72,7 +79,6 @@ def gemm_gflops(seconds: float = 0.5) -> float:
 
 class BatchBench:
     def __init__(self, args, engine) -> None:
-        from .run import parse_contexts
         self.args, self.engine = args, engine
         self.batches = parse_batches(args.batch)
         self.contexts = parse_contexts(args.contexts)
@@ -80,7 +86,8 @@ class BatchBench:
         tok = engine.tokenizer
         self.histories = {(ctx, u): history(engine.render, tok, ctx, 7919 * u + ctx)[1]
                           for ctx in self.contexts for u in range(max(self.batches))}
-        self.hf = self.server = None
+        self.hf: HFPeer | None = None
+        self.server: VllmPeer | None = None
         self.t0 = time.perf_counter()
 
     def say(self, text: str) -> None:
@@ -148,10 +155,8 @@ def run_batch(args) -> int:
     from kvchat.engine import Engine, preflight
 
     from ..cli.args import engine_config
-    from .run import _commit, _load, busy_note, output_path
     json_path, plot_path = output_path("--json", args.json), output_path("--plot", args.plot, ".png")
     batches = parse_batches(args.batch)
-    from .run import parse_contexts
     contexts = parse_contexts(args.contexts)
     cfg = engine_config(args)
     checked = preflight(cfg)
@@ -177,8 +182,8 @@ def run_batch(args) -> int:
         notes.append("transformers not measured (--no-peers)")
     if getattr(args, "server", None):
         from .server_peer import VllmPeer
-        bench.server = VllmPeer.connect(args, max(contexts) + 2 * args.new_tokens + MARGIN)
-        notes.append(bench.server.describe())
+        server = bench.server = VllmPeer.connect(args, max(contexts) + 2 * args.new_tokens + MARGIN)
+        notes.append(server.describe())
     else:
         notes.append("vLLM not measured: give --server URL of a running vLLM server (scripts/setup-vllm.sh)")
     load0 = busy_note(notes)
@@ -197,7 +202,7 @@ def run_batch(args) -> int:
     meta = {
         "kind": "kvchat-batch-bench", "version": 1, "command": command(args), "model": engine.describe(),
         "threads": threads, "runs": args.runs, "new_tokens": args.new_tokens, "notes": notes,
-        "machine": {"load_average_before": load0, "load_average_after": _load(), "kvchat_commit": _commit()},
+        "machine": {"load_average_before": load0, "load_average_after": load_average(), "kvchat_commit": checkout_commit()},
         "bandwidth": bw.to_dict(), "gemm_gflop_s": round(flops, 2), "weight_bytes": weights,
         "matmul_params": engine.model.step_weight_bytes // engine.model.embed.element_size(),
         "attention_flops_per_token": 4 * g.n_layers * g.n_heads * g.head_dim,

@@ -1,11 +1,11 @@
 """Saved conversations in the app: the chat browser's actions, reopening conversations
 (from the browser or `--resume`), and the model each ran with.
 
-A reopened conversation is a new ChatView whose Chat starts from the saved history with an
-empty cache, so its next turn prefills the whole history (chat_view.open_chat). One saved
-under another model says so in one line and starts a new latency series: its old points
-are not drawn beside the new model's (they measured other weights), and a "model" event
-in its log marks where the new model's turns begin, so a later resume keeps them apart too.
+A reopened conversation is a new Session that starts from the saved history with an empty
+cache, so its next turn prefills the whole history (Session.open). One saved under another
+model says so in one line and starts a new latency series: its old points are not drawn
+beside the new model's (they measured other weights), and a "model" event in its log marks
+where the new model's turns begin, so a later resume keeps them apart too.
 """
 from __future__ import annotations
 
@@ -13,54 +13,54 @@ from pathlib import Path
 
 from kvchat.engine.errors import KvchatError
 
-from ..store import catalog
-from .view import ChatView, open_chat
-from .conversations import Conversations
-from .host import Host
-from .jobs import Busy
-from ..latency import LatencyData
-from ..text import plural
-from ..store.log import Restored, StoreError, restore
-from ..widgets import ChatInput
 from ..screens.chat_browser import ChatBrowser
+from ..store import catalog
+from ..store.log import Restored, StoreError, restore
+from ..text import plural
+from .conversations import Conversations, read_the_cache
+from .host import Host
+from .session import Session
+from .view import ChatView
 
 
 class Browser:
-    def __init__(self, app: Host, conversations: Conversations, data_root: Path | None = None) -> None:
-        self.app = app
+    def __init__(self, host: Host, conversations: Conversations, data_root: Path | None = None) -> None:
+        self.host = host
         self.conversations = conversations
         self.data_root = data_root
         self._remember_failed = False
 
     # ---- the browser screen -----------------------------------------------------------------
     def open_paths(self) -> set[Path]:
-        return {v.conversation_log.path for v in self.conversations.views if v.conversation_log is not None}
+        return {s.log.path for s in self.conversations.sessions}
 
     def show(self) -> None:
         def chosen(path: Path | None) -> None:
             if path is not None:
                 self.reopen(path)
-        self.app.push_screen(ChatBrowser(lambda: catalog.list_conversations(self.data_root), self.open_paths,
-                                         self.rename, self.delete), chosen)
+        self.host.dialog(ChatBrowser(lambda: catalog.list_conversations(self.data_root), self.open_paths,
+                                     self.rename, self.delete), chosen)
 
     def _view_of(self, path: Path) -> ChatView | None:
-        return next((v for v in self.conversations.views if v.conversation_log.path == path), None)
+        return next((v for v in self.conversations.views if v.session is not None and v.session.log.path == path),
+                    None)
 
     def rename(self, summary: catalog.Summary, title: str) -> str | None:
         """Returns a line saying why not, or None."""
         view = self._view_of(summary.path)
+        session = view.session if view is not None else None
         try:
-            catalog.rename(summary.path, title, view.conversation_log if view is not None else None)
+            catalog.rename(summary.path, title, session.log if session is not None else None)
         except OSError as err:
             return f"cannot rename {summary.path.name}: {err.strerror or err}"
-        if view is not None:
-            view.given_title = title
+        if session is not None:
+            session.given_title = title
             self.conversations.refresh_bar()
         return None
 
     def delete(self, summary: catalog.Summary) -> str | None:
         if self._view_of(summary.path) is not None:
-            return f"{summary.title!r} is open: close it first ({self.app.keymap()['close_conversation']}), then delete"
+            return f"{summary.title!r} is open: close it first ({self.host.keymap['close_conversation']}), then delete"
         try:
             catalog.delete(summary.path)
         except OSError as err:
@@ -74,34 +74,34 @@ class Browser:
         open_view = self._view_of(path)
         if open_view is not None:
             self.conversations.switch_to(open_view)
-            self.app.notice(f"conversation {open_view.number} is {path.name}, already open")
+            self.host.notice(f"conversation {open_view.number} is {path.name}, already open")
             return
         try:
             restored = restore(path)
         except StoreError as err:
-            self.app.notice(str(err), error=True)
+            self.host.notice(str(err), error=True)
             return
-        if self.app.jobs.busy is None:
-            self.app.call_later(self._open, restored)
+        if self.host.jobs.busy is None:
+            self.host.call_later(self._open, restored)
         else:
-            self.app.run_op(f"reopen {path.name}", lambda: None, then=lambda: self._open(restored), interrupt=False)
+            self.host.run_op(f"reopen {path.name}", read_the_cache, then=lambda: self._open(restored),
+                             interrupt=False)
 
-    async def _open(self, restored: Restored, focus: bool = True) -> ChatView | None:
-        app, convs = self.app, self.conversations
+    async def _open(self, restored: Restored, focus: bool = True) -> None:
+        host, convs = self.host, self.conversations
+        number = convs.number()
         try:
-            opened = open_chat(app.backend, convs.focused.options(), self.data_root, restored)
+            session = Session.open(host.backend, number, host.session.options(), self.data_root, restored)
         except (KvchatError, OSError) as err:
-            app.notice(f"cannot reopen {restored.path.name}: {err}", error=True)
-            return None
-        view = ChatView(convs.number())
-        view.attach(*opened)
-        await convs.add(view)
+            host.notice(f"cannot reopen {restored.path.name}: {err}", error=True)
+            return
+        view = ChatView(number)
+        await convs.add(view, session)
         await self.resumed(view, restored)
         if focus:
             convs.switch_to(view, fresh=False)
-            app.run_op("read the cache", lambda: None, interrupt=False)
+            host.run_op("read the cache", read_the_cache, interrupt=False)
         self.remember()
-        return view
 
     async def reopen_all(self, paths: list[Path]) -> None:
         """--resume: reopen the other conversations open at the last quit, behind the focused one."""
@@ -110,46 +110,62 @@ class Browser:
                 try:
                     restored = restore(path)
                 except StoreError as err:
-                    self.app.notice(str(err), error=True)
+                    self.host.notice(str(err), error=True)
                     continue
                 await self._open(restored, focus=False)
         if len(self.conversations.views) > 1:
-            self.app.notice(f"{len(self.conversations.views)} conversations reopened, as open when kvchat last quit; "
-                            f"{self.app.keymap()['next_conversation']} switches")
+            self.host.notice(f"{len(self.conversations.views)} conversations reopened, as open when kvchat last quit; "
+                             f"{self.host.keymap['next_conversation']} switches")
         self.conversations.refresh_bar()
+
+    async def resume(self, view: ChatView, restored: Restored) -> None:
+        """--resume: the first conversation, restored, says so."""
+        session = view.session
+        if session is None:
+            return
+        await view.show_history(list(session.state.messages), session.turns)
+        view.add_notice(f"resumed {restored.path.name}: {plural(len(restored.turns), 'turn')}; the cache "
+                        "is empty, so the next turn prefills the whole history")
+        if restored.skipped:
+            view.add_notice(f"{plural(restored.skipped, 'damaged record')} of {restored.path.name} skipped "
+                            "(a torn line or a hand edit); the rest is restored", error=True)
+        if restored.unanswered:
+            self.host.input.restore(restored.unanswered)
+            view.add_notice("your last message got no reply; it is back in the input")
+        await self.resumed(view, restored, history=False)
 
     async def resumed(self, view: ChatView, restored: Restored, history: bool = True) -> None:
         """A reopened conversation's transcript, its notes, and its latency series."""
+        session = view.session
+        if session is None:
+            return
         try:
             summary = catalog.summarize(restored.path)
         except OSError:
             summary = None
         if history:
-            await view.show_history(list(view.state.messages), view.turns)
+            await view.show_history(list(session.state.messages), session.turns)
             view.add_notice(f"reopened {restored.path.name}: {plural(len(restored.turns), 'turn')}; the cache is "
                             "empty, so the next turn prefills the whole history")
         if summary is not None and summary.named:
-            view.given_title = summary.title
-        model = self.app.backend.info().model
+            session.given_title = summary.title
+        model = self.host.backend.info().model
         saved = summary.model if summary is not None else None
         first = summary.model_from if summary is not None else 0
         if saved is not None and saved != model:
-            view.conversation_log.event("model", value=model, previous=saved)
-            first = len(view.turns)
+            session.log.event("model", value=model, previous=saved)
+            first = len(session.turns)
             view.add_notice(f"saved under {saved}, now running on {model}: its {plural(first, 'turn')} stay in "
                             "the transcript; the latency plot starts a new series for this model").add_class("warning")
         if first:
-            view.latency = LatencyData()
-            for record in view.turns[first:]:
-                view.latency.add_turn(record)
+            session.new_latency_series(first)
         if history and restored.unanswered and view is self.conversations.focused:
-            self.app.part(ChatInput).restore(restored.unanswered)
+            self.host.input.restore(restored.unanswered)
             view.add_notice("your last message got no reply; it is back in the input")
 
     def remember(self) -> None:
         """Keep the list of open conversations for the next --resume."""
-        error = catalog.remember_open([v.conversation_log.path for v in self.conversations.views
-                                       if v.conversation_log is not None], self.data_root)
+        error = catalog.remember_open([s.log.path for s in self.conversations.sessions], self.data_root)
         if error is not None and not self._remember_failed:    # said once, not on every change
             self._remember_failed = True
-            self.app.notice(error, error=True)
+            self.host.notice(error, error=True)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import re
 
-from .host import Host
 from ..text import plural
+from ..widgets.transcript import Transcript
 
 FENCE = re.compile(r"^ {0,3}(```+|~~~+)[^\n]*\n(.*?)^ {0,3}\1[ \t]*$", re.MULTILINE | re.DOTALL)
 OPEN_FENCE = re.compile(r"^ {0,3}(```+|~~~+)[^\n]*\n(.*)\Z", re.MULTILINE | re.DOTALL)
@@ -27,21 +27,18 @@ def last_code_block(markdown: str) -> str | None:
     return closed[-1].group(2).rstrip("\n") if closed else None
 
 
-def copy_last(app: Host, what: str) -> None:
-    """what: "reply" or "code". Says in the status line what went to the clipboard."""
-    reply = app.view.last_reply() if app.view is not None else None
+def to_copy(transcript: Transcript, what: str) -> tuple[str | None, str]:
+    """what: "reply" or "code". (the text to copy, the line that says what went to the
+    clipboard), or (None, the error line) when there is nothing to copy."""
+    reply = transcript.last_reply()
     text = reply.text.strip() if reply is not None else ""
     if not text:
-        app.notice("nothing to copy: this conversation has no reply yet", error=True)
-        return
+        return None, "nothing to copy: this conversation has no reply yet"
     if what == "code":
         code = last_code_block(text)
         if code is None:
-            app.notice("nothing to copy: the last reply has no code block (/copy copies the whole reply)",
-                       error=True)
-            return
+            return None, "nothing to copy: the last reply has no code block (/copy copies the whole reply)"
         text = code
-    app.copy_to_clipboard(text)
     lines = text.count("\n") + 1
-    app.status_note(f"copied the last {'code block' if what == 'code' else 'reply'} "
-                    f"({plural(lines, 'line')}, {len(text):,} characters) to the clipboard")
+    return text, (f"copied the last {'code block' if what == 'code' else 'reply'} "
+                  f"({plural(lines, 'line')}, {len(text):,} characters) to the clipboard")

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import time
 
+from textual.timer import Timer
+
 from kvchat.engine.units import human_bytes
 
-from .host import Host
+from ..backends.protocol import Backend
 from ..text import plural
-from ..widgets import ChatInput
+from ..widgets.chat_input import ChatInput
 
 DELAY = 0.25
 
@@ -24,11 +26,14 @@ def label(tokens: int | None, bytes_per_token: int | None) -> str:
 
 
 class DraftCounter:
-    def __init__(self, app: Host, delay: float = DELAY) -> None:
-        self.app = app
+    """Counts what `field` holds with `backend` (None until the model loads), in its title."""
+
+    def __init__(self, field: ChatInput, delay: float = DELAY) -> None:
+        self.field = field
+        self.backend: Backend | None = None
         self.delay = delay
         self.counted_at = 0.0
-        self.timer = None
+        self.timer: Timer | None = None
         self.counts = 0                  # how many times it tokenized (the throttle's test reads it)
 
     def changed(self) -> None:
@@ -36,20 +41,18 @@ class DraftCounter:
         if self.timer is not None:
             self.timer.stop()
             self.timer = None
-        if not self.app.part(ChatInput).text or time.monotonic() - self.counted_at >= self.delay:
+        if not self.field.text or time.monotonic() - self.counted_at >= self.delay:
             self.count()
         else:
-            self.timer = self.app.set_timer(self.delay, self.count)
+            self.timer = self.field.set_timer(self.delay, self.count)
 
     def count(self) -> None:
         self.timer = None
         self.counted_at = time.monotonic()
-        app = self.app
-        if getattr(app, "exiting", False) or not app.screen_stack:
+        field, backend = self.field, self.backend
+        if not field.is_attached:        # the app closed while the timer waited
             return
-        field = app.part(ChatInput)
         text = field.text
-        backend = app.backend
         if backend is None or not text.strip() or text.lstrip().startswith("/") and not text.lstrip().startswith("//"):
             field.border_title = ""
             return

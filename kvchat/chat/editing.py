@@ -9,67 +9,67 @@ reply, and the block map, show the prefix reuse breaking at exactly the edited b
 """
 from __future__ import annotations
 
-from .conversations import Conversations
-from .host import Host
 from ..text import plural
-from ..widgets import ChatInput, UserMessage
+from ..widgets.transcript import UserMessage
+from .host import Host
+
+STILL_REPLYING = "still replying: press escape to stop it, then "
 
 
 class Editor:
-    def __init__(self, app: Host, conversations: Conversations) -> None:
-        self.app = app
-        self.conversations = conversations
+    def __init__(self, host: Host) -> None:
+        self.host = host
 
-    def editing(self) -> bool:
-        view = self.app.view
-        return view is not None and view.editing is not None
-
-    def user_messages(self) -> list[int]:
-        """Indices in the history of the focused conversation's user messages."""
-        return [i for i, m in enumerate(self.app.view.refresh_state().messages) if m["role"] == "user"]
+    def busy(self, then: str) -> bool:
+        """The focused conversation replies, or waits to: say so (`then`: what to do after)."""
+        jobs, view = self.host.jobs, self.host.view
+        if jobs.replying_in(view) or jobs.queued_in(view):
+            self.host.notice(STILL_REPLYING + then, error=True)
+            return True
+        return False
 
     def start(self, number: int | None) -> None:
         """Put user message `number` (1 = the first; None = the last) in the input to edit."""
-        app, view = self.app, self.app.view
-        if app.replying(view) or app.queued(view):
-            app.notice("still replying: press escape to stop it, then edit", error=True)
+        host, session = self.host, self.host.session
+        if self.busy("edit"):
             return
-        users = self.user_messages()
+        users = [i for i, m in enumerate(session.refresh().messages) if m["role"] == "user"]
         if not users:
-            app.notice("nothing to edit: you have sent no message in this conversation yet", error=True)
+            host.notice("nothing to edit: you have sent no message in this conversation yet", error=True)
             return
         number = len(users) if number is None else number
         if not 1 <= number <= len(users):
-            app.notice(f"no message {number} to edit: you sent {plural(len(users), 'message')} (1 to {len(users)})",
-                       error=True)
+            host.notice(f"no message {number} to edit: you sent {plural(len(users), 'message')} (1 to {len(users)})",
+                        error=True)
             return
         index = users[number - 1]
-        messages = view.state.messages
-        view.editing = index
-        app.part(ChatInput).restore(messages[index]["content"])
+        messages = session.state.messages
+        session.editing = index
+        host.input.restore(messages[index]["content"])
         after = len(messages) - index - 1
-        app.notice(f"editing your message {number} of {len(users)}: enter resends it and drops "
-                   f"{plural(after, 'message')} after it; /edit off leaves the conversation as it is")
+        host.notice(f"editing your message {number} of {len(users)}: enter resends it and drops "
+                    f"{plural(after, 'message')} after it; /edit off leaves the conversation as it is")
 
     def cancel(self) -> None:
-        view = self.app.view
-        if view.editing is None:
-            self.app.notice("not editing a message", error=True)
+        session = self.host.session
+        if session.editing is None:
+            self.host.notice("not editing a message", error=True)
             return
-        view.editing = None
-        self.app.part(ChatInput).load_text("")
-        self.app.notice("edit cancelled: the conversation is as it was")
+        session.editing = None
+        self.host.input.load_text("")
+        self.host.notice("edit cancelled: the conversation is as it was")
 
     def resend(self, text: str) -> None:
         """Drop the history from the edited message on, then send `text` in its place."""
-        app, view = self.app, self.app.view
-        index, view.editing = view.editing, None
-        if app.replying(view) or app.queued(view):
-            app.notice("still replying: press escape to stop it, then send the edit again", error=True)
-            app.part(ChatInput).restore(text)
-            view.editing = index
+        host, view, session = self.host, self.host.view, self.host.session
+        index = session.editing
+        if index is None:
             return
-        number = sum(m["role"] == "user" for m in view.state.messages[:index]) + 1
+        if self.busy("send the edit again"):
+            host.input.restore(text)
+            return
+        session.editing = None
+        number = sum(m["role"] == "user" for m in session.state.messages[:index]) + 1
         shown = [w for w in view.query(UserMessage) if not w.has_class("refused")]
         if number <= len(shown):         # drop the edited message and all that came after it
             first = shown[number - 1]
@@ -77,9 +77,9 @@ class Editor:
             view.remove_children(later)
 
         def truncate() -> str:
-            view.chat.truncate(index)
-            view.conversation_log.sync(list(view.chat.state().messages))
+            session.chat.truncate(index)
+            session.log.sync(list(session.chat.state().messages))
             return (f"edited message {number}: the history after it is dropped; the cache keeps its blocks, "
                     "so this turn reuses them up to the block holding the edit")
-        app.run_op(f"drop the history after message {number}", truncate, interrupt=False)
-        app.send(text)
+        host.run_op(f"drop the history after message {number}", truncate, interrupt=False)
+        host.send(text)

@@ -3,19 +3,21 @@
 `/system TEXT` replaces the focused conversation's system prompt: it is the start of every
 prompt, so the cached prefix (and the block the conversations share) no longer matches and
 the next turn prefills the whole history; the note says how many tokens it adds.
-`/temperature`, `/top-p` and `/seed` change the app's SamplingParams, which every later
+`/temperature`, `/top-p` and `/seed` change the screen's SamplingParams, which every later
 turn and F5 (regenerate) use: greedy (temperature 0) always gives the same reply, a sample
 differs, and a seeded sample repeats.
 """
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 from kvchat.engine.errors import KvchatError
 from kvchat.engine.sampler import SamplingParams
 
-from .host import Host
 from ..text import plural
+from .conversations import Conversations
+from .host import Host
 
 
 def describe(sp: SamplingParams) -> str:
@@ -30,37 +32,38 @@ def describe(sp: SamplingParams) -> str:
 
 
 class Generation:
-    def __init__(self, app: Host, sampling: SamplingParams) -> None:
-        self.app = app
-        self.sampling = sampling          # the app's own: run_turn reads it at each turn's start
+    def __init__(self, host: Host, conversations: Conversations, sampling: SamplingParams) -> None:
+        self.host = host
+        self.conversations = conversations
+        self.sampling = sampling          # the screen's own: each turn reads it when it starts
 
     def set_system(self, text: str) -> None:
-        app, view = self.app, self.app.view
-        tokens = app.backend.count_tokens(text) if text else 0
-        old = view.state.system
+        host, session = self.host, self.host.session
+        tokens = host.backend.count_tokens(text) if text else 0
+        old = session.state.system
+        others = len(self.conversations.views) > 1
 
         def run() -> str:
-            view.chat.set_system(text or None)
-            view.conversation_log.event("system", value=text or None)
+            session.chat.set_system(text or None)
+            session.log.event("system", value=text or None)
             if not text:
                 return "system prompt removed; the next turn prefills the whole history"
             size = plural(tokens, "token") if tokens is not None else "an unknown number of tokens"
-            shared = "; other conversations keep the old one" if len(app.views) > 1 else ""
+            shared = "; other conversations keep the old one" if others else ""
             return (f"system prompt set: it adds {size} to every prompt{' (was: ' + repr(old) + ')' if old else ''}. "
                     f"It changes the shared prefix, so the next turn prefills the whole history{shared}")
-        app.run_op("set the system prompt", run, interrupt=False)
+        host.run_op("set the system prompt", run, interrupt=False)
 
-    def set(self, **changes) -> None:
-        """temperature=, top_p= or seed=; validated by SamplingParams."""
+    def set(self, name: str, value: float | None) -> None:
+        """A new temperature, top_p or seed; validated by SamplingParams."""
+        changes: dict[str, Any] = {name: value}     # SamplingParams checks the name and the value
         try:
             new = replace(self.sampling, **changes)
         except KvchatError as err:
-            self.app.notice(str(err), error=True)
+            self.host.notice(str(err), error=True)
             return
-        for name in changes:
-            setattr(self.sampling, name, getattr(new, name))
+        setattr(self.sampling, name, getattr(new, name))
         note = f"sampling: {describe(self.sampling)}"
-        if self.sampling.temperature == 0 and ("top_p" in changes or "seed" in changes):
+        if self.sampling.temperature == 0 and name in ("top_p", "seed"):
             note += " (top-p and seed apply once /temperature is above 0)"
-        self.app.update_status()
-        self.app.status_note(note + "; F5 regenerates with it")
+        self.host.settings_changed(note + "; F5 regenerates with it")

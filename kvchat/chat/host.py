@@ -1,75 +1,69 @@
-"""What the app gives the parts that act on it: `Host`, the app as conversations.py and
-controls.py see it (a Protocol, so they import the app's interface, not the app)."""
+"""The chat screen as its helpers see it (controls.py, conversations.py, browser.py,
+editing.py, generation.py): a Protocol, so they import the screen's interface, not the
+screen, which imports them. A helper acts on the conversation in focus, its transcript and
+the job queue through this; it never reaches the App."""
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from collections.abc import Callable
+from typing import Protocol, TypeVar
 
-from textual.binding import Binding
+from textual.message import Message
 from textual.screen import Screen
-
-from kvchat.engine.telemetry import CacheSnapshot
+from textual.widgets import ContentSwitcher
 
 from ..backends.protocol import Backend
-from .view import ChatView, RunningTurn
-from .jobs import JobQueue
-from ..store.settings import Settings
-from ..app.theming import ThemeFile
+from ..widgets.chat_input import ChatInput
+from ..widgets.conversation_bar import ConversationBar
+from .jobs import JobQueue, RunningTurn, Then
+from .panels import Panels
+from .session import Session
+from .view import ChatView
+
+R = TypeVar("R")
 
 
-class BrowserPart(Protocol):
-    """browser.Browser as controls.py sees it (declared here: browser.py imports this module)."""
-    def show(self) -> None: ...
-
-
-class EditorPart(Protocol):
-    """editing.Editor as controls.py sees it."""
-    def start(self, number: int | None) -> None: ...
-    def cancel(self) -> None: ...
-
-
-@runtime_checkable
 class Host(Protocol):
-    backend: Backend | None
     jobs: JobQueue
-    turn: RunningTurn | None                    # the running turn (the last one, once idle)
-    settings: Settings
-    settings_path: Path | None
-    themes: dict[str, ThemeFile]
-    theme_name: str
-    browser: BrowserPart                        # saved conversations (browser.py)
-    editor: EditorPart                          # edit and resend (editing.py)
-    generation: Any                             # a generation.Generation (which imports this module)
+    panels: Panels
+    keymap: dict[str, str]                      # key id -> the keys bound to it
 
     @property
-    def view(self) -> ChatView | None: ...      # the conversation in focus
+    def backend(self) -> Backend: ...           # loaded (the chat keys and commands wait for it)
 
     @property
-    def views(self) -> list[ChatView]: ...
+    def view(self) -> ChatView: ...             # the conversation in focus (the first, while loading)
 
-    # the screen
-    def part(self, selector): ...
-    def notice(self, text: str, error: bool = False) -> None: ...
-    def status_note(self, text: str) -> None: ...
-    def copy_to_clipboard(self, text: str) -> None: ...
-    def action_command_palette(self) -> None: ...
-    def status(self, state: str) -> None: ...
-    def update_status(self) -> None: ...
-    def update_gauge(self) -> None: ...
-    def show_snapshot(self, snap: CacheSnapshot) -> None: ...
-    def apply_theme(self, name: str) -> None: ...
-    def keymap(self) -> dict[str, str]: ...
-    def get_key_display(self, binding: Binding) -> str: ...
-    def push_screen(self, screen: Screen, callback: Callable | None = None): ...
-    def call_later(self, callback: Callable, *args, **kwargs) -> bool: ...
+    @property
+    def session(self) -> Session: ...           # its Session (the chat keys and commands wait for it)
 
-    # turns and jobs
+    @property
+    def transcripts(self) -> ContentSwitcher: ...   # the open conversations' ChatViews
+
+    @property
+    def bar(self) -> ConversationBar: ...
+
+    @property
+    def input(self) -> ChatInput: ...
+
+    def key_display(self, key_id: str) -> str: ...   # the first key bound to key_id, as the footer shows it
+
+    def notice(self, text: str, error: bool = False) -> None: ...   # a line in the focused transcript
+
+    def show_settings(self) -> None: ...        # the status line, for the conversation in focus
+
+    def settings_changed(self, note: str) -> None: ...   # a setting of the focused one changed: say so
+
+    def dialog(self, screen: Screen[R], chosen: Callable[[R | None], None] | None) -> None: ...
+
+    def copy(self, what: str) -> None: ...      # the last reply ("reply") or its last code block ("code")
+
     def send(self, text: str, shown: str | None = None, typed: str | None = None) -> None: ...
+
     def submit(self, turn: RunningTurn) -> None: ...
-    def replying(self, view: ChatView) -> bool: ...
-    def queued(self, view: ChatView) -> bool: ...
-    def run_op(self, label: str, run: Callable[[], str | None],
-               then: Callable[[], Awaitable[None] | None] | None = None,
-               focus: Callable[[], ChatView] | None = None, interrupt: bool = True) -> None: ...
-    def quit_when_idle(self) -> None: ...
+
+    def run_op(self, label: str, run: Callable[[], str | None], then: Then | None = None,
+               focus: Callable[[], Session] | None = None, interrupt: bool = True) -> None: ...
+
+    def post_message(self, message: Message) -> bool: ...
+
+    def call_later(self, callback: Callable[..., object], *args: object) -> bool: ...

@@ -1,41 +1,28 @@
 """The job queue: backend work runs in thread workers one job at a time, in order.
 
-Jobs are turns (a RunningTurn, chat_view.py) and operations (an Op: reset, cache mode, KV
-dtype, opening and closing conversations, a fresh snapshot); the model load runs before
-any. A turn holds the backend from its prefill to its last token, so running jobs in order
-means the UI thread never waits on it. The queue only orders and counts: whoever owns it
-(the app) starts each job, in a worker running `run_turn` or `run_op`, and says when it
-is done.
+Jobs are turns (a RunningTurn) and operations (an Op: reset, cache mode, KV dtype, opening
+and closing conversations, a fresh snapshot); the model load runs before any. A turn holds
+the backend from its prefill to its last token, so running jobs in order means the UI
+thread never waits on it. The queue only orders and counts: its owner (the chat screen)
+takes the next job when the queue is free (`next()`), runs it in a worker
+(kvchat/chat/worker.py), and says when it is `done()`.
 """
 from __future__ import annotations
 
-import time
-import traceback
+import threading
 from collections import deque
 from collections.abc import Awaitable, Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
-from typing import Union
+from typing import TYPE_CHECKING, Union
 
-from textual.message import Message
+from ..widgets.transcript import Reply, UserMessage
+from .session import Session
 
-from kvchat.engine.errors import KvchatError
-from kvchat.engine.sampler import SamplingParams
-from kvchat.engine.telemetry import CacheSnapshot
+if TYPE_CHECKING:
+    from .view import ChatView
 
-from ..backends.protocol import Backend
-from .view import ChatView, RunningTurn, TurnEnded, TurnProgress
-from ..store.records import TurnRecord
-from ..store.log import data_dir
-from .relay import Progress, relay
-
-
-# The worker waits for the UI to draw each batch before its next decode step: a redraw on
-# the UI thread during a step takes the GIL from it and shows up as that step's latency (the
-# plot measuring its own cost; scripts/redraw_cost.py measures both ways). The draw then
-# costs wall time between steps, at most UI_SHARE of it (turn.Governor), never step time.
-DRAW_BETWEEN_STEPS = True
-DRAW_WAIT_S = 0.5           # a UI that does not answer never holds the engine up longer
+Then = Callable[[], Union[Awaitable[None], None]]     # an op's follow-up on the UI thread
 
 
 class Busy(str, Enum):
@@ -49,29 +36,31 @@ class Busy(str, Enum):
 class Op:
     label: str                                          # "reset the cache": shown while it runs
     run: Callable[[], str | None]                       # in a worker; returns a note to show
-    then: Callable[[], Awaitable[None] | None] | None = None   # on the UI thread, after run
-    focus: Callable[[], ChatView] | None = None         # whose snapshot to take (default: the focused)
+    then: Then | None = None                            # on the UI thread, after run
+    focus: Callable[[], Session] | None = None          # whose snapshot to take (default: the focused)
+
+
+@dataclass(slots=True, eq=False)
+class RunningTurn:
+    """A turn from the moment it is asked for (it may wait in the job queue) to its end."""
+    view: ChatView                      # the conversation it belongs to (its Session once the model loaded)
+    text: str | None                    # the message to send; None regenerates the last reply
+    shown: str | None = None            # what the transcript shows instead (a /load preview)
+    typed: str | None = None            # what goes back into the input if the turn is refused
+    user: UserMessage | None = None     # the message's widget, once shown
+    reply: Reply | None = None          # the reply's widget, once the turn starts
+    cancel: threading.Event = field(default_factory=threading.Event)
+    prefilled: bool = False             # the backend accepted the turn (its PrefillEvent came)
 
 
 Job = Union[RunningTurn, Op]
 
 
-class OpEnded(Message):
-    """From an op's worker: a note to show, a fresh snapshot of `focus`, and an optional
-    follow-up to run on the UI thread."""
-
-    def __init__(self, note: str | None, snapshot: CacheSnapshot | None, focus: ChatView | None,
-                 error: str | None = None, then: Callable[[], Awaitable[None] | None] | None = None) -> None:
-        super().__init__()
-        self.note, self.snapshot, self.focus, self.error, self.then = note, snapshot, focus, error, then
-
-
 class JobQueue:
-    """`submit` a job; `start(job)` is called for each in order, when the one before is
-    `done()`. Starts busy loading: the first `done()` ends the load."""
+    """`submit` a job; `next()` hands out the first waiting one when none is running, and
+    `done()` ends the running one. Starts busy loading: the first `done()` ends the load."""
 
-    def __init__(self, start: Callable[[Job], None]) -> None:
-        self._start = start
+    def __init__(self) -> None:
         self._waiting: deque[Job] = deque()
         self.busy: Busy | None = Busy.LOAD
         self.current: Job | None = None     # the running job (the last one, once idle)
@@ -85,99 +74,30 @@ class JobQueue:
 
     def submit(self, job: Job) -> None:
         self._waiting.append(job)
-        self._next()
+
+    def next(self) -> Job | None:
+        """The job to start now, if the backend is free and one waits."""
+        if self.busy is not None or not self._waiting:
+            return None
+        self.current = self._waiting.popleft()
+        self.busy = Busy.OP if isinstance(self.current, Op) else Busy.REPLY
+        return self.current
 
     def done(self) -> None:
         self.busy = None
-        self._next()
 
     def clear(self) -> None:
         self._waiting.clear()
 
-    def _next(self) -> None:
-        if self.busy is not None or not self._waiting:
-            return
-        self.current = self._waiting.popleft()
-        self.busy = Busy.OP if isinstance(self.current, Op) else Busy.REPLY
-        self._start(self.current)
+    @property
+    def replying(self) -> RunningTurn | None:
+        """The turn running now, if the backend is replying."""
+        turn = self.current
+        return turn if self.busy is Busy.REPLY and isinstance(turn, RunningTurn) else None
 
+    def replying_in(self, view: ChatView) -> bool:
+        turn = self.replying
+        return turn is not None and turn.view is view
 
-def run_turn(turn: RunningTurn, backend: Backend, sampling: SamplingParams,
-             focus: Callable[[], ChatView], interval: Callable[[], float]) -> None:
-    """In a worker thread: run the turn, posting TurnProgress batches and then TurnEnded to
-    the turn's ChatView. Snapshots are of the conversation in focus when each is taken (the
-    user may switch mid-reply): `focus()` names it."""
-    view = turn.view
-    chat = view.chat
-    try:
-        events = (chat.send(turn.text, sampling, turn.cancel) if turn.text is not None
-                  else chat.regenerate(sampling, turn.cancel))
-    except Exception as err:
-        view.post_message(TurnEnded(turn, None, None, one_line(err), accepted=False))
-        return
-    view.conversation_log.sync(list(chat.state().messages))
-    shown = [focus()]
-
-    def snapshot() -> CacheSnapshot:
-        shown[0] = focus()
-        return backend.snapshot(shown[0].chat)
-
-    def emit(p: Progress) -> None:
-        turn.prefilled = turn.prefilled or p.prefill is not None
-        msg = TurnProgress(turn, p, shown[0])
-        view.post_message(msg)
-        if DRAW_BETWEEN_STEPS:
-            msg.drawn.wait(DRAW_WAIT_S)
-    stats, error = None, None
-    try:
-        stats = relay(events, snapshot, emit, interval=interval)
-    except Exception as err:
-        error = one_line(err)
-    view.conversation_log.sync(list(chat.state().messages))
-    record = TurnRecord.from_stats(stats) if stats is not None else None
-    if record is not None:
-        view.conversation_log.turn(record)
-    viewer = focus()
-    snap = stats.cache if stats is not None and viewer is view else backend.snapshot(viewer.chat)
-    # failing before its first token, the backend restores the messages: as if never sent
-    view.post_message(TurnEnded(turn, stats, record, error, accepted=record is not None or turn.prefilled,
-                                snapshot=snap, focus=viewer))
-
-
-def run_op(op: Op, backend: Backend, focus: Callable[[], ChatView], post: Callable[[OpEnded], object]) -> None:
-    """In a worker thread: run the op, then post OpEnded with its note (or its error) and a
-    fresh snapshot of op.focus() (default: the conversation in focus now)."""
-    try:
-        note = op.run()
-    except Exception as err:
-        view = focus()
-        post(OpEnded(None, _safe_snapshot(backend, view), view, error=one_line(err)))
-        return
-    view = op.focus() if op.focus is not None else focus()
-    post(OpEnded(note, backend.snapshot(view.chat), view, then=op.then))
-
-
-def _safe_snapshot(backend: Backend, view: ChatView) -> CacheSnapshot | None:
-    try:
-        return backend.snapshot(view.chat)
-    except Exception as err:  # the op's own error is what gets shown; this one is logged
-        one_line(err)
-        return None
-
-
-def one_line(err: Exception) -> str:
-    """KvchatError's message is already one line for the user. Anything else is a bug: its
-    traceback goes to errors.log (stderr would tear the screen) and the line says where."""
-    if isinstance(err, KvchatError):
-        return str(err)
-    where = "errors.log"
-    try:
-        path = data_dir() / "errors.log"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a", encoding="utf-8") as fh:
-            fh.write(f"--- {time.strftime('%Y-%m-%d %H:%M:%S')}\n")
-            traceback.print_exception(err, file=fh)
-        where = str(path)
-    except OSError as log_err:
-        where = f"nowhere: cannot write the log ({log_err.strerror})"
-    return f"internal error ({type(err).__name__}: {err}); traceback in {where}"
+    def queued_in(self, view: ChatView) -> bool:
+        return any(isinstance(job, RunningTurn) and job.view is view for job in self._waiting)

@@ -17,6 +17,8 @@ from dataclasses import dataclass
 
 from kvchat.engine.telemetry import CacheSnapshot, PrefillEvent, PrefillProgress, TokenEvent, TurnStats
 
+from ..backends.protocol import Event
+
 INTERVAL_S = 0.125          # ~8 updates a second at most
 MAX_INTERVAL_S = 1.0        # and at least one a second
 SNAPSHOT_SHARE = 50         # snapshot time <= 2% of the turn
@@ -62,7 +64,7 @@ class Governor:
         self._cpu0, self._wall0 = cpu, now
 
 
-def relay(events: Iterable, snapshot: Callable[[], CacheSnapshot], emit: Callable[[Progress], None],
+def relay(events: Iterable[Event], snapshot: Callable[[], CacheSnapshot], emit: Callable[[Progress], None],
           interval: Callable[[], float] = lambda: INTERVAL_S,
           clock: Callable[[], float] = time.perf_counter) -> TurnStats | None:
     """Consume a turn's events, emitting batched Progress; returns the TurnStats (None if
@@ -99,7 +101,7 @@ def relay(events: Iterable, snapshot: Callable[[], CacheSnapshot], emit: Callabl
             continue
         if isinstance(ev, TokenEvent):
             text.append(ev.text)
-            if ev.token_id >= 0:
+            if ev.token_id is None or ev.token_id >= 0:     # -1: a text tail, not a token
                 generated += 1
                 points.append((ev.position, ev.latency_ms))
         if clock() - last >= max(interval(), SNAPSHOT_SHARE * cost):

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import overload
 
 from kvchat.engine.geometry import KV_DTYPES, MODEL_DTYPES   # torch-free: the flags parse before torch loads
 
@@ -133,6 +134,12 @@ def sampling(args, default_max: int = 256):
     from kvchat.engine import SamplingParams
     return SamplingParams(temperature=args.temperature, top_k=args.top_k or 0, top_p=args.top_p,
                           seed=args.seed, max_tokens=args.max_tokens or default_max)
+
+
+@overload
+def utf8_text(what: str, text: str) -> str: ...
+@overload
+def utf8_text(what: str, text: None) -> None: ...
 
 
 def utf8_text(what: str, text: str | None) -> str | None:

@@ -1,4 +1,4 @@
-"""The `kvchat` command: the chat app by default, and headless `ask`, `replay`, `info`, `bench`.
+"""The `kvchat` command: the chat app by default, and headless `ask`, `replay`, `info`, `bench`, `plan`.
 
 Every bad input ends with one line on stderr naming the problem and what is accepted, and
 exit status 2; never a traceback.
@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from .args import (Parser, UsageError, add_cap_args, add_model_args, add_sampling_args, check_start, engine_config, positive_int, sampling, utf8_text)
 from ..store.files import FileRefused, read_text
@@ -51,6 +52,8 @@ def build_parser() -> Parser:
 
     from ..bench.run import add_parser as add_bench   # argparse only: the bench's heavy imports wait for run()
     add_bench(sub).set_defaults(func=cmd_bench)
+    from ..plan.command import add_parser as add_plan  # argparse only: the simulation loads in run()
+    add_plan(sub).set_defaults(func=cmd_plan)
     return p
 
 
@@ -85,7 +88,7 @@ def check_server_flags(args) -> bool:
 
 
 def run_turn(chat, text: str, sp, stream) -> dict:
-    from kvchat.engine import TokenEvent, TurnStats
+    from kvchat.engine import KvchatError, TokenEvent, TurnStats
     stats = None
     for ev in chat.send(text, sp):
         if isinstance(ev, TokenEvent) and stream is not None:
@@ -95,6 +98,8 @@ def run_turn(chat, text: str, sp, stream) -> dict:
             stats = ev
     if stream is not None:
         stream.write("\n")
+    if stats is None:
+        raise KvchatError("the backend ended the turn without its stats")
     return stats.summary()
 
 
@@ -214,8 +219,9 @@ def _replay_together(convs, convs_msgs, sp, quiet: bool) -> list[dict]:
 def _replay_line(rec: dict, tag: str) -> str:
     shared = rec.get("step_sequences") or []
     batch = f", steps shared by up to {max(shared)} conversations" if shared and max(shared) > 1 else ""
-    return (f"{tag}  turn {rec['turn']}: prompt {rec['prompt_tokens']} tokens, reused {rec['reused_tokens']}, "
-            f"computed {rec['computed_tokens']}, generated {rec['generated_tokens']}, "
+    reused, computed = (("unknown" if rec[k] is None else rec[k]) for k in ("reused_tokens", "computed_tokens"))
+    return (f"{tag}  turn {rec['turn']}: prompt {rec['prompt_tokens']} tokens, reused {reused}, "
+            f"computed {computed}, generated {rec['generated_tokens']}, "
             f"TTFT {rec['ttft_ms']:.0f} ms, KV {_n(rec['kv_bytes_used'])} B used / "
             f"{_n(rec['kv_bytes_allocated'])} B allocated in {_n(rec['blocks_used'])} blocks{batch}")
 
@@ -239,7 +245,7 @@ def cmd_info(args) -> int:
     per_token = g.kv_bytes_per_token(kv)
     budget = parse_bytes(args.kv_budget) if args.kv_budget else None
     reads = step_reads(g, dtype, kv, g.max_position)
-    out = {"model": src.name, "n_layers": g.n_layers, "hidden": g.hidden, "n_heads": g.n_heads,
+    out: dict[str, Any] = {"model": src.name, "n_layers": g.n_layers, "hidden": g.hidden, "n_heads": g.n_heads,
            "n_kv_heads": g.n_kv_heads, "head_dim": g.head_dim, "intermediate": g.intermediate,
            "vocab_size": g.vocab_size, "max_position": g.max_position, "kv_dtype": kv,
            "kv_bytes_per_token": per_token, "formula": g.formula(kv), "params": g.param_count(),
@@ -287,7 +293,7 @@ def server_info(args) -> int:
     finally:
         backend.shutdown()
     g = info.geometry
-    out = {"model": info.model, "server": info.device, "max_position": info.max_position, "dtype": info.dtype,
+    out: dict[str, Any] = {"model": info.model, "server": info.device, "max_position": info.max_position, "dtype": info.dtype,
            "kv_dtype": info.kv_dtype, "kv_bytes_per_token": info.bytes_per_token,
            "formula": g.formula(info.kv_dtype) if g is not None and info.bytes_per_token else None,
            "geometry_source": backend.geometry_source, "block_size": cache.block_size,
@@ -320,6 +326,11 @@ def cmd_chat(args) -> int:
 
 def cmd_bench(args) -> int:
     from ..bench.run import run
+    return run(args)
+
+
+def cmd_plan(args) -> int:
+    from ..plan.command import run
     return run(args)
 
 
@@ -356,24 +367,11 @@ def main(argv: list[str] | None = None) -> int:
         print("kvchat: interrupted", file=sys.stderr)
         return 130
     except Exception as err:   # a bug: one line here, the traceback in the error log
-        where = _log_error()
+        from ..store.errors import log_error
+        where = log_error(err)
         print(f"kvchat: internal error ({type(err).__name__}: {' '.join(str(err).split())[:200]}); "
               f"details in {where}", file=sys.stderr)
         return 1
-
-
-def _log_error() -> str:
-    import traceback
-
-    from ..store.log import data_dir
-    try:
-        path = data_dir() / "errors.log"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "a", encoding="utf-8") as fh:
-            fh.write(traceback.format_exc() + "\n")
-        return str(path)
-    except OSError:
-        return "nowhere (the error log could not be written)"
 
 
 if __name__ == "__main__":

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 
 from kvchat.engine.errors import KvchatError
 
@@ -14,9 +15,9 @@ from ..app import theming
 from .args import UsageError
 from ..app.shell import AppOptions, KvChatApp
 from ..store.catalog import resume_paths
-from ..chat.view import ChatOptions
+from ..chat.session import ChatOptions
 from ..store.settings import SettingsError
-from ..store.log import StoreError, lock_holder, restore
+from ..store.log import Restored, StoreError, lock_holder, restore
 
 
 class LaunchError(Exception):
@@ -97,7 +98,8 @@ def _prepare_server(args, settings, path, theme) -> KvChatApp:
 
 
 def _options(args, settings, path, theme, model: str, sp) -> AppOptions:
-    restored, reopen = None, []
+    restored: Restored | None = None
+    reopen: list[Path] = []
     if args.resume:
         last, reopen = resume_paths()
         if last is None:

@@ -35,7 +35,8 @@ def rows(info: BackendInfo, snap: CacheSnapshot | None) -> list[tuple[str, str]]
         out.append(("bytes per token", f"{info.bytes_per_token:,} B ({human_bytes(info.bytes_per_token)})"))
     if snap is not None:
         out.append(("pool", f"{snap.num_blocks:,} blocks of {snap.block_size} tokens = "
-                            f"{snap.num_blocks * snap.block_size:,} tokens · {human_bytes(snap.capacity_bytes)}"))
+                            f"{snap.num_blocks * snap.block_size:,} tokens"
+                            + (f" · {human_bytes(snap.capacity_bytes)}" if snap.capacity_bytes is not None else "")))
     if g is not None and info.max_position:
         full = what_if(g, info.kv_dtype, info.max_position)
         line = (f"{info.max_position:,} tokens (the model's maximum) x {full.bytes_per_token:,} B"

@@ -20,6 +20,7 @@ import tempfile
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -168,7 +169,7 @@ class ConversationLog:
         self._held: list[dict[str, Any]] = []
         self.unsaved: list[dict[str, Any]] = []
         self.error: str | None = None
-        self.on_error = None
+        self.on_error: Callable[[str], None] | None = None
         self._lock = threading.Lock()
         if path.exists():
             # the file's own view: a restored unanswered message is in it (restore() popped it

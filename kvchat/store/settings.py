@@ -72,13 +72,13 @@ class Settings:
                                         "message input would take; use ctrl+, alt+ or a function key")
                 check_key_name(key_id, k)
         taken: dict[str, str] = {}
-        for k in sorted(KEYS, key=lambda k: k.id in self.keys):   # defaults first: a rebinding is the culprit
-            for name in self.keys.get(k.id, k.keys).split(","):
+        for key in sorted(KEYS, key=lambda k: k.id in self.keys):   # defaults first: a rebinding is the culprit
+            for name in self.keys.get(key.id, key.keys).split(","):
                 name = name.strip()
                 if name in taken:
-                    raise SettingsError(f"key {name!r} for {k.id!r} is already {taken[name]!r}'s key; pick another, "
-                                        f"or rebind {taken[name]!r} as well")
-                taken[name] = k.id
+                    raise SettingsError(f"key {name!r} for {key.id!r} is already {taken[name]!r}'s key; pick "
+                                        f"another, or rebind {taken[name]!r} as well")
+                taken[name] = key.id
 
 
 def load(path: Path | None = None) -> Settings:

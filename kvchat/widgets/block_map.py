@@ -139,7 +139,8 @@ class BlockMap(Panel, Widget):
             line_len += 1 + len(entry)
         out.append("\n")
         ratio = "1 cell = 1 block" if self.ratio == 1 else f"1 cell = {self.ratio:,} blocks"
-        out.append(f"occupancy {100 * s.occupancy:.1f}% · {ratio} of {s.block_size} tokens\n", style="dim")
+        occupancy = f"{100 * s.occupancy:.1f}%" if s.occupancy is not None else "unknown"
+        out.append(f"occupancy {occupancy} · {ratio} of {s.block_size} tokens\n", style="dim")
         if s.wasted_slots is None or s.bytes_per_token is None:   # a server's map: no partial blocks in it
             out.append("resident full prefix blocks only, in no physical order (KV events)", style="dim")
         else:

@@ -18,6 +18,7 @@ from kvchat.engine.sizing import step_reads
 from kvchat.engine.telemetry import CacheSnapshot
 from kvchat.engine.units import human_bytes
 
+from ..backends.server_stats import ServerSnapshot, ServerStats
 from .panel import Panel
 
 COMPARE = (("3.1 8B", "llama-3.1-8b"), ("3.1 70B", "llama-3.1-70b"), ("2 7B", "llama-2-7b"))   # Llama ...
@@ -60,9 +61,8 @@ def _count(n: int | None) -> str:
     return f"{n:,}" if n is not None else "unknown"
 
 
-def server_lines(s: CacheSnapshot) -> Text:
-    """A serving engine's own figures (CacheSnapshot.server), and what this mode cannot show."""
-    v = s.server
+def server_lines(v: ServerStats) -> Text:
+    """A serving engine's own figures (ServerSnapshot.server), and what this mode cannot show."""
     pct = lambda x: f"{100 * x:.0f}%" if x is not None else "unknown"   # noqa: E731
     ms = lambda x: f"{x:,.1f} ms" if x is not None else "unknown"       # noqa: E731
     out = Text(f"server {v.url}\n", style="bold")
@@ -70,8 +70,8 @@ def server_lines(s: CacheSnapshot) -> Text:
                f"{_count(v.running)} running, {_count(v.waiting)} waiting\n")
     out.append(f"its histograms: inter-token {ms(v.inter_token_ms)} · TTFT {ms(v.ttft_ms)} (means)\n")
     if v.resident_blocks is not None:
-        out.append(f"resident prefix blocks {v.resident_blocks:,} (KV events: {v.event_batches:,} batches, "
-                   f"{v.event_gaps:,} lost)\n")
+        out.append(f"resident prefix blocks {v.resident_blocks:,} (KV events: {_count(v.event_batches)} batches, "
+                   f"{_count(v.event_gaps)} lost)\n")
     for note in v.notes:
         out.append(f"{note}\n", style="dim italic")
     out.rstrip()
@@ -154,8 +154,8 @@ class CachePanel(Panel, Static):
         rows.append(("preempted", _count(s.preemptions), "conversations, pool-wide since start"))
         out = Table.grid()
         out.add_row(_figures(rows, narrow))
-        if s.server is not None:
-            out.add_row(server_lines(s))
+        if isinstance(s, ServerSnapshot):
+            out.add_row(server_lines(s.server))
         if S is None:           # a server without a KV-event stream: this conversation's share is unknown
             return out
         if g is None:

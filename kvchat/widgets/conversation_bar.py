@@ -18,7 +18,7 @@ class Entry:
 
 
 class ConversationBar(Static):
-    """`show(entries, focused)`; a click on a label runs app.switch_conversation(N)."""
+    """`show(entries, focused)`; a click on a label runs the screen's switch_conversation(N)."""
 
     DEFAULT_CSS = """
     ConversationBar { height: 1; background: $panel; padding: 0 1; }
@@ -49,7 +49,7 @@ class ConversationBar(Static):
             if e.state:
                 label += f"[i]{e.state}[/i] "
             style = "reverse b" if e.number == self.focused else ("$warning" if e.state == "preempted" else "")
-            style = f"{style} @click=app.switch_conversation({e.number})".strip()
+            style = f"{style} @click=screen.switch_conversation({e.number})".strip()
             parts.append(f"[{style}]{label}[/]")
         content = Content.from_markup("│".join(parts))
         hint = f"   {self._hint}"

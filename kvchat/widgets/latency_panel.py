@@ -14,11 +14,11 @@ from textual.containers import Vertical
 from textual.widgets import Static
 from textual_plotext import PlotextPlot
 
-from ..latency import MODES, Fit, Key, LatencyData, Turn, fit_slope, series_label, turn_field
+from ..latency import MODES, Fit, Key, LatencyData, Turn, series_label, turn_field
 from ..text import duration
 from .panel import Panel
 
-__all__ = ["LatencyPanel", "fit_slope", "nice_ticks"]
+__all__ = ["LatencyPanel", "nice_ticks"]
 
 MAX_PLOTTED = 600      # points drawn; the fit uses all of them
 REDRAW_S = 1.0         # during a turn the plot is redrawn at most this often
@@ -39,7 +39,7 @@ def nice_ticks(lo: float, hi: float, most: int = 5) -> list[float]:
     mag = 10 ** math.floor(math.log10(raw))
     step = next(m * mag for m in (1, 2, 2.5, 5, 10) if m * mag >= raw)
     first = math.ceil(lo / step - 1e-9) * step
-    ticks = []
+    ticks: list[float] = []
     while first + len(ticks) * step <= hi + 1e-9 * step:
         ticks.append(first + len(ticks) * step)
     return ticks
@@ -75,6 +75,11 @@ def tick_labels(ticks: list[float]) -> list[str]:
     return [f"{t:,.{decimals}f}" for t in ticks]
 
 
+def _tokens(n: int | None) -> str:
+    """A token count for the turn table; a dash where the backend did not report it."""
+    return f"{n:,}" if n is not None else "—"
+
+
 def _series_order(key: Key) -> tuple[int, int, str]:
     mode, kv = key
     return (MODES.index(mode), KV_ORDER.index(kv) if kv in KV_ORDER else len(KV_ORDER), kv)
@@ -86,8 +91,8 @@ def _colours(key: Key) -> tuple[str, str]:
 
 class LatencyPanel(Panel, Vertical):
     """Draws one conversation's LatencyData (`attach` switches to another conversation's);
-    `add_points` during a turn, `end_turn` swaps the live points for the exact ones. While
-    hidden it only keeps the data: the plot is the costliest thing on the screen to draw."""
+    whoever changes the data says so (`changed`). While hidden it only owes the draw: the
+    plot is the costliest thing on the screen to draw."""
 
     DEFAULT_CSS = """
     LatencyPanel { height: auto; border: round $primary 50%; padding: 0 1; }
@@ -139,23 +144,12 @@ class LatencyPanel(Panel, Vertical):
             self.data = data
             self._redraw()
 
-    def begin_turn(self, mode: str, kv_dtype: str | None = None, policy: str | None = None,
-                   cap: int | None = None) -> None:
-        self.data.begin_turn(mode, kv_dtype, policy, cap)
-
-    def add_points(self, points: tuple[tuple[int, float], ...]) -> None:
-        if points:
-            self.data.add_points(points)
-            if time.monotonic() - self._drawn_at >= REDRAW_S:
-                self._redraw(table=False)
-
-    def end_turn(self, summary: Turn | None) -> None:
-        self.data.end_turn(summary)
-        self._redraw()
-
-    def add_turn(self, summary: Turn) -> None:
-        self.data.add_turn(summary)
-        self._redraw()
+    def changed(self, live: bool = False) -> None:
+        """The data changed: a turn's live points redraw the plot at most every REDRAW_S (the
+        turn table waits for the turn's end); anything else redraws it all."""
+        if live and time.monotonic() - self._drawn_at < REDRAW_S:
+            return
+        self._redraw(table=not live)
 
     def draw(self) -> None:
         self._redraw()
@@ -228,12 +222,14 @@ class LatencyPanel(Panel, Vertical):
         if not self.data.turns:
             return Text("no turns yet", style="dim")
         heads = ["turn", "TTFT", "reused", "computed", "KV"]
-        rows, shares = [], []
+        rows: list[list[str]] = []
+        shares: list[float | None] = []
         for s in self.data.turns[-TURNS_SHOWN:]:
             f = lambda name, default=0: turn_field(s, name, default)  # noqa: E731
-            rows.append([str(f("turn")), duration(f("ttft_ms")), f"{f('reused_tokens'):,}",
-                         f"{f('computed_tokens'):,}", "off" if f("mode") == "off" else f("kv_dtype", "")])
-            shares.append(f("reused_tokens") / max(f("prompt_tokens"), 1))
+            reused, computed = f("reused_tokens"), f("computed_tokens")     # None: the backend cannot tell
+            rows.append([str(f("turn")), duration(f("ttft_ms")), _tokens(reused), _tokens(computed),
+                         "off" if f("mode") == "off" else f("kv_dtype", "")])
+            shares.append(reused / max(f("prompt_tokens"), 1) if reused is not None else None)
         width = self.content_region.width or self._width     # hidden: the width it had
         cols = [0, 1, 2, 3, 4]
         widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(heads)]
@@ -251,7 +247,12 @@ class LatencyPanel(Panel, Vertical):
         if bar_w:
             t.add_column("", no_wrap=True)
         for row, share in zip(rows, shares):
-            r = round(bar_w * share)
-            bar = [Text("█" * r, style="green") + Text("█" * (bar_w - r), style="yellow")] if bar_w else []
+            if not bar_w:
+                bar = []
+            elif share is None:
+                bar = [Text("░" * bar_w, style="dim")]
+            else:
+                r = round(bar_w * share)
+                bar = [Text("█" * r, style="green") + Text("█" * (bar_w - r), style="yellow")]
             t.add_row(*(row[i] for i in cols), *bar)
         return t

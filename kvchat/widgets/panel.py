@@ -8,10 +8,17 @@ what it holds, so it shows current figures at once.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 from textual.widget import Widget
 
+if TYPE_CHECKING:     # a mixin of widgets: the checker reads it as one
+    _Mixin = Widget
+else:
+    _Mixin = object
 
-class Panel:
+
+class Panel(_Mixin):
     """Mixed into a panel widget (before the Textual class). The panel calls `drawing()`
     where it would draw and draws only if that says True; `draw()` draws everything from
     the state it keeps."""

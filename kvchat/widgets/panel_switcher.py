@@ -20,14 +20,15 @@ from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.widget import Widget
 
+from ..keys import PANELS as PANEL_NAMES
 from .layout import ALL_AT_ONCE, CHAT, LAYOUTS, TABS
 from .block_map import BlockMap
 from .cache_panel import CachePanel
 from .cap_gauge import CapGauge
 from .latency_panel import LatencyPanel
 
-# the /panel names (the tabs' labels), in tab and cycle order, and each panel's widget id
-PANELS = {"cache": "cache-panel", "cap": "cap-gauge", "blocks": "block-map", "latency": "latency-panel"}
+# each panel's widget id, by its name (keys.PANELS: the tabs' labels and /panel's names)
+PANELS = dict(zip(PANEL_NAMES, ("cache-panel", "cap-gauge", "block-map", "latency-panel"), strict=True))
 
 
 class PanelTabs(Widget):

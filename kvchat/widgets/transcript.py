@@ -10,6 +10,7 @@ from markdown_it import MarkdownIt
 from markdown_it.rules_core import StateCore
 from rich.text import Text
 from textual.containers import Vertical, VerticalScroll
+from textual.widget import Widget
 from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
@@ -146,7 +147,7 @@ class Transcript(VerticalScroll):
     async def show_history(self, messages: list[dict[str, str]], turns: list[TurnRecord]) -> None:
         """Replay a restored conversation: each reply with its stats line."""
         by_reply = {t.reply: t for t in turns}
-        widgets = []
+        widgets: list[Widget] = []
         for m in messages:
             if m["role"] == "user":
                 widgets.append(UserMessage(m["content"]))

@@ -15,7 +15,7 @@ import pytest
 
 from kvchat.engine.sampler import SamplingParams
 from kvchat.app.shell import AppOptions, KvChatApp
-from kvchat.chat.view import ChatOptions
+from kvchat.chat.session import ChatOptions
 from kvchat.store.settings import Settings
 
 from .fake_backend import FakeBackend, FakeConfig
@@ -93,18 +93,19 @@ def screen_text(app) -> str:
 
 
 async def ready(pilot) -> None:
-    await wait_until(pilot, lambda: pilot.app.view is not None and pilot.app.busy is None
-                     and pilot.app.snapshot is not None, what="the backend to load")
+    screen = pilot.app.chat_screen
+    await wait_until(pilot, lambda: screen.conversations.session is not None and screen.jobs.busy is None
+                     and screen.conversations.session.snapshot is not None, what="the backend to load")
 
 
 async def send(pilot, text: str, timeout: float = 60.0) -> None:
     """Type text and Enter, then wait for the reply to finish."""
-    app = pilot.app
-    n = len(app.view.turns) if app.view else 0
+    app, screen = pilot.app, pilot.app.chat_screen
+    n = len(screen.session.turns) if screen.conversations.session else 0
     app.query_one("#input").load_text(text)
     await pilot.press("enter")
-    await wait_until(pilot, lambda: app.view is not None and len(app.view.turns) > n and app.busy is None,
-                     timeout=timeout, what=f"the reply to {text!r}")
+    await wait_until(pilot, lambda: screen.conversations.session is not None and len(screen.session.turns) > n
+                     and screen.jobs.busy is None, timeout=timeout, what=f"the reply to {text!r}")
 
 
 PREFILL_LINE = re.compile(r"prefilling [█░]+ ([\d,]+) / ([\d,]+) tokens · .* tok/s · ETA")
@@ -114,12 +115,12 @@ def record_status(app) -> list[str]:
     """Every state the status line is given from now on, in order (the screen shows only
     the last)."""
     seen: list[str] = []
-    shown = app.status
+    shown = app.chat_screen.panels.status
 
     def status(text: str) -> None:
         seen.append(text)
         shown(text)
-    app.status = status
+    app.chat_screen.panels.status = status
     return seen
 
 

@@ -76,6 +76,8 @@ class FakeConfig:
     model: str = "fake-smollm2"     # the name info() reports (a conversation's log records it)
     counts_tokens: bool = True      # False: count_tokens says None, like a backend without a tokenizer
     random_weights: bool = True
+    reports_reuse: bool = True      # False: reused / computed tokens are None, like a vLLM server started
+                                    # without --enable-prompt-tokens-details
 
 
 class FakeChat:
@@ -260,7 +262,7 @@ class FakeChat:
                     self._drop()
                     self.messages, self.preempted_pending = before, recomputed
                     raise
-            yield prefill
+            yield prefill if b.cfg.reports_reuse else PrefillEvent(prefill.prompt_tokens, None, None, None)
             words = b.cfg.replies[b.replies_sent % len(b.cfg.replies)].split(" ")   # newlines stay inside words
             b.replies_sent += 1
             b.sampling_seen.append(replace(sp))
@@ -291,14 +293,17 @@ class FakeChat:
                 self.messages.append({"role": "assistant", "content": reply})
                 self.turns += 1
             positions = tuple(range(prefill.prompt_tokens, prefill.prompt_tokens + len(out)))
+            told = b.cfg.reports_reuse
             yield TurnStats(
-                turn=self.turns, prompt_tokens=prefill.prompt_tokens, reused_tokens=prefill.reused_tokens,
-                computed_tokens=prefill.computed_tokens, generated_tokens=len(out),
+                turn=self.turns, prompt_tokens=prefill.prompt_tokens,
+                reused_tokens=prefill.reused_tokens if told else None,
+                computed_tokens=prefill.computed_tokens if told else None, generated_tokens=len(out),
                 ttft_ms=5.0 + 0.1 * prefill.computed_tokens, prefill_ms=1.0,
                 decode_ms=tuple(10.0 + 0.01 * p for p in positions), positions=positions, stop_reason=stop,
                 reply=reply, mode=self.mode, kv_dtype=b.kv_dtype, policy=self.policy.name, dropped_messages=dropped,
                 evicted_blocks=(self.evicted_tokens - evicted0) // b.cfg.block_size, preempted=self.turn_preempted,
-                recomputed_tokens=recomputed if self.mode == "cache" else 0, cache=b.snapshot(self))
+                recomputed_tokens=recomputed if self.mode == "cache" else 0, cache=b.snapshot(self),
+                unavailable=() if told else ("reused_tokens", "computed_tokens"))
 
 
 class FakeBackend:

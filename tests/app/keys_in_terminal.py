@@ -16,6 +16,7 @@ from fake_backend import FakeBackend  # noqa: E402
 
 from kvchat.app.shell import AppOptions, KvChatApp  # noqa: E402
 from kvchat.engine.sampler import SamplingParams  # noqa: E402
+from kvchat.keys import KEY_IDS  # noqa: E402
 
 
 class RecordingApp(KvChatApp):
@@ -28,9 +29,12 @@ class RecordingApp(KvChatApp):
         with open(self.key_log, "a", encoding="utf-8") as fh:
             fh.write(line + "\n")
 
-    def action_key(self, name: str) -> None:
-        self.record(name)
-        super().action_key(name)
+    async def run_action(self, action, default_namespace=None, namespaces=None) -> bool:
+        """Every key's action (bound by its id, on the chat screen or as `app.ID`) as it reaches the app."""
+        name = action.split("(")[0].rpartition(".")[2] if isinstance(action, str) else ""
+        if name in KEY_IDS:
+            self.record(name)
+        return await super().run_action(action, default_namespace, namespaces)
 
     def pop_screen(self):
         self.record("closed")

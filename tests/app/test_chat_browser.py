@@ -19,7 +19,7 @@ async def save_two(running_app, model: str = "fake-smollm2") -> None:
     async with running_app(FakeBackend(FakeConfig(model=model))) as (app, pilot):
         await send(pilot, "apples are red")
         await pilot.press("ctrl+n")
-        await wait_until(pilot, lambda: len(app.views) == 2 and app.busy is None, what="conversation 2")
+        await wait_until(pilot, lambda: len(app.chat_screen.conversations.views) == 2 and app.chat_screen.jobs.busy is None, what="conversation 2")
         await send(pilot, "bananas are yellow")
 
 
@@ -48,14 +48,14 @@ async def test_the_browser_lists_searches_and_opens_a_saved_conversation_with_an
         assert titles(browser) == ["apples are red"]
         await pilot.press("enter")           # leaves the search box for the table
         await pilot.press("enter")           # opens the row
-        await wait_until(pilot, lambda: len(app.views) == 2 and app.busy is None, what="the reopened conversation")
+        await wait_until(pilot, lambda: len(app.chat_screen.conversations.views) == 2 and app.chat_screen.jobs.busy is None, what="the reopened conversation")
         assert app.screen is app.screen_stack[0]
-        view = app.view
-        assert [m["content"] for m in view.state.messages if m["role"] == "user"] == ["apples are red"]
+        view = app.chat_screen.view
+        assert [m["content"] for m in view.session.state.messages if m["role"] == "user"] == ["apples are red"]
         assert [w.text for w in view.query(UserMessage)] == ["apples are red"]
-        assert view.state.tokens_held == 0           # restored: the cache starts empty
+        assert view.session.state.tokens_held == 0           # restored: the cache starts empty
         await send(pilot, "and grapes?")
-        turn = view.turns[-1]
+        turn = view.session.turns[-1]
         assert turn.reused_tokens == 0 and turn.computed_tokens == turn.prompt_tokens
 
 
@@ -86,13 +86,13 @@ async def test_rename_and_delete_with_confirmation_change_the_saved_conversation
         assert titles(browser) == ["apples are red"]
 
         await pilot.press("enter")          # a renamed conversation keeps its name when opened
-        await wait_until(pilot, lambda: len(app.views) == 2 and app.busy is None, what="the reopened one")
+        await wait_until(pilot, lambda: len(app.chat_screen.conversations.views) == 2 and app.chat_screen.jobs.busy is None, what="the reopened one")
         await pilot.press("ctrl+o")
         await wait_until(pilot, lambda: isinstance(app.screen, ChatBrowser), what="the browser again")
         await pilot.press("d")              # the open one cannot be deleted
         await pilot.pause()
         assert app.screen.query_one("#browser-note").render().plain.startswith("'apples are red' is open")
-        assert app.views[1].conversation_log.path.exists()
+        assert app.chat_screen.conversations.views[1].session.log.path.exists()
 
 
 async def test_slash_chats_opens_the_browser_and_escape_closes_it(running_app):
@@ -107,20 +107,20 @@ async def test_slash_chats_opens_the_browser_and_escape_closes_it(running_app):
 async def test_resume_reopens_every_conversation_open_at_quit_but_not_a_closed_one(running_app):
     async with running_app() as (app, pilot):
         for text in ("apples are red", "bananas are yellow", "cherries are dark"):
-            if app.view.turns:
+            if app.chat_screen.session.turns:
                 await pilot.press("ctrl+n")
-                await wait_until(pilot, lambda: app.view.turns == [] and app.busy is None, what="a new one")
+                await wait_until(pilot, lambda: app.chat_screen.session.turns == [] and app.chat_screen.jobs.busy is None, what="a new one")
             await send(pilot, text)
         app.query_one("#input").load_text("/close 2")
         await pilot.press("enter")
-        await wait_until(pilot, lambda: len(app.views) == 2 and app.busy is None, what="conversation 2 to close")
+        await wait_until(pilot, lambda: len(app.chat_screen.conversations.views) == 2 and app.chat_screen.jobs.busy is None, what="conversation 2 to close")
     focus, others = catalog.resume_paths()
     assert focus is not None and len(others) == 1
     async with running_app(restored=restore(focus), reopen=others) as (app, pilot):
-        await wait_until(pilot, lambda: len(app.views) == 2, what="both to reopen")
-        firsts = {v.state.messages[0]["content"] for v in app.views}
+        await wait_until(pilot, lambda: len(app.chat_screen.conversations.views) == 2, what="both to reopen")
+        firsts = {v.session.state.messages[0]["content"] for v in app.chat_screen.conversations.views}
         assert firsts == {"apples are red", "cherries are dark"}
-        assert app.view.state.messages[0]["content"] == "cherries are dark"   # the last used is in focus
+        assert app.chat_screen.session.state.messages[0]["content"] == "cherries are dark"   # the last used is in focus
 
 
 async def test_resuming_under_another_model_says_so_and_starts_a_new_latency_series(running_app):
@@ -131,16 +131,16 @@ async def test_resuming_under_another_model_says_so_and_starts_a_new_latency_ser
     assert json.loads(path.read_text().splitlines()[0])["model"] == "model-a"     # the header records it
 
     async with running_app(FakeBackend(FakeConfig(model="model-b")), restored=restore(path)) as (app, pilot):
-        notes = [n.render().plain for n in app.view.query("Notice")]
+        notes = [n.render().plain for n in app.chat_screen.view.query("Notice")]
         assert sum("saved under model-a, now running on model-b" in n for n in notes) == 1
         panel = app.query_one(LatencyPanel)
-        assert len(app.view.turns) == 2 and panel.point_count == 0       # model-a's points are not drawn
+        assert len(app.chat_screen.session.turns) == 2 and panel.point_count == 0       # model-a's points are not drawn
         await send(pilot, "and cherries?")
-        new_points = app.view.turns[-1].generated_tokens
+        new_points = app.chat_screen.session.turns[-1].generated_tokens
         assert panel.point_count == new_points
 
     async with running_app(FakeBackend(FakeConfig(model="model-b")), restored=restore(path)) as (app, pilot):
-        assert not any("saved under" in n.render().plain for n in app.view.query("Notice"))
+        assert not any("saved under" in n.render().plain for n in app.chat_screen.view.query("Notice"))
         assert app.query_one(LatencyPanel).point_count == new_points    # still only model-b's turn
 
 
@@ -154,5 +154,5 @@ async def test_an_old_log_without_a_model_still_resumes_with_all_its_points(runn
     path.write_text("\n".join([json.dumps(start), *lines[1:]]) + "\n")
     assert catalog.summarize(path).model is None
     async with running_app(restored=restore(path)) as (app, pilot):
-        assert not any("saved under" in n.render().plain for n in app.view.query("Notice"))
-        assert app.query_one(LatencyPanel).point_count == app.view.turns[0].generated_tokens > 0
+        assert not any("saved under" in n.render().plain for n in app.chat_screen.view.query("Notice"))
+        assert app.query_one(LatencyPanel).point_count == app.chat_screen.session.turns[0].generated_tokens > 0

@@ -33,9 +33,9 @@ async def test_the_draft_shows_the_tokens_and_bytes_it_will_add(fake, running_ap
 
 async def test_the_draft_count_is_throttled_while_typing(running_app):
     async with running_app() as (app, pilot):
-        app.draft.delay = 10.0                        # nothing but the first key may count now
+        app.chat_screen.draft.delay = 10.0                        # nothing but the first key may count now
         await pilot.press(*"a b c d e f")
-        assert app.draft.counts == 1 and app.draft.timer is not None
+        assert app.chat_screen.draft.counts == 1 and app.chat_screen.draft.timer is not None
 
 
 async def test_no_count_where_the_backend_cannot_tell(running_app):
@@ -57,7 +57,7 @@ async def test_copy_keys_send_the_reply_and_its_code_block_to_the_clipboard(runn
         write = app._driver.write
         app._driver.write = lambda data: (written.append(data), write(data))
         await send(pilot, "show me code")
-        reply = app.view.turns[-1].reply
+        reply = app.chat_screen.session.turns[-1].reply
         await pilot.press("ctrl+y")
         assert app.clipboard == reply
         assert f"\x1b]52;c;{base64.b64encode(reply.encode()).decode()}\a" in written    # the OSC 52 request
@@ -145,12 +145,12 @@ async def test_cap_policy_and_theme_changes_go_to_the_status_line_not_the_transc
         await pilot.press("ctrl+t")
         assert app.query_one(StatusBar).note == "theme light"
         assert notices(app) == before
-        assert app.notes[-3:] == ["cap 4,096 tokens", app.notes[-2], "theme light"]
+        assert app.chat_screen.panels.notes[-3:] == ["cap 4,096 tokens", app.chat_screen.panels.notes[-2], "theme light"]
 
 
 async def test_ctrl_n_says_the_new_conversation_inherits_the_cap_and_policy(running_app):
     async with running_app(cap=2048, policy="drop-oldest") as (app, pilot):
-        old = app.view
+        old = app.chat_screen.view
         await pilot.press("ctrl+n")
-        await wait_until(pilot, lambda: app.view is not old and app.busy is None, what="the new conversation")
+        await wait_until(pilot, lambda: app.chat_screen.view is not old and app.chat_screen.jobs.busy is None, what="the new conversation")
         assert "inherits cap 2,048 and policy drop-oldest" in app.query_one(StatusBar).note

@@ -89,15 +89,15 @@ async def test_cap_command_takes_effect_at_once_and_stop_refuses_an_over_cap_tur
         app.query_one("#input").load_text("/cap 12")
         await pilot.press("enter")
         await pilot.pause()
-        assert app.view.chat.state().cap == 12 and app.query_one(CapGauge).cap == 12
-        assert "tokens over, so the next turn is refused" in app.notes[-1]     # the status line, not the transcript
+        assert app.chat_screen.session.chat.state().cap == 12 and app.query_one(CapGauge).cap == 12
+        assert "tokens over, so the next turn is refused" in app.chat_screen.panels.notes[-1]     # the status line, not the transcript
         app.query_one("#input").load_text("this turn is too long for the cap")
         await pilot.press("enter")
-        await wait_until(pilot, lambda: app.busy is None and notices(app)[-1].has_class("error"), what="refusal")
+        await wait_until(pilot, lambda: app.chat_screen.jobs.busy is None and notices(app)[-1].has_class("error"), what="refusal")
         assert "over" in notices(app)[-1].text and "cap is 12" in notices(app)[-1].text
         assert app.query(UserMessage).last().has_class("refused")
         assert app.query_one("#input").text == "this turn is too long for the cap"   # back for editing
-        assert len(app.view.turns) == 1 and app.view.chat.state().messages[-1]["role"] == "assistant"
+        assert len(app.chat_screen.session.turns) == 1 and app.chat_screen.session.chat.state().messages[-1]["role"] == "assistant"
 
 
 async def test_drop_oldest_drops_whole_turns_to_fit_the_cap(running_app):
@@ -107,9 +107,9 @@ async def test_drop_oldest_drops_whole_turns_to_fit_the_cap(running_app):
         app.query_one("#input").load_text("/cap 40")
         await pilot.press("enter")
         await send(pilot, "third")
-        last = app.view.turns[-1]
+        last = app.chat_screen.session.turns[-1]
         assert last.dropped_messages >= 2 and "dropped" in app.query("Reply .stats").last().render().plain
-        assert app.view.chat.state().messages[0]["content"] != "first turn with some words"
+        assert app.chat_screen.session.chat.state().messages[0]["content"] != "first turn with some words"
 
 
 async def test_load_sends_the_files_content(running_app, tmp_path):
@@ -117,8 +117,8 @@ async def test_load_sends_the_files_content(running_app, tmp_path):
     async with running_app() as (app, pilot):
         app.query_one("#input").load_text("/load notes.txt")
         await pilot.press("enter")
-        await wait_until(pilot, lambda: app.view.turns and app.busy is None, what="the reply")
-        assert app.view.chat.state().messages[0] == {"role": "user", "content": "alpha beta gamma"}
+        await wait_until(pilot, lambda: app.chat_screen.session.turns and app.chat_screen.jobs.busy is None, what="the reply")
+        assert app.chat_screen.session.chat.state().messages[0] == {"role": "user", "content": "alpha beta gamma"}
 
 
 async def test_save_writes_markdown_and_json_lines(fake, tmp_path, running_app):
@@ -146,5 +146,5 @@ async def test_cache_off_and_kv_dtype_commands_change_the_panels(running_app):
         await wait_until(pilot, lambda: app.query_one(CachePanel).snapshot.mode == "off", what="cache off")
         assert "cache off" in app.query_one(CachePanel).border_title
         await send(pilot, "no cache now")
-        assert app.view.turns[-1].mode == "off" and app.query_one(CachePanel).snapshot.bytes_used == 0
+        assert app.chat_screen.session.turns[-1].mode == "off" and app.query_one(CachePanel).snapshot.bytes_used == 0
         assert app.query_one(CapGauge).tokens > 0     # the context still counts without a cache

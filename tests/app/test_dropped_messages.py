@@ -17,14 +17,14 @@ async def test_drop_oldest_dims_the_messages_the_model_no_longer_sees():
         await send(pilot, "first message with some words")
         await send(pilot, "second message with some words")
         await send(pilot, "third message with some words")
-        dropped = app.view.turns[-1].dropped_messages + app.view.turns[-2].dropped_messages
+        dropped = app.chat_screen.session.turns[-1].dropped_messages + app.chat_screen.session.turns[-2].dropped_messages
         assert dropped >= 2
-        widgets = list(app.view.query("UserMessage, Reply"))
+        widgets = list(app.chat_screen.view.query("UserMessage, Reply"))
         dim = [w for w in widgets if w.has_class("dropped")]
         assert dim == widgets[:dropped]                       # the oldest ones, in order
         assert isinstance(dim[0], UserMessage)
         assert isinstance(dim[1], Reply)
-        seen = [m["content"] for m in app.view.chat.state().messages]
+        seen = [m["content"] for m in app.chat_screen.session.chat.state().messages]
         assert "first message with some words" not in seen
         assert any("dimmed above: drop-oldest dropped them to stay under the cap of 40 tokens" in n.text
-                   for n in app.view.query(Notice))
+                   for n in app.chat_screen.view.query(Notice))

@@ -24,12 +24,12 @@ async def test_an_engine_error_before_the_first_token_refuses_the_turn_and_gives
         fake.fail_next = KvchatError("KV pool full: this turn needs 9 more blocks")
         app.query_one("#input").load_text("hello")
         await pilot.press("enter")
-        await wait_until(pilot, lambda: app.busy is None and app.query(Notice), what="the refused turn")
+        await wait_until(pilot, lambda: app.chat_screen.jobs.busy is None and app.query(Notice), what="the refused turn")
         assert app.query(Notice).last().has_class("error") and "KV pool full" in app.query(Notice).last().text
         assert app.query_one(UserMessage).has_class("refused") and not app.query(Reply)
-        assert app.query_one("#input").text == "hello" and app.view.chat.state().messages == ()
+        assert app.query_one("#input").text == "hello" and app.chat_screen.session.chat.state().messages == ()
         await send(pilot, "and again")
-        assert app.view.turns[-1].generated_tokens > 0
+        assert app.chat_screen.session.turns[-1].generated_tokens > 0
 
 
 async def test_an_engine_error_mid_turn_is_shown_under_the_reply_and_the_app_goes_on(fake, running_app):
@@ -37,11 +37,11 @@ async def test_an_engine_error_mid_turn_is_shown_under_the_reply_and_the_app_goe
         fake.fail_mid_turn = KvchatError("KV pool full: this turn needs 9 more blocks")
         app.query_one("#input").load_text("hello")
         await pilot.press("enter")
-        await wait_until(pilot, lambda: app.busy is None and app.query(Reply), what="the failed turn")
+        await wait_until(pilot, lambda: app.chat_screen.jobs.busy is None and app.query(Reply), what="the failed turn")
         stats = app.query_one("Reply .stats")
         assert stats.has_class("error") and "KV pool full" in stats.render().plain
         await send(pilot, "and again")
-        assert app.view.turns[-1].generated_tokens > 0
+        assert app.chat_screen.session.turns[-1].generated_tokens > 0
 
 
 async def test_a_bug_in_a_turn_is_reported_with_where_the_traceback_went(fake, private_dirs, running_app):
@@ -49,7 +49,7 @@ async def test_a_bug_in_a_turn_is_reported_with_where_the_traceback_went(fake, p
         fake.fail_mid_turn = RuntimeError("boom")
         app.query_one("#input").load_text("hello")
         await pilot.press("enter")
-        await wait_until(pilot, lambda: app.busy is None and app.query(Reply), what="the failed turn")
+        await wait_until(pilot, lambda: app.chat_screen.jobs.busy is None and app.query(Reply), what="the failed turn")
         line = app.query_one("Reply .stats").render().plain
         assert "internal error (RuntimeError: boom); traceback in" in line
     assert "RuntimeError: boom" in (private_dirs / "data" / "errors.log").read_text()
@@ -59,14 +59,14 @@ async def test_sending_while_replying_says_so_and_keeps_the_text(slow_fake, runn
     async with running_app(slow_fake) as (app, pilot):
         app.query_one("#input").load_text("first")
         await pilot.press("enter")
-        await wait_until(pilot, lambda: app.busy == "reply", what="the reply to start")
+        await wait_until(pilot, lambda: app.chat_screen.jobs.busy == "reply", what="the reply to start")
         app.query_one("#input").load_text("second")
         await pilot.press("enter")
         await pilot.pause()
         assert app.query(Notice).last().text.startswith("still replying")
         assert app.query_one("#input").text == "second" and len(app.query(UserMessage)) == 1
         await pilot.press("escape")
-        await wait_until(pilot, lambda: app.busy is None, what="the stop")
+        await wait_until(pilot, lambda: app.chat_screen.jobs.busy is None, what="the stop")
 
 
 async def test_a_message_typed_while_the_model_loads_is_sent_once_it_is_ready():
@@ -83,6 +83,7 @@ async def test_a_message_typed_while_the_model_loads_is_sent_once_it_is_ready():
         await pilot.pause()
         assert "loading" in app.query_one("StatusBar").state
         loaded.set()
-        await wait_until(pilot, lambda: app.view is not None and app.view.turns and app.busy is None,
+        await wait_until(pilot, lambda: app.chat_screen.conversations.session is not None and app.chat_screen.session.turns
+                     and app.chat_screen.jobs.busy is None,
                          what="the queued turn")
-        assert app.view.chat.state().messages[0]["content"] == "early bird"
+        assert app.chat_screen.session.chat.state().messages[0]["content"] == "early bird"

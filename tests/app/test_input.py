@@ -12,7 +12,7 @@ async def test_ctrl_j_adds_a_line_and_enter_sends_both_lines(running_app):
         await pilot.press("o", "n", "e", "ctrl+j", "t", "w", "o")
         assert app.query_one(ChatInput).text == "one\ntwo"
         await pilot.press("enter")
-        await wait_until(pilot, lambda: app.view.turns and app.busy is None, what="the reply")
+        await wait_until(pilot, lambda: app.chat_screen.session.turns and app.chat_screen.jobs.busy is None, what="the reply")
         assert app.query_one(UserMessage).text == "one\ntwo" and app.query_one(ChatInput).text == ""
 
 
@@ -34,10 +34,10 @@ async def test_a_cap_set_while_a_reply_streams_stops_it_at_the_cap(slow_fake, ru
     async with running_app(slow_fake) as (app, pilot):
         app.query_one("#input").load_text("a long one please")
         await pilot.press("enter")
-        await wait_until(pilot, lambda: app.busy == "reply", what="the reply to start")
+        await wait_until(pilot, lambda: app.chat_screen.jobs.busy == "reply", what="the reply to start")
         app.query_one("#input").load_text("/cap 30")
         await pilot.press("enter")
-        await wait_until(pilot, lambda: app.busy is None and app.view.turns, what="the reply to stop")
-        turn = app.view.turns[-1]
+        await wait_until(pilot, lambda: app.chat_screen.jobs.busy is None and app.chat_screen.session.turns, what="the reply to stop")
+        turn = app.chat_screen.session.turns[-1]
         assert turn.stop_reason == "cap" and turn.prompt_tokens + turn.generated_tokens <= 30
         assert "stopped at the cap" in app.query("Reply .stats").last().render().plain

@@ -23,7 +23,7 @@ async def test_ctrl_r_frees_the_cache_and_the_next_turn_prefills_everything(runn
         await wait_until(pilot, lambda: app.query_one(CachePanel).snapshot.bytes_used == 0, what="bytes to drop")
         assert any(n.startswith("cache reset: freed") for n in notices(app))
         await send(pilot, "second message")
-        last = app.view.turns[-1]
+        last = app.chat_screen.session.turns[-1]
         assert last.reused_tokens == 0 and last.computed_tokens == last.prompt_tokens
         assert app.query_one(CachePanel).snapshot.bytes_used > 0
 
@@ -31,13 +31,13 @@ async def test_ctrl_r_frees_the_cache_and_the_next_turn_prefills_everything(runn
 async def test_cap_keys_step_the_cap_by_powers_of_two_and_past_the_top_remove_it(running_app):
     async with running_app() as (app, pilot):
         await pilot.press("f3")
-        assert app.view.chat.state().cap == 4096 and app.query_one(CapGauge).cap == 4096
+        assert app.chat_screen.session.chat.state().cap == 4096 and app.query_one(CapGauge).cap == 4096
         await pilot.press("f3", "f3")
-        assert app.view.chat.state().cap == 1024
+        assert app.chat_screen.session.chat.state().cap == 1024
         await pilot.press("f4", "f4")
-        assert app.view.chat.state().cap == 4096
+        assert app.chat_screen.session.chat.state().cap == 4096
         await pilot.press("f4")
-        assert app.view.chat.state().cap is None and app.query_one(CapGauge).cap is None
+        assert app.chat_screen.session.chat.state().cap is None and app.query_one(CapGauge).cap is None
 
 
 async def test_escape_stops_the_reply_and_keeps_what_was_generated(slow_fake, running_app):
@@ -46,11 +46,11 @@ async def test_escape_stops_the_reply_and_keeps_what_was_generated(slow_fake, ru
         await pilot.press("enter")
         await wait_until(pilot, lambda: len(app.query_one(Reply).text.split()) >= 3, what="a few tokens")
         await pilot.press("escape")
-        await wait_until(pilot, lambda: app.busy is None and app.view.turns, what="the reply to stop")
-        turn = app.view.turns[-1]
+        await wait_until(pilot, lambda: app.chat_screen.jobs.busy is None and app.chat_screen.session.turns, what="the reply to stop")
+        turn = app.chat_screen.session.turns[-1]
         assert turn.stop_reason == "cancelled"
         assert 3 <= turn.generated_tokens < 200
-        assert app.view.chat.state().messages[-1] == {"role": "assistant", "content": turn.reply}
+        assert app.chat_screen.session.chat.state().messages[-1] == {"role": "assistant", "content": turn.reply}
         assert app.query_one(Reply).text.strip() == turn.reply
 
 
@@ -60,24 +60,24 @@ async def test_f2_chooses_the_cap_policy_from_a_list(running_app):
         await wait_until(pilot, lambda: isinstance(app.screen, PolicyPicker), what="the picker")
         await pilot.press("down", "enter")
         await wait_until(pilot, lambda: not isinstance(app.screen, PolicyPicker), what="the picker to close")
-        assert app.view.chat.state().policy == "drop-oldest"
+        assert app.chat_screen.session.chat.state().policy == "drop-oldest"
         assert app.query_one(CapGauge).policy == "drop-oldest"
 
 
 async def test_ctrl_n_opens_another_conversation_with_the_same_settings_and_keeps_the_old_one(fake, running_app):
     async with running_app(cap=2048, system="be brief") as (app, pilot):
         await send(pilot, "hello")
-        old = app.view
+        old = app.chat_screen.view
         await pilot.press("ctrl+n")
-        await wait_until(pilot, lambda: app.view is not old and app.busy is None, what="the new conversation")
-        assert app.views == [old, app.view] and fake.chats == [old.chat, app.view.chat]
-        assert not app.transcript.query(UserMessage) and not app.transcript.query(Reply)
+        await wait_until(pilot, lambda: app.chat_screen.view is not old and app.chat_screen.jobs.busy is None, what="the new conversation")
+        assert app.chat_screen.conversations.views == [old, app.chat_screen.view] and fake.chats == [old.session.chat, app.chat_screen.session.chat]
+        assert not app.chat_screen.view.query(UserMessage) and not app.chat_screen.view.query(Reply)
         assert old.query(UserMessage) and not old.display
-        state = app.view.chat.state()
+        state = app.chat_screen.session.chat.state()
         assert state.cap == 2048 and state.messages == ({"role": "system", "content": "be brief"},)
-        assert old.conversation_log.path.exists() and old.conversation_log.path != app.view.conversation_log.path
+        assert old.session.log.path.exists() and old.session.log.path != app.chat_screen.session.log.path
         assert app.query_one(CachePanel).snapshot.bytes_used == 0
-        assert old.chat.state().tokens_held > 0              # its cache is still there
+        assert old.session.chat.state().tokens_held > 0              # its cache is still there
 
 
 async def test_f5_regenerates_the_last_reply(running_app):
@@ -85,9 +85,9 @@ async def test_f5_regenerates_the_last_reply(running_app):
         await send(pilot, "hello")
         first = app.query_one(Reply).text
         await pilot.press("f5")
-        await wait_until(pilot, lambda: len(app.view.turns) == 2 and app.busy is None, what="the new reply")
+        await wait_until(pilot, lambda: len(app.chat_screen.session.turns) == 2 and app.chat_screen.jobs.busy is None, what="the new reply")
         assert len(app.query(Reply)) == 1 and app.query_one(Reply).text != first
-        assert [m["role"] for m in app.view.chat.state().messages] == ["user", "assistant"]
+        assert [m["role"] for m in app.chat_screen.session.chat.state().messages] == ["user", "assistant"]
 
 
 async def test_f5_with_no_reply_says_so(running_app):
@@ -110,7 +110,7 @@ async def test_f1_shows_every_key_and_command_and_escape_closes_it(running_app):
             assert word in text
         await pilot.press("escape")
         await wait_until(pilot, lambda: not isinstance(app.screen, HelpScreen), what="help to close")
-        assert app.busy is None   # escape closed the dialog, it did not reach "stop"
+        assert app.chat_screen.jobs.busy is None   # escape closed the dialog, it did not reach "stop"
 
 
 async def test_keys_rebound_in_the_settings_file_replace_the_defaults(running_app):
@@ -140,19 +140,25 @@ async def test_ctrl_q_mid_reply_stops_saves_the_partial_reply_and_exits(slow_fak
         await pilot.press("ctrl+q")
         await wait_until(pilot, lambda: not app.is_running, timeout=10, what="the app to exit")
     assert app.return_code == 0
-    records = [json.loads(line) for line in app.view.conversation_log.path.read_text().splitlines()]
+    records = [json.loads(line) for line in app.chat_screen.session.log.path.read_text().splitlines()]
     turn = next(r for r in records if r["type"] == "turn")
     assert turn["stop_reason"] == "cancelled" and turn["reply"]
     assert {"type": "message", "role": "assistant", "content": turn["reply"]} in records
 
 
 def test_every_key_in_the_table_has_a_handler():
-    from kvchat.chat.controls import Controls
-    from kvchat.keys import KEYS
-    assert set(Controls(None, None).key_handlers()) == {k.action for k in KEYS}
+    """Each key binds by its id to an action of the App or of the chat screen."""
+    from kvchat.app.shell import KvChatApp
+    from kvchat.chat.screen import ChatScreen
+    from kvchat.keys import KEYS, bindings
+    for k in KEYS:
+        owner = KvChatApp if k.app else ChatScreen
+        assert callable(getattr(owner, f"action_{k.id}", None)), k.id
+    assert [(b.id, b.action) for b in bindings()] == [(k.id, f"app.{k.id}" if k.app else k.id) for k in KEYS]
 
 
-async def test_the_app_has_everything_its_parts_take_it_for(running_app):
+async def test_the_screen_has_everything_its_parts_take_it_for(running_app):
     from kvchat.chat.host import Host
     async with running_app() as (app, pilot):
-        assert isinstance(app, Host)
+        for name in [n for n in dir(Host) if not n.startswith("_")] + list(Host.__annotations__):
+            assert hasattr(app.chat_screen, name), name

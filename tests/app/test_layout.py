@@ -52,7 +52,7 @@ async def test_a_big_pool_is_drawn_aggregated_with_the_ratio_shown(running_app):
 
 
 def test_the_latency_fit_is_exact_on_a_line_and_withheld_over_a_short_span():
-    from kvchat.widgets.latency_panel import fit_slope
+    from kvchat.latency import fit_series
     line = [(p, 20.0 + 0.004 * p) for p in range(0, 1000, 10)]     # +4 ms per 1k positions
-    assert abs(fit_slope(line) - 4.0) < 1e-9
-    assert fit_slope([(p, 20.0) for p in range(100, 120)]) is None   # 20 positions: noise, not growth
+    assert abs(fit_series(line).slope - 4.0) < 1e-9
+    assert fit_series([(p, 20.0) for p in range(100, 120)]).slope is None   # 20 positions: noise, not growth

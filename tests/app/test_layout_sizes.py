@@ -136,7 +136,7 @@ async def test_hidden_panels_do_not_draw_and_show_current_figures_when_switched_
         await pilot.pause()
         assert latency.point_count > before and counts["latency"] >= 1       # the panel in front: live
         assert counts["cache"] == counts["cap"] == counts["blocks"] == 0      # the hidden ones: nothing
-        held = app.snapshot.tokens_held
+        held = app.chat_screen.session.snapshot.tokens_held
         assert app.query_one(CachePanel).snapshot.tokens_held == held        # ... but they kept the figures
         await pilot.press("f10")                                              # to the cache panel
         assert displayed(app) == ["cache"] and counts["cache"] == 1
@@ -161,7 +161,7 @@ async def test_f6_hides_and_shows_the_panels_in_every_layout_and_hidden_ones_cat
             await pilot.press("f6")
             await pilot.pause()
             assert switcher.display and all(counts[n] >= 1 for n in displayed(app)), counts
-            assert app.query_one(CachePanel).snapshot == app.snapshot                 # drawn from current figures
+            assert app.query_one(CachePanel).snapshot == app.chat_screen.session.snapshot                 # drawn from current figures
             monkeypatch.undo()
 
 

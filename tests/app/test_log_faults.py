@@ -29,9 +29,9 @@ async def test_a_log_that_cannot_be_written_is_one_line_and_the_conversation_goe
         await wait_until(pilot, lambda: errors(app), what="the log's error line")
         assert len(errors(app)) == 1                   # said once, not once per record
         assert "cannot write the conversation log" in errors(app)[0] and "/save FILE" in errors(app)[0]
-        roles = [m["role"] for m in app.view.chat.state().messages]
-        assert roles == ["user", "assistant", "user", "assistant"] and len(app.view.turns) == 2
-        assert [r["type"] for r in app.view.conversation_log.unsaved].count("message") == 4
+        roles = [m["role"] for m in app.chat_screen.session.chat.state().messages]
+        assert roles == ["user", "assistant", "user", "assistant"] and len(app.chat_screen.session.turns) == 2
+        assert [r["type"] for r in app.chat_screen.session.log.unsaved].count("message") == 4
         await command(pilot, "/save elsewhere/chat")   # the way out the line offers
         md = private_dirs / "elsewhere" / "chat.md"
         await wait_until(pilot, md.exists, what="the saved transcript")
@@ -55,12 +55,12 @@ async def test_resuming_a_damaged_conversation_says_how_many_records_were_skippe
     from kvchat.store.log import last_conversation, restore
     async with running_app() as (app, pilot):
         await send(pilot, "remember me")
-        path = app.view.conversation_log.path
-        app.view.conversation_log.close()
+        path = app.chat_screen.session.log.path
+        app.chat_screen.session.log.close()
     with open(path, "a") as fh:
         fh.write('not json\n{"type": "message", "role": "user"}\n{"type": "turn", "tor')
     restored = restore(last_conversation())
     async with running_app(restored=restored) as (app, pilot):
         await wait_until(pilot, lambda: errors(app), what="the skipped-records line")
         assert "3 damaged records of" in errors(app)[0] and "the rest is restored" in errors(app)[0]
-        assert [m["content"] for m in app.view.chat.state().messages][0] == "remember me"
+        assert [m["content"] for m in app.chat_screen.session.chat.state().messages][0] == "remember me"

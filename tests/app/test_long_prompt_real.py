@@ -18,7 +18,7 @@ LONG = "\n".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i
 async def load_in_small_chunks(app, pilot, path) -> list:
     """Send `/load path` with the conversation prefilling 64 tokens a chunk; returns the
     status lines recorded from then on."""
-    app.view.chat.conv.prefill_chunk_size = 64
+    app.chat_screen.session.chat.conv.prefill_chunk_size = 64
     seen = record_status(app)
     app.query_one("#input").load_text(f"/load {path}")
     await pilot.press("enter")
@@ -32,14 +32,14 @@ async def test_a_long_load_shows_the_prefill_moving_to_its_total(engine, running
     async with running_app(factory=lambda: backend, max_tokens=2) as (app, pilot):
         try:
             seen = await load_in_small_chunks(app, pilot, path)
-            await wait_until(pilot, lambda: len(app.view.turns) == 1 and app.busy is None, timeout=120,
+            await wait_until(pilot, lambda: len(app.chat_screen.session.turns) == 1 and app.chat_screen.jobs.busy is None, timeout=120,
                              what="the reply to the long text")
             steps = prefill_steps(seen)
-            total = app.view.turns[-1].computed_tokens
+            total = app.chat_screen.session.turns[-1].computed_tokens
             assert len(steps) >= 4 and steps[-1] == (total, total)
             assert [d for d, _ in steps] == sorted(d for d, _ in steps)
         finally:
-            backend.close(app.view.chat)
+            backend.close(app.chat_screen.session.chat)
 
 
 async def test_escape_stops_the_prefill_between_chunks_and_puts_the_message_back(engine, running_app, tmp_path):
@@ -53,13 +53,13 @@ async def test_escape_stops_the_prefill_between_chunks_and_puts_the_message_back
             await wait_until(pilot, lambda: any(d >= 64 for d, _ in prefill_steps(seen)), timeout=120,
                              what="the first chunk")
             await pilot.press("escape")
-            await wait_until(pilot, lambda: app.busy is None, timeout=120, what="the prefill to stop")
+            await wait_until(pilot, lambda: app.chat_screen.jobs.busy is None, timeout=120, what="the prefill to stop")
             assert app.query_one(ChatInput).text == f"/load {path}"
-            assert not any(m["role"] == "user" for m in app.view.chat.state().messages)
-            assert app.view.turns == [] and app.view.chat.conv.tokens_held == 0
+            assert not any(m["role"] == "user" for m in app.chat_screen.session.chat.state().messages)
+            assert app.chat_screen.session.turns == [] and app.chat_screen.session.chat.conv.tokens_held == 0
             done, total = prefill_steps(seen)[-1]
             assert done < total
-            notes = [n.text for n in app.view.query(Notice)]
+            notes = [n.text for n in app.chat_screen.view.query(Notice)]
             assert any(f"prefill stopped at {done:,} of {total:,} tokens" in n for n in notes)
         finally:
-            backend.close(app.view.chat)
+            backend.close(app.chat_screen.session.chat)

@@ -81,9 +81,12 @@ def test_long_durations_read_in_seconds():
 async def test_the_panel_shows_a_fit_line_per_series_and_the_reason_where_there_is_none():
     panel = LatencyPanel()
     async with PanelHost(panel).run_test(size=(72, 40)) as pilot:
-        panel.add_turn(turn(1, 0, 400, "fp32"))
-        panel.add_turn(turn(2, 400, 400, "fp8", base=5.0))
-        panel.add_turn(turn(3, 800, 600, "bf16", policy="sink-window", cap=128, ttft_ms=212_234))
+        panel.data.add_turn(turn(1, 0, 400, "fp32"))
+        panel.changed()
+        panel.data.add_turn(turn(2, 400, 400, "fp8", base=5.0))
+        panel.changed()
+        panel.data.add_turn(turn(3, 800, 600, "bf16", policy="sink-window", cap=128, ttft_ms=212_234))
+        panel.changed()
         await pilot.pause()
         text = screen_text(pilot.app).replace("\u00a0", " ")
     assert "fp32 cache: +8.0 ± 0.0 ms per 1k tokens (400 points)" in text
@@ -116,9 +119,11 @@ def test_a_typed_turn_record_is_read_like_a_summary_dict():
 async def test_a_single_point_or_a_flat_series_is_drawn_without_error():
     panel = LatencyPanel()
     async with PanelHost(panel).run_test(size=(60, 30)) as pilot:
-        panel.add_turn(turn(1, 5, 1, "fp32"))
+        panel.data.add_turn(turn(1, 5, 1, "fp32"))
+        panel.changed()
         await pilot.pause()
-        panel.add_turn(turn(2, 6, 3, "fp32", growth=0.0))
+        panel.data.add_turn(turn(2, 6, 3, "fp32", growth=0.0))
+        panel.changed()
         await pilot.pause()
         assert "fp32 cache: no fit: 4 points, needs 8" in screen_text(pilot.app)
 
@@ -130,7 +135,8 @@ async def test_the_turn_table_fits_a_narrow_panel():
                                      (38, False, False, True), (32, False, False, False)):
         panel = LatencyPanel()
         async with PanelHost(panel).run_test(size=(width, 30)) as pilot:
-            panel.add_turn(turn(1, 0, 40, "fp32", ttft_ms=2_759))
+            panel.data.add_turn(turn(1, 0, 40, "fp32", ttft_ms=2_759))
+            panel.changed()
             await pilot.pause()
             text = screen_text(pilot.app).replace("\u00a0", " ")
         table = text[text.index("TTFT") - 10:]

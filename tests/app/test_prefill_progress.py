@@ -28,10 +28,10 @@ async def test_a_long_prompt_shows_the_prefill_moving_to_its_total(running_app):
     async with running_app(backend, max_tokens=4) as (app, pilot):
         seen = record_status(app)
         shown: list[str] = []
-        app.part(StatusBar).watch(app.part(StatusBar), "state", lambda s: shown.append(s), init=False)
+        app.chat_screen.query_one(StatusBar).watch(app.chat_screen.query_one(StatusBar), "state", lambda s: shown.append(s), init=False)
         await send(pilot, LONG)
         steps = prefill_steps(seen)
-        total = app.view.turns[-1].computed_tokens
+        total = app.chat_screen.session.turns[-1].computed_tokens
         assert len(steps) >= 8 and steps[0] == (0, total) and steps[-1] == (total, total)
         assert [d for d, _ in steps] == sorted(d for d, _ in steps) and len({d for d, _ in steps}) == len(steps)
         assert len(prefill_steps(shown)) >= 4        # the status bar itself showed it moving
@@ -41,20 +41,20 @@ async def test_escape_during_the_prefill_stops_it_and_puts_the_message_back(runn
     backend = FakeBackend(FakeConfig(prefill_chunk=64, prefill_delay_s=0.1))
     async with running_app(backend, max_tokens=4) as (app, pilot):
         await send(pilot, "a short first turn")
-        held = app.view.chat.state().tokens_held
+        held = app.chat_screen.session.chat.state().tokens_held
         seen = record_status(app)
         app.query_one(ChatInput).load_text(LONG)
         await pilot.press("enter")
         await wait_until(pilot, lambda: any(d >= 64 for d, _ in prefill_steps(seen)), what="the first chunk")
         await pilot.press("escape")
-        await wait_until(pilot, lambda: app.busy is None, what="the prefill to stop")
+        await wait_until(pilot, lambda: app.chat_screen.jobs.busy is None, what="the prefill to stop")
         assert app.query_one(ChatInput).text == LONG
-        state = app.view.chat.state()
+        state = app.chat_screen.session.chat.state()
         assert [m["content"] for m in state.messages if m["role"] == "user"] == ["a short first turn"]
-        assert len(app.view.turns) == 1 and state.turns == 1 and held > 0 and state.tokens_held == 0
+        assert len(app.chat_screen.session.turns) == 1 and state.turns == 1 and held > 0 and state.tokens_held == 0
         done, total = prefill_steps(seen)[-1]
         assert 0 < done < total
-        notes = [n.text for n in app.view.query(Notice)]
+        notes = [n.text for n in app.chat_screen.view.query(Notice)]
         assert any(f"prefill stopped at {done:,} of {total:,} tokens" in n for n in notes)
         await send(pilot, "and the chat goes on")          # nothing is left stuck
-        assert len(app.view.turns) == 2
+        assert len(app.chat_screen.session.turns) == 2

@@ -25,7 +25,7 @@ async def test_a_real_turn_grows_the_cache_panel_by_bytes_per_token_per_new_toke
 
             await send(pilot, "Name three colours.")
             await pilot.pause()
-            stats = app.view.turns[-1]
+            stats = app.chat_screen.session.turns[-1]
             after = app.query_one(CachePanel).snapshot
             new_tokens = after.tokens_held - before.tokens_held
             # the whole prompt (computed now, or reused from blocks an earlier test left cached in
@@ -42,7 +42,7 @@ async def test_a_real_turn_grows_the_cache_panel_by_bytes_per_token_per_new_toke
             points = app.query_one(LatencyPanel).point_count
             assert points == len(stats.decode_ms) == len(stats.positions) > 0
         finally:
-            backend.close(app.view.chat)
+            backend.close(app.chat_screen.session.chat)
 
 
 async def test_runtime_experiments_change_the_panels_two_conversations_fp8_and_cache_off(engine, running_app):
@@ -57,7 +57,7 @@ async def test_runtime_experiments_change_the_panels_two_conversations_fp8_and_c
             await send(pilot, "Name a colour.")
             assert panel.snapshot.bytes_per_token == 46_080 and panel.snapshot.kv_dtype == "fp32"
             await pilot.press("ctrl+n")
-            await wait_until(pilot, lambda: len(app.views) == 2 and app.busy is None, what="conversation 2")
+            await wait_until(pilot, lambda: len(app.chat_screen.conversations.views) == 2 and app.chat_screen.jobs.busy is None, what="conversation 2")
             await send(pilot, "Name a fruit.")
             snap = blocks.snapshot
             assert snap.block_map.count(SHARED) >= 1 and snap.block_map.count(OTHER) >= 1
@@ -66,22 +66,22 @@ async def test_runtime_experiments_change_the_panels_two_conversations_fp8_and_c
 
             app.query_one("#input").load_text("/kv fp8")
             await pilot.press("enter")
-            await wait_until(pilot, lambda: panel.snapshot.kv_dtype == "fp8" and app.busy is None, what="fp8 pool")
+            await wait_until(pilot, lambda: panel.snapshot.kv_dtype == "fp8" and app.chat_screen.jobs.busy is None, what="fp8 pool")
             assert panel.snapshot.bytes_per_token == 11_520 == 46_080 // 4
             assert "fp8" in panel.border_title
             await send(pilot, "And a tree?")
-            assert app.view.turns[-1].kv_dtype == "fp8" and panel.snapshot.tokens_held > 0
+            assert app.chat_screen.session.turns[-1].kv_dtype == "fp8" and panel.snapshot.tokens_held > 0
 
             app.query_one("#input").load_text("/cache off")
             await pilot.press("enter")
-            await wait_until(pilot, lambda: panel.snapshot.mode == "off" and app.busy is None, what="cache off")
+            await wait_until(pilot, lambda: panel.snapshot.mode == "off" and app.chat_screen.jobs.busy is None, what="cache off")
             await send(pilot, "And a bird?")
-            assert app.view.turns[-1].mode == "off" and panel.snapshot.tokens_held == 0
+            assert app.chat_screen.session.turns[-1].mode == "off" and panel.snapshot.tokens_held == 0
             assert "cache off" in panel.border_title
         finally:
             engine.set_kv_dtype("fp32")
-            for view in app.views:
-                backend.close(view.chat)
+            for view in app.chat_screen.conversations.views:
+                backend.close(view.session.chat)
 
 
 async def test_edit_and_resend_reuses_the_cache_up_to_the_block_holding_the_first_changed_token(engine, running_app):
@@ -93,12 +93,12 @@ async def test_edit_and_resend_reuses_the_cache_up_to_the_block_holding_the_firs
         try:
             await send(pilot, "Name three colours of the rainbow, please.")
             await send(pilot, "Now name three fruits that are red.")
-            view, bs = app.view, engine.spec.block_size
-            messages = list(view.state.messages)
+            view, bs = app.chat_screen.view, engine.spec.block_size
+            messages = list(view.session.state.messages)
             kept = messages[:max(i for i, m in enumerate(messages) if m["role"] == "user")]
             edited = "Now name three fruits that are yellow."
-            old = view.chat.conv.render(kept + [messages[len(kept)]])
-            new = view.chat.conv.render(kept + [{"role": "user", "content": edited}])
+            old = view.session.chat.conv.render(kept + [messages[len(kept)]])
+            new = view.session.chat.conv.render(kept + [{"role": "user", "content": edited}])
             differ = next(i for i, (a, b) in enumerate(zip(old, new)) if a != b)
             assert differ >= bs            # the edit is past the first block, so some reuse is expected
 
@@ -106,16 +106,16 @@ async def test_edit_and_resend_reuses_the_cache_up_to_the_block_holding_the_firs
             await pilot.press("enter")
             await pilot.pause()
             assert app.query_one(ChatInput).text == "Now name three fruits that are red."
-            n = len(view.turns)
+            n = len(view.session.turns)
             app.query_one(ChatInput).load_text(edited)
             await pilot.press("enter")
-            await wait_until(pilot, lambda: len(view.turns) > n and app.busy is None, timeout=60,
+            await wait_until(pilot, lambda: len(view.session.turns) > n and app.chat_screen.jobs.busy is None, timeout=60,
                              what="the resent turn")
-            turn = view.turns[-1]
+            turn = view.session.turns[-1]
             assert turn.prompt_tokens == len(new)
             assert turn.reused_tokens == differ // bs * bs
-            assert [m["content"] for m in view.state.messages if m["role"] == "user"][-1] == edited
-            assert len(view.state.messages) == len(kept) + 2
+            assert [m["content"] for m in view.session.state.messages if m["role"] == "user"][-1] == edited
+            assert len(view.session.state.messages) == len(kept) + 2
         finally:
-            for v in app.views:
-                backend.close(v.chat)
+            for v in app.chat_screen.conversations.views:
+                backend.close(v.session.chat)

@@ -29,22 +29,22 @@ async def test_system_prompt_draft_count_and_a_seeded_regenerate_on_the_real_eng
             await send(pilot, "Name a colour.")
             field.load_text(f"/system {system}")
             await pilot.press("enter")
-            await wait_until(pilot, lambda: app.busy is None and "system prompt set" in app.query(Notice).last().text,
+            await wait_until(pilot, lambda: app.chat_screen.jobs.busy is None and "system prompt set" in app.query(Notice).last().text,
                              what="the system prompt")
             assert f"adds {tokens} tokens" in app.query(Notice).last().text
-            assert app.view.chat.state().messages[0] == {"role": "system", "content": system}
+            assert app.chat_screen.session.chat.state().messages[0] == {"role": "system", "content": system}
             await send(pilot, "Name a fruit.")
-            assert app.view.turns[-1].reused_tokens == 0           # the first block changed
-            greedy = app.view.turns[-1].reply
+            assert app.chat_screen.session.turns[-1].reused_tokens == 0           # the first block changed
+            greedy = app.chat_screen.session.turns[-1].reply
             for command in ("/temperature 1.5", "/seed 3"):
                 field.load_text(command)
                 await pilot.press("enter")
             await pilot.press("f5")
-            await wait_until(pilot, lambda: len(app.view.turns) == 3 and app.busy is None, what="a sample")
-            sampled = app.view.turns[-1].reply
+            await wait_until(pilot, lambda: len(app.chat_screen.session.turns) == 3 and app.chat_screen.jobs.busy is None, what="a sample")
+            sampled = app.chat_screen.session.turns[-1].reply
             await pilot.press("f5")
-            await wait_until(pilot, lambda: len(app.view.turns) == 4 and app.busy is None, what="the same sample")
-            assert sampled != greedy and app.view.turns[-1].reply == sampled
+            await wait_until(pilot, lambda: len(app.chat_screen.session.turns) == 4 and app.chat_screen.jobs.busy is None, what="the same sample")
+            assert sampled != greedy and app.chat_screen.session.turns[-1].reply == sampled
         finally:
-            for view in app.views:
-                backend.close(view.chat)
+            for view in app.chat_screen.conversations.views:
+                backend.close(view.session.chat)

@@ -74,16 +74,16 @@ async def test_resume_shows_the_saved_conversation_and_puts_an_unanswered_messag
     async with running_app() as (app, pilot):
         await send(pilot, "remember me")
         crashed = {"role": "user", "content": "lost in a crash"}
-        app.view.conversation_log.sync([*app.view.chat.state().messages, crashed])
-    app.view.conversation_log.close()    # what the process's exit does: --resume is always a new process
+        app.chat_screen.session.log.sync([*app.chat_screen.session.chat.state().messages, crashed])
+    app.chat_screen.session.log.close()    # what the process's exit does: --resume is always a new process
     restored = restore(last_conversation())
     async with running_app(restored=restored) as (app, pilot):
         assert app.query_one(UserMessage).text == "remember me" and app.query_one(Reply).text
         assert app.query_one(ChatInput).text == "lost in a crash"
         assert app.query_one(LatencyPanel).point_count == restored.turns[0].generated_tokens
         await send(pilot, "and now")
-        assert app.view.turns[-1].reused_tokens == 0      # the cache started empty
-        assert app.view.conversation_log.path == restored.path
+        assert app.chat_screen.session.turns[-1].reused_tokens == 0      # the cache started empty
+        assert app.chat_screen.session.log.path == restored.path
 
 
 @pytest.mark.parametrize("content, problem", [

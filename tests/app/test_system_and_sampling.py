@@ -22,46 +22,46 @@ async def command(pilot, text: str) -> None:
 async def test_system_sets_the_prompt_says_its_tokens_and_that_the_prefix_changes(running_app):
     async with running_app() as (app, pilot):
         await send(pilot, "hello")
-        assert app.view.chat.state().tokens_held > 0
+        assert app.chat_screen.session.chat.state().tokens_held > 0
         await command(pilot, "/system You're a terse pirate.")
-        await wait_until(pilot, lambda: app.busy is None and "system prompt set" in notices(app)[-1], what="the note")
+        await wait_until(pilot, lambda: app.chat_screen.jobs.busy is None and "system prompt set" in notices(app)[-1], what="the note")
         note = notices(app)[-1]
         assert "adds 4 tokens" in note and "shared prefix" in note and "prefills the whole history" in note
-        messages = app.view.chat.state().messages
+        messages = app.chat_screen.session.chat.state().messages
         assert messages[0] == {"role": "system", "content": "You're a terse pirate."}
         assert [m["role"] for m in messages] == ["system", "user", "assistant"]
         await send(pilot, "again")
-        assert app.view.turns[-1].reused_tokens == 0          # the cached prefix no longer matched
+        assert app.chat_screen.session.turns[-1].reused_tokens == 0          # the cached prefix no longer matched
 
 
 async def test_an_empty_system_removes_the_prompt(running_app):
     async with running_app(system="be brief") as (app, pilot):
         await command(pilot, "/system")
-        await wait_until(pilot, lambda: app.busy is None and "removed" in notices(app)[-1], what="the note")
-        assert app.view.chat.state().system is None
+        await wait_until(pilot, lambda: app.chat_screen.jobs.busy is None and "removed" in notices(app)[-1], what="the note")
+        assert app.chat_screen.session.chat.state().system is None
 
 
 async def test_sampling_commands_change_what_f5_regenerates_with(fake, running_app):
     async with running_app() as (app, pilot):
         await send(pilot, "hello")
-        greedy = app.view.turns[-1].reply
+        greedy = app.chat_screen.session.turns[-1].reply
         assert greedy == REPLIES[0].replace("  ", " ")
         await command(pilot, "/temperature 0.8")
         await command(pilot, "/top-p 0.9")
         await command(pilot, "/seed 7")
-        assert "temperature 0.8 · top-p 0.9 · seed 7" in app.notes[-1]
+        assert "temperature 0.8 · top-p 0.9 · seed 7" in app.chat_screen.panels.notes[-1]
         fake.cfg.replies = (greedy,)                    # the same script: only the sampling differs
         await pilot.press("f5")
-        await wait_until(pilot, lambda: len(app.view.turns) == 2 and app.busy is None, what="the sampled reply")
+        await wait_until(pilot, lambda: len(app.chat_screen.session.turns) == 2 and app.chat_screen.jobs.busy is None, what="the sampled reply")
         sp = fake.sampling_seen[-1]
         assert (sp.temperature, sp.top_p, sp.seed) == (0.8, 0.9, 7)
-        sampled = app.view.turns[-1].reply
+        sampled = app.chat_screen.session.turns[-1].reply
         words = greedy.split()
         random.Random(7).shuffle(words)
         assert sampled != greedy and sampled == " ".join(words)
         await pilot.press("f5")                          # seeded: the same sample again
-        await wait_until(pilot, lambda: len(app.view.turns) == 3 and app.busy is None, what="the second sample")
-        assert app.view.turns[-1].reply == sampled
+        await wait_until(pilot, lambda: len(app.chat_screen.session.turns) == 3 and app.chat_screen.jobs.busy is None, what="the second sample")
+        assert app.chat_screen.session.turns[-1].reply == sampled
         assert app.query(Reply).last().text.strip() == sampled
 
 

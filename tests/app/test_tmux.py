@@ -147,8 +147,8 @@ def test_every_default_key_reaches_the_app_in_tmux_with_its_prefix_on_ctrl_b(tmp
                                  f"the pane shows:\n{tmux.pane()}")
         for k in [k for k in KEYS if k.id != "quit"]:
             tmux.run("send-keys", "-t", tmux.session, tmux_key(k.keys.split(",")[0]))
-            wait_log(k.action)
-            if k.action in DIALOGS:
+            wait_log(k.id)
+            if k.id in DIALOGS:
                 tmux.run("send-keys", "-t", tmux.session, "Escape")
                 wait_log("closed")
         tmux.run("send-keys", "-t", tmux.session, "C-q")

@@ -80,7 +80,7 @@ def test_the_worker_waits_for_each_batch_to_be_drawn_before_its_next_step(monkey
     import threading
     import types
 
-    from kvchat.chat import jobs
+    from kvchat.chat import worker
     from kvchat.engine.sampler import SamplingParams
 
     chat = FakeBackend().open()
@@ -97,11 +97,21 @@ def test_the_worker_waits_for_each_batch_to_be_drawn_before_its_next_step(monkey
             threading.Timer(0.05, msg.drawn.set).start()   # the UI draws it a little later
         return True
     log = types.SimpleNamespace(sync=lambda *a: None, turn=lambda *a: None)
-    view = types.SimpleNamespace(chat=types.SimpleNamespace(send=send, state=chat.state), conversation_log=log,
-                                 post_message=post_message)
-    turn = types.SimpleNamespace(view=view, text="hi", cancel=threading.Event(), prefilled=False)
-    monkeypatch.setattr(jobs, "TurnProgress", lambda t, p, f: types.SimpleNamespace(drawn=threading.Event()))
-    monkeypatch.setattr(jobs, "TurnEnded", lambda *a, **k: object())
-    jobs.run_turn(turn, types.SimpleNamespace(snapshot=lambda chat: None), SamplingParams(), lambda: view,
-                  lambda: 0.0)
+    session = types.SimpleNamespace(chat=types.SimpleNamespace(send=send, state=chat.state), log=log)
+    turn = types.SimpleNamespace(text="hi", cancel=threading.Event(), prefilled=False)
+    monkeypatch.setattr(worker, "TurnProgress", lambda t, s, p, f: types.SimpleNamespace(drawn=threading.Event()))
+    monkeypatch.setattr(worker, "TurnEnded", lambda *a, **k: object())
+    worker.run_turn(turn, session, types.SimpleNamespace(snapshot=lambda chat: None), SamplingParams(),
+                    lambda: session, lambda: 0.0, post_message)
     assert len(posted) > 2 and undrawn_at_step and max(undrawn_at_step) == 0
+
+
+def test_a_token_without_an_id_counts_and_a_text_tail_does_not():
+    """A server's stream may carry a token's text without its id (TokenEvent.token_id None):
+    it is a generated token with its latency point; the engine's held-back text tail (id -1)
+    is text only."""
+    clock, out = Clock(), []
+    tokens = [TokenEvent("a", 7, 10, 5.0), TokenEvent("b", None, 11, 6.0), TokenEvent("c", -1, 11, 0.0)]
+    relay(iter([PrefillEvent(10, None, None, None), *tokens]), lambda: None, out.append, clock=clock)
+    assert "".join(p.text for p in out) == "abc"
+    assert out[-1].generated == 2 and [pt for p in out for pt in p.points] == [(10, 5.0), (11, 6.0)]

@@ -22,7 +22,7 @@ async def test_panels_show_the_turns_bytes_blocks_and_latency(fake, running_app)
         snap = app.query_one(CachePanel).snapshot
         assert snap.bytes_used == snap.tokens_held * fake.bytes_per_token > 0
         assert app.query_one(BlockMap).snapshot.blocks_used == -(-snap.tokens_held // 16)
-        assert app.query_one(LatencyPanel).point_count == app.view.turns[-1].generated_tokens
+        assert app.query_one(LatencyPanel).point_count == app.chat_screen.session.turns[-1].generated_tokens
         assert app.query_one(CapGauge).tokens == snap.tokens_held
 
 
@@ -34,7 +34,7 @@ async def test_a_reply_keeps_streaming_while_the_help_screen_is_open(slow_fake, 
         n = len(app.screen_stack[0].query_one(Reply).text)
         await wait_until(pilot, lambda: len(app.screen_stack[0].query_one(Reply).text) > n + 20, what="more text")
         await pilot.press("escape")            # closes help; the reply goes on
-        assert app.busy == "reply"
+        assert app.chat_screen.jobs.busy == "reply"
         await pilot.press("escape")            # stops the reply
-        await wait_until(pilot, lambda: app.busy is None, what="the stop")
-        assert app.view.turns[-1].stop_reason == "cancelled"
+        await wait_until(pilot, lambda: app.chat_screen.jobs.busy is None, what="the stop")
+        assert app.chat_screen.session.turns[-1].stop_reason == "cancelled"

@@ -24,8 +24,8 @@ async def test_whatif_70b_30000_in_15gb_is_two_thirds_of_the_budget_and_one_user
     async with running_app() as (app, pilot):
         app.query_one("#input").load_text("/whatif 70b 30000 15GB")
         await pilot.press("enter")
-        await wait_until(pilot, lambda: any("What if" in n.text for n in app.view.query(Notice)))
-        line = [n.text for n in app.view.query(Notice) if "What if" in n.text][-1]
+        await wait_until(pilot, lambda: any("What if" in n.text for n in app.chat_screen.view.query(Notice)))
+        line = [n.text for n in app.chat_screen.view.query(Notice) if "What if" in n.text][-1]
         g = resolve("llama-3.1-70b", random_weights=True).geometry
         assert line.endswith(what_if_line(what_if(g, "bf16", 30_000, 1, 15 * 10**9)))
         assert "30,000 tokens x 327,680 B per token = 9.83 GB" in line
@@ -36,4 +36,4 @@ async def test_whatif_names_a_bad_token_count(running_app):
     async with running_app() as (app, pilot):
         app.query_one("#input").load_text("/whatif 70b lots")
         await pilot.press("enter")
-        await wait_until(pilot, lambda: any("whole number of tokens" in n.text for n in app.view.query(Notice)))
+        await wait_until(pilot, lambda: any("whole number of tokens" in n.text for n in app.chat_screen.view.query(Notice)))

@@ -31,6 +31,16 @@ def pytest_collection_modifyitems(config, items):
     items.sort(key=lambda item: item.get_closest_marker("kills_server") is not None)
 
 
+def pytest_terminal_summary(terminalreporter):
+    """One line at the end of the run when the vLLM venv is missing: which tests it skipped
+    and the command that enables them (a skip among hundreds of dots is easy to miss)."""
+    skipped = [r for r in terminalreporter.stats.get("skipped", []) if r.nodeid.startswith("tests/server/")]
+    if skipped and not (VENV / "bin" / "python").exists():
+        terminalreporter.write_line(
+            f"skipped {len(skipped)} vLLM server tests (tests/server/): no vLLM venv at {VENV}; "
+            f"`bash scripts/setup-vllm.sh` installs it (KVCHAT_VLLM_VENV moves it), then `make test` runs them")
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

@@ -20,7 +20,8 @@ def test_the_panels_move_as_a_real_servers_tokens_arrive(vllm_server, tmp_path, 
     async def run() -> None:
         app = make_app(factory=lambda: backend, system=fresh_system(), max_tokens=48)
         async with app.run_test(size=SIZE) as pilot:
-            await wait_until(pilot, lambda: app.view is not None and app.busy is None and app.snapshot is not None,
+            await wait_until(pilot, lambda: app.chat_screen.conversations.session is not None and app.chat_screen.jobs.busy is None
+                     and app.chat_screen.conversations.session.snapshot is not None,
                              timeout=30, what="the backend")
             panel, blocks, latency = app.query_one(CachePanel), app.query_one(BlockMap), app.query_one(LatencyPanel)
             map_before = blocks.render().plain
@@ -29,9 +30,9 @@ def test_the_panels_move_as_a_real_servers_tokens_arrive(vllm_server, tmp_path, 
             await pilot.press("enter")
             # while the reply streams: latency points arrive before the turn ends
             await wait_until(pilot, lambda: latency.point_count > 0, timeout=120, what="the first latency points")
-            await wait_until(pilot, lambda: app.view.turns and app.busy is None, timeout=120, what="the reply")
+            await wait_until(pilot, lambda: app.chat_screen.session.turns and app.chat_screen.jobs.busy is None, timeout=120, what="the reply")
             await pilot.pause()
-            turn = app.view.turns[-1]
+            turn = app.chat_screen.session.turns[-1]
             snap = panel.snapshot
             assert snap.source == "vllm" and snap.blocks_used >= 3          # 400+ tokens: 3+ full blocks of 128
             assert snap.tokens_held == 128 * snap.blocks_used
@@ -40,7 +41,7 @@ def test_the_panels_move_as_a_real_servers_tokens_arrive(vllm_server, tmp_path, 
             text = screen_text(app)
             assert f"server {vllm_server.url}" in text and "resident prefix blocks" in text
             await pilot.press("ctrl+r")                                      # POST /reset_prefix_cache
-            await wait_until(pilot, lambda: app.busy is None and panel.snapshot.blocks_used == 0, timeout=30,
+            await wait_until(pilot, lambda: app.chat_screen.jobs.busy is None and panel.snapshot.blocks_used == 0, timeout=30,
                              what="the reset")
             assert "cache reset" in screen_text(app)
 

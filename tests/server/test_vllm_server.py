@@ -168,3 +168,19 @@ def test_a_server_killed_mid_reply_gives_one_line_and_keeps_the_conversation(vll
         b.shutdown()
         killer.join()
     fails_with(capsys, ["ask", "--server", vllm_server.url, "hi"], "nothing answers", vllm_server.url)
+
+
+def test_plan_calibrates_on_the_servers_own_histograms(vllm_server, tmp_path, capsys):
+    """`kvchat plan --calibrate --server URL`: probe requests, the server's histograms read
+    around each, constants fitted and written; a plan on the same hardware then uses them."""
+    cal = tmp_path / "server-cal.json"
+    assert main(["plan", "--calibrate", "--server", vllm_server.url, "--gpu", "cpu",
+                 "--write-calibration", str(cal)]) == 0
+    out = capsys.readouterr().out
+    assert "streams decoding at 2048" in out and "prefill of 1024" in out
+    d = json.loads(cal.read_text())
+    assert d["hardware"] == "cpu" and d["model"] == "smollm2-135m" and d["fit"]["points"] >= 7
+    assert 0 < d["fit"]["mape"] < 0.5, json.dumps(d, indent=1)
+    assert main(["plan", "--gpu", "cpu", "--model", "smollm2-135m", "--dtype", "bf16", "--calibration", str(cal),
+                 "--users", "2", "--turns", "1", "--reply", "8", "--no-terminal-plot"]) == 0
+    assert "server-cal.json" in capsys.readouterr().out

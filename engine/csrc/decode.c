@@ -1,0 +1,221 @@
+/* Decode attention over the paged cache: one query per head for each of B sequences, each
+ * against its own cached K/V read through its own block table, in place (any block order,
+ * either pool layout), fp32 or fp8 e4m3 with one scale per (slot, KV head).
+ *
+ * Split-K: every (sequence, KV head, stretch of blocks) is a work item with its own running
+ * max, sum and output (online softmax, Milakov & Gimelshein 2018), merged at the end by
+ * log-sum-exp (flash-decoding, Dao et al. 2023). A sequence's stretches depend on its own
+ * length and the thread count only, so a sequence gets the same bits batched or alone; the
+ * threads take items as they come (short sequences beside long ones balance). fp8 rows are
+ * dequantized in registers: no fp32 copy of the cache is ever written.
+ */
+#include "kvchat.h"
+#include "vec.h"
+
+#define TILE 16         /* cached rows per softmax update: one vector of scores */
+#define MAX_GROUP 16    /* query heads per KV head */
+#define MAX_DIM 256     /* head_dim */
+#define SMALL 8192      /* cached values (rows x KV heads x head_dim) below which one thread decodes */
+
+/* rows of e4m3 bytes into fp32, unscaled: each byte's sign placed at bit 31 and its exponent
+ * and mantissa at bits 20-26 of a float32 give the value times 2^-120, exactly (see
+ * engine/cpu_attention.py); times 2^120, also exact, gives the value, so that the products
+ * with the queries are ordinary floats rather than subnormals. */
+static inline void fp8_rows(const int8_t *src, int64_t stride, int rows, int64_t dim, float *dst) {
+    for (int r = 0; r < rows; r++)
+        for (int64_t c = 0; c < dim; c += LANES) {
+            i16v bits = (widen(src + r * stride + c) << 20) & (int32_t)0x87F00000u;
+            store(dst + r * dim + c, (f16v)bits * 0x1p120f);
+        }
+}
+
+/* sixteen vectors in, one out: lane r holds the sum of d[r]'s lanes (a transpose-and-add) */
+#define PAIR(x, y, ...) (__builtin_shufflevector(x, y, __VA_ARGS__))
+static inline f16v hsum16(const f16v *d) {
+    f16v x[8], y[4], z[2];
+    for (int i = 0; i < 8; i++)
+        x[i] = PAIR(d[2 * i], d[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               PAIR(d[2 * i], d[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        y[i] = PAIR(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               PAIR(x[2 * i], x[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        z[i] = PAIR(y[2 * i], y[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               PAIR(y[2 * i], y[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return PAIR(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           PAIR(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+}
+
+/* one work item: KV head h of one sequence (its table and length) over blocks [b0, b1);
+ * leaves the running max m, sum l and the unnormalised output acc (G x dim) of each of the
+ * head's G queries. Inlined with G and NV (head_dim / 16) constant, so that the queries and
+ * outputs stay in registers. */
+static inline __attribute__((always_inline)) void item(
+        const DecodeArgs *a, const int32_t *table, int64_t length, const float *q, int64_t h,
+        int64_t b0, int64_t b1, float *m, float *l, float *acc, const int G, const int NV) {
+    f16v qv[MAX_GROUP][MAX_DIM / LANES], ov[MAX_GROUP][MAX_DIM / LANES], d[TILE], p[MAX_GROUP];
+    float kbuf[TILE * MAX_DIM] __attribute__((aligned(64))), vbuf[TILE * MAX_DIM] __attribute__((aligned(64)));
+    float kf[TILE], vf[TILE];
+    const int fp8 = a->ks != NULL;
+    for (int j = 0; j < G; j++) {
+        for (int c = 0; c < NV; c++) {
+            qv[j][c] = load(q + ((h * G + j) * NV + c) * LANES);
+            ov[j][c] = (f16v){0};
+        }
+        m[j] = -INFINITY;
+        l[j] = 0.0f;
+    }
+    for (int64_t b = b0; b < b1; b++) {
+        const int64_t blk = table[b];
+        const int64_t in_block = length - b * a->block_size;
+        const int64_t rows_here = in_block < a->block_size ? in_block : a->block_size;
+        const int64_t kv_off = blk * a->block_stride + h * a->head_stride;
+        const int64_t s_off = blk * a->sblock_stride + h * a->shead_stride;
+        for (int64_t r0 = 0; r0 < rows_here; r0 += TILE) {
+            const int rows = (int)(rows_here - r0 < TILE ? rows_here - r0 : TILE);
+            const float *kt, *vt;     /* the tile's rows in fp32, at a stride of ld floats */
+            int64_t ld;
+            if (fp8) {
+                fp8_rows((const int8_t *)a->k + kv_off + r0 * a->row_stride, a->row_stride, rows, NV * LANES, kbuf);
+                fp8_rows((const int8_t *)a->v + kv_off + r0 * a->row_stride, a->row_stride, rows, NV * LANES, vbuf);
+                for (int r = 0; r < rows; r++) {
+                    kf[r] = a->ks[s_off + (r0 + r) * a->srow_stride];
+                    vf[r] = a->vs[s_off + (r0 + r) * a->srow_stride];
+                }
+                kt = kbuf, vt = vbuf, ld = NV * LANES;
+            } else {
+                kt = (const float *)a->k + kv_off + r0 * a->row_stride;
+                vt = (const float *)a->v + kv_off + r0 * a->row_stride;
+                ld = a->row_stride;
+            }
+            for (int j = 0; j < G; j++) {             /* scores, then the softmax update */
+                for (int r = 0; r < TILE; r++) {
+                    d[r] = (f16v){0};
+                    if (r < rows)
+                        for (int c = 0; c < NV; c++) d[r] += qv[j][c] * load(kt + r * ld + c * LANES);
+                }
+                f16v sc = hsum16(d) * a->scale;
+                if (fp8) sc *= load(kf);
+                float mx = m[j];
+                for (int r = 0; r < rows; r++) mx = sc[r] > mx ? sc[r] : mx;
+                const float alpha = expf(m[j] - mx);
+                p[j] = vexp(sc - mx);
+                for (int r = rows; r < TILE; r++) p[j][r] = 0.0f;
+                l[j] = l[j] * alpha + hsum(p[j]);
+                m[j] = mx;
+                if (alpha != 1.0f)
+                    for (int c = 0; c < NV; c++) ov[j][c] *= alpha;
+                if (fp8) p[j] *= load(vf);
+            }
+            for (int r = 0; r < rows; r++)             /* p V */
+                for (int j = 0; j < G; j++) {
+                    const f16v pj = splat(p[j][r]);
+                    for (int c = 0; c < NV; c++) ov[j][c] += pj * load(vt + r * ld + c * LANES);
+                }
+        }
+    }
+    for (int j = 0; j < G; j++)
+        for (int c = 0; c < NV; c++) store(acc + (j * NV + c) * LANES, ov[j][c]);
+}
+
+typedef void (*item_fn)(const DecodeArgs *, const int32_t *, int64_t, const float *, int64_t, int64_t, int64_t,
+                        float *, float *, float *);
+#define ITEM(G, NV) \
+    static void item_##G##_##NV(const DecodeArgs *a, const int32_t *t, int64_t len, const float *q, int64_t h, \
+                                int64_t b0, int64_t b1, float *m, float *l, float *acc) { \
+        item(a, t, len, q, h, b0, b1, m, l, acc, G, NV); }
+#define ITEMS(G) ITEM(G, 4) ITEM(G, 8)
+ITEMS(1) ITEMS(2) ITEMS(3) ITEMS(4) ITEMS(5) ITEMS(6) ITEMS(7) ITEMS(8)
+static const item_fn ITEM_FNS[8][2] = {
+    {item_1_4, item_1_8}, {item_2_4, item_2_8}, {item_3_4, item_3_8}, {item_4_4, item_4_8},
+    {item_5_4, item_5_8}, {item_6_4, item_6_8}, {item_7_4, item_7_8}, {item_8_4, item_8_8}};
+
+/* any other geometry within the limits: the same code with G and NV read at run time */
+static void item_any(const DecodeArgs *a, const int32_t *t, int64_t len, const float *q, int64_t h,
+                     int64_t b0, int64_t b1, float *m, float *l, float *acc) {
+    item(a, t, len, q, h, b0, b1, m, l, acc, (int)a->group, (int)(a->dim / LANES));
+}
+
+typedef struct { int64_t seq, head, b0, b1; } Item;
+
+static inline int64_t length_of(const DecodeArgs *a, int64_t s) { return a->lens ? a->lens[s] : a->length; }
+
+/* q: (batch, kv_heads * group, dim) at a stride of q_stride between sequences; out: (batch,
+ * kv_heads * group, dim) contiguous. Each sequence is cut into min(splits, its blocks)
+ * stretches. Returns 0, or -1 when the geometry is outside what this kernel serves or a
+ * length or block id is out of range (the caller then takes the torch path, which raises). */
+int kv_decode(const DecodeArgs *a, const float *q, float *out, int splits, int threads) {
+    const int64_t g = a->group, d = a->dim, hk = a->kv_heads, bs = a->block_size, nb = a->batch;
+    if (g < 1 || g > MAX_GROUP || d % LANES || d > MAX_DIM || bs < 1 || nb < 1 || splits < 1)
+        return -1;
+    int64_t items = 0, rows = 0;
+    for (int64_t s = 0; s < nb; s++) {
+        const int64_t len = length_of(a, s), blocks = (len + bs - 1) / bs;
+        if (len < 1 || blocks > a->max_blocks)
+            return -1;
+        for (int64_t b = 0; b < blocks; b++) {
+            const int32_t blk = a->tables[s * a->table_stride + b];
+            if (blk < 0 || blk >= a->num_blocks)
+                return -1;
+        }
+        items += hk * (blocks < splits ? blocks : splits);
+        rows += len;
+    }
+    if (rows * hk * d < SMALL)       /* waking a second thread would cost more than it saves */
+        threads = 1;
+    /* one allocation: the items, each sequence's first item, then each item's m, l and acc */
+    char *mem = malloc(sizeof(Item) * items + sizeof(int64_t) * (nb + 1) + sizeof(float) * items * g * (d + 2));
+    if (mem == NULL)
+        return -1;
+    Item *work = (Item *)mem;
+    int64_t *first = (int64_t *)(work + items);
+    float *m = (float *)(first + nb + 1), *l = m + items * g, *acc = l + items * g;
+    int64_t it = 0;
+    for (int64_t s = 0; s < nb; s++) {
+        const int64_t blocks = (length_of(a, s) + bs - 1) / bs, n = blocks < splits ? blocks : splits;
+        first[s] = it;
+        for (int64_t h = 0; h < hk; h++)
+            for (int64_t sp = 0; sp < n; sp++)
+                work[it++] = (Item){s, h, blocks * sp / n, blocks * (sp + 1) / n};
+    }
+    first[nb] = it;
+    const int nv = (int)(d / LANES);
+    const item_fn fn = g <= 8 && (nv == 4 || nv == 8) ? ITEM_FNS[g - 1][nv / 8] : item_any;
+#define RUN(i) fn(a, a->tables + work[i].seq * a->table_stride, length_of(a, work[i].seq), \
+                  q + work[i].seq * a->q_stride, work[i].head, work[i].b0, work[i].b1, m + (i) * g, l + (i) * g, \
+                  acc + (i) * g * d)
+    if (nb == 1) {            /* equal items: each thread its share */
+        #pragma omp parallel for num_threads(threads) schedule(static)
+        for (int64_t i = 0; i < items; i++) RUN(i);
+    } else {                  /* sequences of any lengths: items as threads come free */
+        #pragma omp parallel for num_threads(threads) schedule(dynamic)
+        for (int64_t i = 0; i < items; i++) RUN(i);
+    }
+    /* merge the splits by log-sum-exp; a few sequences' merges cost less than waking threads */
+    #pragma omp parallel for num_threads(threads) schedule(static) if (nb > 4)
+    for (int64_t sh = 0; sh < nb * hk; sh++) {
+        const int64_t s = sh / hk, h = sh % hk;
+        const int64_t n = (first[s + 1] - first[s]) / hk, i0 = first[s] + h * n;
+        for (int64_t j = 0; j < g; j++) {
+            float mx = -INFINITY, total = 0.0f;
+            for (int64_t sp = 0; sp < n; sp++) {
+                const float mi = m[(i0 + sp) * g + j];
+                mx = mi > mx ? mi : mx;
+            }
+            float *o = out + ((s * hk + h) * g + j) * d;
+            for (int64_t c = 0; c < d; c++) o[c] = 0.0f;
+            for (int64_t sp = 0; sp < n; sp++) {
+                const int64_t at = (i0 + sp) * g + j;
+                if (m[at] == -INFINITY) continue;      /* a stretch with no rows */
+                const float w = expf(m[at] - mx);
+                total += l[at] * w;
+                const float *ai = acc + at * d;
+                for (int64_t c = 0; c < d; c++) o[c] += ai[c] * w;
+            }
+            const float inv = 1.0f / total;
+            for (int64_t c = 0; c < d; c++) o[c] *= inv;
+        }
+    }
+    free(mem);
+    return 0;
+}

@@ -1,0 +1,113 @@
+/* y = x W^T for a few rows of x, and RMSNorm of a few rows: the products of a decode step.
+ *
+ * A decode step of B sequences multiplies B rows by every weight matrix. On a CPU that is
+ * bound by reading the weights (538 MB a step for the bundled model in fp32), so each weight
+ * row is read from memory once for all B rows: a thread takes R weight rows at a time and
+ * runs every tile of X rows of x against them while they sit in L1. One row (B = 1) reads
+ * 8 weight rows per pass with x held in L1: torch's one-row product (MKL) streamed the weights
+ * at about 21 GB/s on 2 cores where this streams 30+.
+ *
+ * Every output y[b, i] is summed in the same order whatever the tile: sixteen lanes over k
+ * (the accumulation that tile() writes once), their pairwise sum, then k's tail. So a row of
+ * a batch gets the bits it gets alone, and a conversation decodes the same tokens batched or
+ * not. A bf16 weight path (AVX512-BF16's vdpbf16ps) replaces tile()'s loop body: weight rows
+ * of bf16 pairs against x converted to bf16 once per call; the tiling and threads stay.
+ */
+#include "kvchat.h"
+#include "vec.h"
+
+#define ROWS_ONE 8      /* weight rows per pass for one row of x */
+#define SMALL 32768     /* multiply-adds below which one thread computes */
+#if defined(__AVX512F__) || defined(__aarch64__)
+#define ROWS_MANY 4     /* weight rows per tile with several rows of x: 32 vector registers */
+#define XS_MANY 4       /* rows of x per tile: R x X accumulators, R weight vectors, one x */
+#else
+#define ROWS_MANY 2     /* 16 registers of half the width (AVX2, SSE): a 2 x 2 tile of f16v */
+#define XS_MANY 2
+#endif
+
+/* R weight rows (at w, stride k) against X rows of x (stride k) into y (stride n). Inlined with
+ * R and X constant: the accumulators stay in registers. `next`, when not NULL, is the next R
+ * rows a thread will read: fetched into cache meanwhile (see column()). */
+static inline __attribute__((always_inline)) void tile(const float *x, const float *w, float *y, int64_t n,
+                                                       int64_t k, const int R, const int X, const float *next) {
+    const int64_t kv = k / LANES * LANES;
+    f16v acc[XS_MANY][ROWS_ONE];
+    for (int b = 0; b < X; b++)
+        for (int r = 0; r < R; r++) acc[b][r] = (f16v){0};
+    for (int64_t j = 0; j < kv; j += LANES) {
+        f16v wv[ROWS_ONE];
+        for (int r = 0; r < R; r++) wv[r] = load(w + r * k + j);
+        if (next != NULL)
+            for (int r = 0; r < R; r++) __builtin_prefetch(next + r * k + j);
+        for (int b = 0; b < X; b++) {
+            const f16v xv = load(x + b * k + j);
+            for (int r = 0; r < R; r++) acc[b][r] += wv[r] * xv;
+        }
+    }
+    for (int b = 0; b < X; b++)
+        for (int r = 0; r < R; r++) {
+            float s = hsum(acc[b][r]);
+            for (int64_t j = kv; j < k; j++) s += w[r * k + j] * x[b * k + j];
+            y[b * n + r] = s;
+        }
+}
+
+/* every row of x (b of them) against the R weight rows at w, XS_MANY rows at a time. The
+ * first tile streams the rows from memory and the others find them in L1; so that memory
+ * keeps streaming while they compute, the first tile also fetches the next R rows (`next`). */
+static inline __attribute__((always_inline)) void column(const float *x, const float *w, float *y, int64_t b,
+                                                         int64_t n, int64_t k, const int R, const float *next) {
+    int64_t x0 = 0;
+    for (; x0 + XS_MANY <= b; x0 += XS_MANY, next = NULL) tile(x + x0 * k, w, y + x0 * n, n, k, R, XS_MANY, next);
+    switch (b - x0) {
+#if XS_MANY > 3
+    case 3: tile(x + x0 * k, w, y + x0 * n, n, k, R, 3, next); break;
+#endif
+#if XS_MANY > 2
+    case 2: tile(x + x0 * k, w, y + x0 * n, n, k, R, 2, next); break;
+#endif
+    case 1: tile(x + x0 * k, w, y + x0 * n, n, k, R, 1, next); break;
+    default: break;
+    }
+}
+
+/* x: (b, k); w: (n, k); y: (b, n); all contiguous fp32. */
+void kv_gemv(const float *x, const float *w, float *y, int64_t b, int64_t n, int64_t k, int threads) {
+    const int64_t rows = b == 1 ? ROWS_ONE : ROWS_MANY, groups = n / rows;
+    /* below SMALL, waking a second thread would cost more than it saves */
+    #pragma omp parallel num_threads(threads) if (b * n * k >= SMALL)
+    {
+        #pragma omp for schedule(static) nowait
+        for (int64_t gi = 0; gi < groups; gi++) {
+            if (b == 1)
+                tile(x, w + gi * rows * k, y + gi * rows, n, k, ROWS_ONE, 1, NULL);
+            else
+                column(x, w + gi * rows * k, y + gi * rows, b, n, k, ROWS_MANY,
+                       gi + 1 < groups ? w + (gi + 1) * rows * k : NULL);
+        }
+        #pragma omp for schedule(static)
+        for (int64_t r = groups * rows; r < n; r++) column(x, w + r * k, y + r, b, n, k, 1, NULL);
+    }
+}
+
+/* ---- y = x / sqrt(mean(x^2) + eps) * w, row by row ---------------------------------------- */
+/* torch's CPU rms_norm is eight ops, about 27 us for one row of 576 (measured): 1.7 ms of a
+ * decode step's 61 norms. Sums in another order than torch's: fp32 tolerance, not bits.
+ * x, y: (b, k) contiguous; w: (k,). */
+void kv_rms_norm(const float *x, const float *w, float *y, int64_t b, int64_t k, float eps) {
+    const int64_t kv = k / LANES * LANES;
+    for (int64_t i = 0; i < b; i++) {
+        const float *xi = x + i * k;
+        float *yi = y + i * k;
+        f16v acc = {0};
+        for (int64_t j = 0; j < kv; j += LANES) {
+            f16v v = load(xi + j);
+            acc += v * v;
+        }
+        float ss = hsum(acc);
+        for (int64_t j = kv; j < k; j++) ss += xi[j] * xi[j];
+        const float r = 1.0f / sqrtf(ss / (float)k + eps);
+        for (int64_t j = 0; j < k; j++) yi[j] = xi[j] * r * w[j];
+    }
+}

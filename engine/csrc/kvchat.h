@@ -1,0 +1,45 @@
+/* The C kernels' interface: what engine/native_abi.py mirrors with ctypes and
+ * tests/csrc/driver.c calls directly. Plain C, no torch headers: torch's C++ ABI differs
+ * between versions, C's does not. kv_sizes() lets a caller check that its copies of the two
+ * structures have this layout before it calls anything. */
+#ifndef KVCHAT_H
+#define KVCHAT_H
+
+#include <stdint.h>
+
+typedef struct {
+    const void *k, *v;            /* the layer's K and V storage: float32 or e4m3 bytes */
+    const float *ks, *vs;         /* fp8: one scale per (slot, KV head); NULL for fp32 */
+    const int32_t *tables;        /* (batch, table_stride): each sequence's block ids */
+    const int32_t *lens;          /* (batch,): rows each sequence reads, its new one included;
+                                     NULL: one sequence of `length` rows */
+    int64_t table_stride, max_blocks, num_blocks;
+    int64_t block_stride, row_stride, head_stride;            /* in elements, for k and v */
+    int64_t sblock_stride, srow_stride, shead_stride;         /* in elements, for ks and vs */
+    int64_t batch, block_size, kv_heads, group, dim;
+    int64_t q_stride;             /* elements between sequences in q; heads and dims contiguous */
+    int64_t length;
+    float scale;
+} DecodeArgs;
+
+typedef struct {
+    void *k, *v;                  /* the layer's cache storage, as in DecodeArgs */
+    float *ks, *vs;               /* fp8 scales, or NULL for an fp32 cache */
+    int64_t block_stride, row_stride, head_stride, sblock_stride, srow_stride, shead_stride;
+    int64_t num_blocks, block_size, kv_heads, dim;
+    const float *src_k, *src_v;   /* the new rows: (rows, kv_heads, dim), unit stride in dim */
+    int64_t k_row_stride, v_row_stride, src_head_stride;
+} WriteArgs;
+
+/* x: (b, k); w: (n, k); y: (b, n) = x w^T; all contiguous fp32 (gemv.c) */
+void kv_gemv(const float *x, const float *w, float *y, int64_t b, int64_t n, int64_t k, int threads);
+/* x, y: (b, k); w: (k,): y = x / sqrt(mean(x^2) + eps) * w (gemv.c) */
+void kv_rms_norm(const float *x, const float *w, float *y, int64_t b, int64_t k, float eps);
+/* q, out: (batch, heads, dim); 0, or -1 when declined (decode.c) */
+int kv_decode(const DecodeArgs *a, const float *q, float *out, int splits, int threads);
+/* n rows into flat slots; 0, or -1 (nothing written) when a slot is outside the pool (write.c) */
+int kv_write(const WriteArgs *a, const int64_t *slots, int64_t n, int threads);
+/* sizes[0] = sizeof(DecodeArgs), sizes[1] = sizeof(WriteArgs) (write.c) */
+void kv_sizes(int64_t *sizes);
+
+#endif

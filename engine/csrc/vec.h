@@ -1,0 +1,77 @@
+/* What kvchat's C kernels share: a 16-float vector type and the few operations on it.
+ *
+ * Written with GCC/Clang vector extensions, so one source compiles to AVX-512, AVX2, SSE or
+ * NEON code, whatever -march/-mcpu asks for. The only intrinsics are x86 ones in widen(),
+ * each under its own #if; KVCHAT_PORTABLE sets them aside, so that the tests can run the
+ * plain code a compiler for another architecture sees (engine/native.py builds it).
+ */
+#ifndef KVCHAT_VEC_H
+#define KVCHAT_VEC_H
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if !defined(KVCHAT_PORTABLE) && (defined(__AVX512F__) || defined(__AVX2__))
+#include <immintrin.h>
+#endif
+
+typedef float f16v __attribute__((vector_size(64)));
+typedef float f8v __attribute__((vector_size(32)));
+typedef float f4v __attribute__((vector_size(16)));
+typedef int32_t i16v __attribute__((vector_size(64)));
+typedef int8_t b16v __attribute__((vector_size(16)));
+
+#define LANES 16
+
+static inline f16v load(const float *p) { f16v v; memcpy(&v, p, sizeof v); return v; }
+static inline void store(float *p, f16v v) { memcpy(p, &v, sizeof v); }
+static inline f16v splat(float x) { return (f16v){0} + x; }
+
+/* the sixteen lanes summed pairwise: the same order on every build */
+static inline float hsum(f16v v) {
+    f8v a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+            __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+    f4v b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
+    return (b[0] + b[2]) + (b[1] + b[3]);
+}
+
+/* sixteen int8 sign-extended to int32. GCC 12 lowers __builtin_convertvector between these
+ * widths one element at a time (seen in its assembly), so x86 takes the one instruction. */
+static inline i16v widen(const int8_t *p) {
+#if !defined(KVCHAT_PORTABLE) && defined(__AVX512F__)
+    return (i16v)_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p));
+#elif !defined(KVCHAT_PORTABLE) && defined(__AVX2__)
+    __m128i b = _mm_loadu_si128((const __m128i *)p);
+    __m256i lo = _mm256_cvtepi8_epi32(b), hi = _mm256_cvtepi8_epi32(_mm_srli_si128(b, 8));
+    i16v out;
+    memcpy(&out, &lo, 32);
+    memcpy((char *)&out + 32, &hi, 32);
+    return out;
+#else
+    b16v b;
+    memcpy(&b, p, sizeof b);
+    return __builtin_convertvector(b, i16v);
+#endif
+}
+
+/* exp(x) for x <= 0, 16 at a time: x = n ln2 + r with n = round(x / ln2), |r| <= ln2 / 2,
+ * e^r by its Taylor series to r^7 (error under 1e-8 relative), 2^n added to the exponent.
+ * Below -87 the result is about 1e-38 instead of 0; the decode kernel zeroes padding lanes. */
+static inline f16v vexp(f16v x) {
+    f16v t = x * 1.4426950408889634f;
+    i16v low = t < -125.0f;
+    t = (f16v)(((i16v)t & ~low) | ((i16v)splat(-125.0f) & low));
+    i16v n = -__builtin_convertvector(0.5f - t, i16v);          /* round(t): 0.5 - t > 0 */
+    f16v r = (t - __builtin_convertvector(n, f16v)) * 0.6931471805599453f;
+    f16v p = splat(1.0f / 5040) * r + 1.0f / 720;
+    p = p * r + 1.0f / 120;
+    p = p * r + 1.0f / 24;
+    p = p * r + 1.0f / 6;
+    p = p * r + 0.5f;
+    p = p * r + 1.0f;
+    p = p * r + 1.0f;
+    return (f16v)((i16v)p + (n << 23));
+}
+
+#endif

@@ -1,0 +1,147 @@
+"""The C kernels' interface as ctypes sees it (engine/csrc/kvchat.h), and the check a freshly
+compiled library passes before any kvchat process maps it.
+
+No torch and no package imports: `check()` runs in a child process of its own (`python
+native_abi.py LIBRARY`), so that a library that crashes (an illegal instruction, a bad
+mapping) kills the child, not kvchat, and the child starts in a fraction of a second.
+"""
+from __future__ import annotations
+
+import ctypes
+import math
+import random
+import struct
+import sys
+
+
+class DecodeArgs(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in ("k", "v", "ks", "vs", "tables", "lens")] + [
+        (name, ctypes.c_int64) for name in
+        ("table_stride", "max_blocks", "num_blocks", "block_stride", "row_stride", "head_stride",
+         "sblock_stride", "srow_stride", "shead_stride", "batch", "block_size", "kv_heads", "group", "dim",
+         "q_stride", "length")] + [("scale", ctypes.c_float)]
+
+
+class WriteArgs(ctypes.Structure):
+    _fields_ = [("k", ctypes.c_void_p), ("v", ctypes.c_void_p), ("ks", ctypes.c_void_p), ("vs", ctypes.c_void_p)] + [
+        (name, ctypes.c_int64) for name in
+        ("block_stride", "row_stride", "head_stride", "sblock_stride", "srow_stride", "shead_stride",
+         "num_blocks", "block_size", "kv_heads", "dim")] + [
+        ("src_k", ctypes.c_void_p), ("src_v", ctypes.c_void_p), ("k_row_stride", ctypes.c_int64),
+        ("v_row_stride", ctypes.c_int64), ("src_head_stride", ctypes.c_int64)]
+
+
+def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
+    """Declare the kernels' signatures on a loaded library. Raises AttributeError when one is
+    missing and OSError when the library's structures differ from these."""
+    ptr, i64 = ctypes.c_void_p, ctypes.c_int64
+    lib.kv_gemv.argtypes = [ptr] * 3 + [i64] * 3 + [ctypes.c_int]
+    lib.kv_gemv.restype = None
+    lib.kv_rms_norm.argtypes = [ptr] * 3 + [i64, i64, ctypes.c_float]
+    lib.kv_rms_norm.restype = None
+    lib.kv_decode.argtypes = [ctypes.POINTER(DecodeArgs), ptr, ptr, ctypes.c_int, ctypes.c_int]
+    lib.kv_decode.restype = ctypes.c_int
+    lib.kv_write.argtypes = [ctypes.POINTER(WriteArgs), ptr, i64, ctypes.c_int]
+    lib.kv_write.restype = ctypes.c_int
+    lib.kv_sizes.argtypes = [ptr]
+    lib.kv_sizes.restype = None
+    sizes = (i64 * 2)()
+    lib.kv_sizes(sizes)
+    if tuple(sizes) != (ctypes.sizeof(DecodeArgs), ctypes.sizeof(WriteArgs)):
+        raise OSError(f"its structures are {tuple(sizes)} bytes, ctypes expects "
+                      f"{(ctypes.sizeof(DecodeArgs), ctypes.sizeof(WriteArgs))}")
+    return lib
+
+
+# ---- the check -------------------------------------------------------------------------------
+def _floats(values) -> ctypes.Array:
+    return (ctypes.c_float * len(values))(*values)
+
+
+def _near(got: float, want: float, scale: float) -> bool:
+    return abs(got - want) <= 1e-4 * scale + 1e-6
+
+
+def check(path: str) -> str | None:
+    """Load the library at path, call every kernel on a small random case (2 threads), and
+    compare with the same arithmetic in Python's double precision. Returns None, or one line
+    saying what was wrong. A sanity check of the build (a compiler that emits garbage, a
+    library for another CPU), not the kernels' accuracy tests (tests/test_native*.py)."""
+    try:
+        lib = bind(ctypes.CDLL(path))
+    except (OSError, AttributeError) as e:
+        return f"it does not load: {e}"
+    rng = random.Random(7)
+    # gemv and rms_norm: 3 rows, 21 weight rows of 37 (tails in both directions)
+    b, n, k = 3, 21, 37
+    x = [rng.uniform(-1, 1) for _ in range(b * k)]
+    w = [rng.uniform(-1, 1) for _ in range(n * k)]
+    y = _floats([0.0] * (b * n))
+    lib.kv_gemv(_floats(x), _floats(w), y, b, n, k, 2)
+    for i in range(b):
+        for j in range(n):
+            want = math.fsum(x[i * k + c] * w[j * k + c] for c in range(k))
+            if not _near(y[i * n + j], want, k):
+                return f"kv_gemv gave {y[i * n + j]!r} where {want!r} was due"
+    yn = _floats([0.0] * (b * k))
+    lib.kv_rms_norm(_floats(x), _floats(w[:k]), yn, b, k, 1e-5)
+    for i in range(b):
+        r = 1 / math.sqrt(math.fsum(v * v for v in x[i * k:(i + 1) * k]) / k + 1e-5)
+        for c in range(k):
+            if not _near(yn[i * k + c], x[i * k + c] * r * w[c], 1):
+                return "kv_rms_norm gave a wrong value"
+    # decode: 2 sequences of 20 and 3 rows, blocks of 4, 1 KV head of 2 queries, d 16
+    bs, d, g, lens, table = 4, 16, 2, [20, 3], [[4, 0, 2, 5, 1], [3, 6, 6, 6, 6]]
+    nb = 7
+    kc = [rng.uniform(-1, 1) for _ in range(nb * bs * d)]
+    vc = [rng.uniform(-1, 1) for _ in range(nb * bs * d)]
+    q = [rng.uniform(-2, 2) for _ in range(2 * g * d)]
+    tables = (ctypes.c_int32 * 10)(*(t for row in table for t in row))
+    lens_c = (ctypes.c_int32 * 2)(*lens)
+    kbuf, vbuf, out = _floats(kc), _floats(vc), _floats([0.0] * (2 * g * d))
+    a = DecodeArgs(ctypes.addressof(kbuf), ctypes.addressof(vbuf), None, None, ctypes.addressof(tables),
+                   ctypes.addressof(lens_c), 5, 5, nb, bs * d, d, d, 0, 0, 0, 2, bs, 1, g, d, g * d, 0, 0.25)
+    if lib.kv_decode(ctypes.byref(a), _floats(q), out, 2, 2) != 0:
+        return "kv_decode declined a case it serves"
+    for s in range(2):
+        rows = [table[s][t // bs] * bs + t % bs for t in range(lens[s])]
+        for j in range(g):
+            qs = q[(s * g + j) * d:(s * g + j + 1) * d]
+            sc = [0.25 * math.fsum(qs[c] * kc[r * d + c] for c in range(d)) for r in rows]
+            m = max(sc)
+            p = [math.exp(v - m) for v in sc]
+            for c in range(d):
+                want = math.fsum(pi * vc[r * d + c] for pi, r in zip(p, rows)) / math.fsum(p)
+                if not _near(out[(s * g + j) * d + c], want, 1):
+                    return "kv_decode gave a wrong value"
+    # write: 2 rows of 1 KV head into an fp8 cache: bytes and scales of round-to-nearest e4m3
+    src = [0.5, -448.0 / 3, 3.0, 1e-3] * 4 + [rng.uniform(-4, 4) for _ in range(d)]
+    k8, v8, sk, sv = (ctypes.c_uint8 * (nb * bs * d))(), (ctypes.c_uint8 * (nb * bs * d))(), _floats([0.0] * (nb * bs)), _floats([0.0] * (nb * bs))
+    srcs = _floats(src)
+    wa = WriteArgs(ctypes.addressof(k8), ctypes.addressof(v8), ctypes.addressof(sk), ctypes.addressof(sv),
+                   bs * d, d, d, bs, 1, 1, nb, bs, 1, d, ctypes.addressof(srcs), ctypes.addressof(srcs), d, d, d)
+    slots = (ctypes.c_int64 * 2)(9, 22)
+    if lib.kv_write(ctypes.byref(wa), slots, 2, 2) != 0:
+        return "kv_write refused slots inside the pool"
+    for t, slot in enumerate((9, 22)):
+        row = src[t * d:(t + 1) * d]
+        scale = struct.unpack("f", struct.pack("f", max(abs(v) for v in row) / 448))[0]
+        if not _near(sk[slot], scale, scale):
+            return "kv_write gave a wrong fp8 scale"
+        for c in range(d):
+            if abs(_e4m3(k8[slot * d + c]) * scale - row[c]) > abs(row[c]) / 16 + scale * 2 ** -9:
+                return "kv_write gave a wrong fp8 byte"
+    return None
+
+
+def _e4m3(byte: int) -> float:
+    sign = -1.0 if byte & 0x80 else 1.0
+    e, m = (byte >> 3) & 0xF, byte & 7
+    return sign * (m / 8 * 2.0 ** -6 if e == 0 else (1 + m / 8) * 2.0 ** (e - 7))
+
+
+if __name__ == "__main__":
+    problem = check(sys.argv[1])
+    if problem:
+        print(problem)
+    sys.exit(1 if problem else 0)

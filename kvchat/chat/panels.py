@@ -1,0 +1,103 @@
+"""What the chat screen shows beside and above the conversation, drawn from a Session and
+the backend's info: the status line, and the telemetry panels (KV cache, cap gauge, block
+map, latency) in their switcher column.
+
+The panels draw the conversation in focus. A turn in another conversation only updates that
+conversation's Session; switching draws the new one's history and last snapshot at once.
+"""
+from __future__ import annotations
+
+from functools import cached_property
+
+from textual.screen import Screen
+
+from kvchat.engine.telemetry import CacheSnapshot
+
+from ..backends.protocol import BLOCK_MAP, BackendInfo, Capabilities
+from ..widgets.block_map import BlockMap
+from ..widgets.cache_panel import CachePanel
+from ..widgets.cap_gauge import CapGauge
+from ..widgets.latency_panel import LatencyPanel
+from ..widgets.panel_switcher import PanelSwitcher
+from ..widgets.status_bar import StatusBar
+from .session import Session
+
+
+class Panels:
+    """Each widget is found on first use (the panels mount inside their switcher after the
+    screen itself)."""
+
+    def __init__(self, screen: Screen[None]) -> None:
+        self.screen = screen
+        self.notes: list[str] = []              # status-line notes (cap, policy, theme...), oldest first
+
+    @cached_property
+    def status_bar(self) -> StatusBar:
+        return self.screen.query_one(StatusBar)
+
+    @cached_property
+    def cache(self) -> CachePanel:
+        return self.screen.query_one(CachePanel)
+
+    @cached_property
+    def blocks(self) -> BlockMap:
+        return self.screen.query_one(BlockMap)
+
+    @cached_property
+    def gauge(self) -> CapGauge:
+        return self.screen.query_one(CapGauge)
+
+    @cached_property
+    def latency(self) -> LatencyPanel:
+        return self.screen.query_one(LatencyPanel)
+
+    @cached_property
+    def switcher(self) -> PanelSwitcher:
+        return self.screen.query_one(PanelSwitcher)
+
+    # ---- the status line --------------------------------------------------------------------------
+    def status(self, state: str) -> None:
+        """What kvchat is doing: loading, ready, prefilling, replying..."""
+        self.status_bar.state = state
+
+    def note(self, text: str) -> None:
+        """A setting's change (cap, policy, theme, sampling, a copy): the status line says it
+        and `notes` keeps it; the transcript keeps the conversation."""
+        self.status_bar.note = text
+        self.notes.append(text)
+
+    def settings(self, info: BackendInfo, session: Session, open_chats: int, sampling: str) -> None:
+        self.status_bar.show_settings(info, session.state, session.number, open_chats, sampling)
+
+    # ---- the telemetry panels ---------------------------------------------------------------------
+    def backend_ready(self, info: BackendInfo, caps: Capabilities) -> None:
+        self.cache.geometry = info.geometry
+        self.blocks.unavailable(None if caps.block_map != "none" else caps.why_not(BLOCK_MAP) or
+                                "this backend cannot say which block holds what")
+
+    def show(self, session: Session, info: BackendInfo) -> None:
+        """Another conversation in focus: its latency history and its last snapshot."""
+        self.latency.attach(session.latency)
+        if session.snapshot is not None:
+            self.snapshot(session, session.snapshot, info)
+        else:
+            self.cap(session, info)
+
+    def snapshot(self, session: Session, snap: CacheSnapshot, info: BackendInfo) -> None:
+        self.cache.show(snap, info.geometry, info.dtype)
+        self.blocks.show(snap)
+        self.cap(session, info)
+
+    def cap(self, session: Session, info: BackendInfo) -> None:
+        """The cap gauge: the tokens the cache holds against the cap (the context sent, where
+        the backend cannot say what it holds: a server without a KV-event stream)."""
+        s = session.refresh()
+        held = session.snapshot.tokens_held if session.snapshot is not None else 0
+        tokens = held if s.mode == "cache" and held is not None else session.context_tokens
+        self.gauge.show(tokens, s.cap, s.policy, s.policy_description, info.max_position or 0,
+                        evicted=s.evicted_tokens)
+
+    def latency_changed(self, session: Session, live: bool) -> None:
+        """The session's latency history changed (live: points of the turn in progress)."""
+        if self.latency.data is session.latency:
+            self.latency.changed(live)

@@ -1,0 +1,173 @@
+"""`kvchat plan --validate`: the simulator against real runs of the same users.
+
+For each load level (light, near saturation, past it), one Poisson trace of multi-turn users
+runs for real through kvchat's engine on this CPU (trace_runner.py), and, given `--server
+URL`, through a vLLM server; the simulator then replays the trace as it ran (the true prompt
+and reply lengths, the true arrival times) with constants calibrated on a different run (a
+`kvchat bench --json` record, --calibration FILE). The table sets simulated against measured
+percentiles, with each one's error and the mean absolute percentage error; the targets are
+10% on TPOT and ITL (p50, p90) and 25% on TTFT (p50, p90).
+
+The load levels come from the calibrated model itself: the time one turn of the mean user
+takes alone, S, sets the arrival rates at 0.3, 0.9 and 1.5 turns per S.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from ..cli.args import UsageError
+from .metrics import summarize
+from .planner import PlanConfig, run_plan
+from .request import SimResult
+from .workload import Dist, Trace, Workload, make_trace
+
+COMPARED = (("ttft_ms", "p50"), ("ttft_ms", "p90"), ("tpot_ms", "p50"), ("tpot_ms", "p90"), ("itl_ms", "p50"),
+            ("itl_ms", "p90"))
+TARGET = {"ttft_ms": 0.25, "tpot_ms": 0.10, "itl_ms": 0.10}
+LEVELS = (("light", 0.3), ("near saturation", 0.9), ("past it", 1.5))
+# a workload a 2-core CPU serves in minutes, where the flags give none
+DEFAULTS = {"users": 6, "turns": "3", "context": "0-400", "message": "20-80", "reply": "16-64", "think": "exp:2s"}
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    level: str
+    metric: str
+    measured: float | None
+    simulated: float | None
+
+    @property
+    def error(self) -> float | None:
+        if not self.measured or self.simulated is None:
+            return None
+        return (self.simulated - self.measured) / self.measured
+
+
+def compare(level: str, measured: SimResult, simulated: SimResult) -> list[Row]:
+    m, s = summarize(measured, {}), summarize(simulated, {})
+    return [Row(level, f"{key[:-3].upper()} {q}", m[key][q], s[key][q]) for key, q in COMPARED]
+
+
+def mape(rows: list[Row], prefix: str) -> float | None:
+    errs = [abs(r.error) for r in rows if r.error is not None and r.metric.startswith(prefix)]
+    return sum(errs) / len(errs) if errs else None
+
+
+def table(rows: list[Row], vllm: dict[str, SimResult] | None = None) -> list[str]:
+    head = f"{'load':<17}{'metric':<10}{'kvchat, measured':>18}{'simulated':>11}{'error':>8}"
+    if vllm:
+        head += f"{'vLLM, measured':>16}"
+    out = [head]
+    for r in rows:
+        line = (f"{r.level:<17}{r.metric:<10}{_ms(r.measured):>18}{_ms(r.simulated):>11}"
+                f"{'' if r.error is None else format(r.error, '+.1%'):>8}")
+        if vllm and r.level in vllm:
+            key, q = {f"{k[:-3].upper()} {p}": (k, p) for k, p in COMPARED}[r.metric]
+            line += f"{_ms(summarize(vllm[r.level], {})[key][q]):>16}"
+        out.append(line)
+    for prefix, name in (("TTFT", "TTFT"), ("TPOT", "TPOT"), ("ITL", "ITL")):
+        e = mape(rows, prefix)
+        target = TARGET[f"{prefix.lower()}_ms"]
+        out.append(f"mean absolute percentage error, {name} p50 and p90: "
+                   + ("n/a" if e is None else f"{e:.1%} (target {target:.0%}: {'met' if e <= target else 'missed'})"))
+    return out
+
+
+def _ms(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:,.1f}"
+
+
+def rates(cfg: PlanConfig) -> list[tuple[str, float]]:
+    """Turns per second at each level, from the calibrated time of the mean user's turn alone."""
+    w = cfg.workload
+    mean = lambda d: Dist("fixed", round(d.mean), text=f"{round(d.mean)}")   # noqa: E731
+    alone = Workload(users=1, rate=None, ramp=0.0, turns=Dist("fixed", 1.0, text="1"), think=w.think,
+                     context=mean(w.context), message=mean(w.message), reply=mean(w.reply),
+                     system_tokens=w.system_tokens, seed=w.seed)
+    seconds = run_plan(cfg.variant(workload=alone, trace=None)).summary["e2el_ms"]["mean"] / 1000
+    return [(name, load / seconds) for name, load in LEVELS]
+
+
+def level_trace(w: Workload, turns_per_s: float) -> Trace:
+    """The users of `w` arriving as a Poisson process so that their turns come at about
+    `turns_per_s` (a user sends its mean number of turns)."""
+    return make_trace(replace(w, rate=turns_per_s / max(1.0, w.turns.mean), ramp=0.0))
+
+
+def calibrate_on_a_run(cfg: PlanConfig, backend, seed: int) -> tuple[PlanConfig, str]:
+    """Fit the constants to a light run of other users (another seed) on the same engine in
+    the same process: the machine's state now, not a bench's an hour ago."""
+    from .bench_points import CPU_PREFILL_CHUNK
+    from .calibration import calibration_from_fit, costs_for
+    from .fitter import fit
+    from .step_time import DEFAULT_BW_EFF, DEFAULT_OVERHEAD_MS
+    from .trace_runner import points_from_run, run_trace
+    w = replace(cfg.workload, seed=seed)
+    light = rates(cfg)[0][1]
+    run = run_trace(level_trace(w, light), backend)
+    points = points_from_run(run, cfg.kv_dtype, CPU_PREFILL_CHUNK)
+    if len(points) < 3:
+        raise UsageError(f"the calibration run gave {len(points)} measured points; give more --users or --turns")
+    bw = cfg.hardware.bandwidth
+    costs = costs_for(cfg.geometry, cfg.dtype, {cfg.kv_dtype}, kv_scales=True)
+    prior = {"overhead": DEFAULT_OVERHEAD_MS / 1e3, "row": 0.0, "weight": 1 / (bw * DEFAULT_BW_EFF),
+             "kv": 1 / (bw * DEFAULT_BW_EFF), "lin": 1 / cfg.hardware.bf16_flops, "attn": 1 / cfg.hardware.bf16_flops,
+             "request": 0.0}
+    f = fit(points, costs, prior, model_kv=cfg.kv_dtype)
+    source = f"a calibration run of {w.users} other users (seed {seed})"
+    cal = calibration_from_fit(f, "cpu", cfg.geometry.name, cfg.dtype, bw,
+                               f"measured: {cfg.hardware.quoted}", source, points)
+    note = f"calibrated on {len(points)} points of {source}: fit error {f.mape(points):.1%}"
+    return cfg.variant(overrides=cal.overrides(cfg.kv_dtype)), note
+
+
+def run_validate(args, json_path) -> int:
+    from kvchat.engine import Engine, EngineConfig
+
+    from ..backends.local import LocalBackend
+    from .hardware import measure_cpu
+    from .options import plan_config
+    from .trace_runner import run_trace
+    if args.gpu.strip().lower() != "cpu":
+        raise UsageError("--validate runs the users for real on this machine: use --gpu cpu")
+    for k, v in DEFAULTS.items():
+        if getattr(args, k, None) is None:
+            setattr(args, k, v)
+    cfg = plan_config(args) if args.calibration else plan_config(args, hardware=measure_cpu())
+    engine = Engine(EngineConfig(model=args.model or "smollm2-135m", dtype=cfg.dtype, kv_dtype=cfg.kv_dtype,
+                                 kv_budget=cfg.pool_bytes))
+    local = LocalBackend(engine)
+    server = None
+    if args.server:
+        from ..backends.vllm import VllmBackend
+        server = VllmBackend(args.server)
+    if args.calibration:
+        note = f"constants from {args.calibration}"
+    else:
+        print("kvchat plan --validate: calibrating on a light run of other users ...", flush=True)
+        cfg, note = calibrate_on_a_run(cfg, local, cfg.workload.seed + 1)
+    print(f"kvchat plan --validate: {note}", flush=True)
+    rows: list[Row] = []
+    vllm: dict[str, SimResult] = {}
+    records = []
+    for level, rate in rates(cfg):
+        trace = level_trace(cfg.workload, rate)
+        print(f"kvchat plan --validate: {level}: {len(trace.users)} users at {rate:.3f} turns/s, running them "
+              "through kvchat's engine ...", flush=True)
+        run = run_trace(trace, local)
+        sim = run_plan(cfg.variant(trace=run.replayed))
+        rows += compare(level, run.result(), sim.result)
+        if server is not None:
+            vllm[level] = run_trace(trace, server).result()
+        records.append({"level": level, "turns_per_s": rate, "wall_s": run.wall_s,
+                        "errors": [m.error for m in run.measured if m.error]})
+    print("\n".join(table(rows, vllm)))
+    if server is None:
+        print("the vLLM column needs --server URL (a vLLM CPU server: scripts/setup-vllm.sh)")
+    if json_path is not None:
+        import json
+        json_path.write_text(json.dumps({"format": "kvchat-plan-validation/1", "calibration": note, "levels": records,
+                                         "rows": [{"level": r.level, "metric": r.metric, "measured_ms": r.measured,
+                                                   "simulated_ms": r.simulated, "error": r.error} for r in rows]},
+                                        indent=1) + "\n", encoding="utf-8")
+    return 0

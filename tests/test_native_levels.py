@@ -1,0 +1,73 @@
+"""Every build of the C kernels a user can get, tested here: the library compiled for each
+level this CPU can run (native, the portable C without x86 intrinsics, and the x86-64 levels
+a distribution would ship: baseline SSE2, v2, v3 with AVX2 and FMA, v4 with AVX-512), each
+loaded beside the others and run through every kernel against float64 within the bounds of
+tests/tolerance.py. So the AVX2 laptop's code and the ARM server's plain C are tested on
+this machine too. (.ci/run also runs the whole of tests/test_native*.py once per level.)
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_native_batch import BS, paged_batch
+from tolerance import assert_within, gemv_reference, paged_decode_reference, rms_norm_reference
+from kvchat.engine import attention as A
+from kvchat.engine import native, native_build
+
+LEVELS = native_build.runnable_levels()
+
+
+@pytest.fixture(params=LEVELS)
+def level(request):
+    with native.using(request.param) as why:
+        if why.startswith("off:") and "failed" in why and request.param.startswith("x86-64-"):
+            pytest.skip(f"this compiler does not build {request.param}: {why}")   # e.g. GCC < 11 and v4
+        assert why.startswith("on:") and f"(level {request.param})" in why, why
+        yield request.param
+
+
+def test_each_level_computes_the_products(level):
+    gen = torch.Generator().manual_seed(1)
+    for n, k in ((960, 576), (13, 33), (9, 100)):
+        w = torch.randn(n, k, generator=gen)
+        for b in (1, 3, 4, 16, 17):
+            x = torch.randn(b, k, generator=gen)
+            got = native.gemv(x, w)
+            assert_within(got, *gemv_reference(x, w), what=f"{level} {n}x{k} B={b}")
+            assert torch.equal(got[-1:], native.gemv(x[-1:].contiguous(), w)), f"{level}: batched != alone"
+        assert_within(native.rms_norm(x, w[0], 1e-5), *rms_norm_reference(x, w[0], 1e-5), what=level)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+def test_each_level_decodes_a_batch(level, fp8):
+    gen = torch.Generator().manual_seed(2 + fp8)
+    for hk, g, d, head_major in ((3, 3, 64, True), (2, 10, 64, False), (1, 5, 96, True), (8, 4, 128, False)):
+        lens = [1, BS, BS + 1, 300, 40]
+        k, v, ks, vs, tables = paged_batch(lens, hk, d, gen, fp8, head_major)
+        q = torch.randn(len(lens), hk * g, d, generator=gen)
+        got = native.decode_batch(q, k, v, tables, torch.tensor(lens, dtype=torch.int32), d ** -0.5, ks, vs)
+        assert got is not None
+        assert_within(got, *paged_decode_reference(q, k, v, tables, lens, d ** -0.5, ks, vs),
+                      what=f"{level} {hk}x{g}x{d}")
+
+
+@pytest.mark.parametrize("kv", ["fp32", "fp8"])
+def test_each_level_writes_the_bytes_of_the_torch_path(level, kv):
+    gen = torch.Generator().manual_seed(3)
+    hk, d, nb, rows = 3, 64, 40, 50
+    src = torch.randn(rows, hk, d, generator=gen) * torch.exp(3 * torch.randn(rows, hk, 1, generator=gen))
+    slots = torch.randperm(nb * BS, generator=gen)[:rows]
+    dtype = torch.float8_e4m3fn if kv == "fp8" else torch.float32
+
+    def pool():
+        c = [torch.zeros(hk, nb, BS, d, dtype=dtype).movedim(0, 2) for _ in range(2)]
+        s = [torch.zeros(hk, nb, BS).movedim(0, 2) for _ in range(2)] if kv == "fp8" else [None, None]
+        return c + s
+    got, want = pool(), pool()
+    native.write(got[0], got[1], src, src * 0.5, slots, got[2], got[3])
+    A.write_kv_ref(want[0], want[1], src, src * 0.5, slots, want[2], want[3])
+    for gt, wt in zip(got, want):
+        if gt is not None:
+            assert torch.equal(gt.view(torch.uint8) if gt.dtype == dtype else gt,
+                               wt.view(torch.uint8) if wt.dtype == dtype else wt), level
