@@ -46,7 +46,7 @@ def plan_pool(geom: Geometry, kv_dtype: str, budget_bytes: int, block_size: int)
     if kv_dtype not in DTYPE_BYTES:
         raise KvchatError(f"unknown KV dtype {kv_dtype!r}; accepted: {', '.join(DTYPE_BYTES)}")
     per_token = geom.kv_bytes_per_token(kv_dtype)
-    scale_per_token = 2 * geom.n_layers * geom.n_kv_heads * 4 if kv_dtype == "fp8" else 0
+    scale_per_token = geom.kv_scale_bytes_per_token(kv_dtype)
     block_bytes = block_size * (per_token + scale_per_token)
     num_blocks = budget_bytes // block_bytes
     if num_blocks < 1:

@@ -96,7 +96,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from ..bench.run import output_path
+    from ..bench.flags import output_path
     if args.list_gpus:
         return list_gpus()
     modes = [f for f, on in (("--scenario", args.scenario is not None), ("--calibrate", args.calibrate is not None),

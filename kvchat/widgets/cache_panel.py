@@ -14,7 +14,7 @@ from rich.table import Table
 from rich.text import Text
 from textual.widgets import Static
 
-from kvchat.engine.geometry import DTYPE_BYTES, KNOWN, Geometry
+from kvchat.engine.geometry import DTYPE_BYTES, KNOWN, SCALE_BYTES, Geometry
 from kvchat.engine.sizing import step_reads
 from kvchat.engine.telemetry import CacheSnapshot
 from kvchat.engine.units import human_bytes
@@ -26,7 +26,6 @@ from ..text import inert
 
 COMPARE = (("3.1 8B", "llama-3.1-8b"), ("3.1 70B", "llama-3.1-70b"), ("2 7B", "llama-2-7b"))   # Llama ...
 SERVING = (("bf16", "bf16"), ("fp8", "fp8 + scales"))     # the other models in the dtypes they are served in
-SCALE_BYTES = 4                                           # one fp32 scale per token, layer, K/V, KV head
 GAUGE_WIDTH = 30
 COMPARE_WIDTH = 42       # the comparison's columns ("fp8 + scales", then 3 x "28.4 MiB"), two spaces apart
 NARROW = 39              # narrower than this (a compact column), figures and descriptions go on two lines
@@ -37,7 +36,7 @@ UNKNOWN_GEOMETRY = ("unknown geometry: the formula, the step reads and the per-m
 
 def scale_bytes_per_token(g: Geometry, kv_dtype: str) -> int:
     """fp8: 2 x L x H_kv fp32 scales per token; other dtypes store none."""
-    return 2 * g.n_layers * g.n_kv_heads * SCALE_BYTES if kv_dtype == "fp8" else 0
+    return g.kv_scale_bytes_per_token(kv_dtype)
 
 
 def per_token(g: Geometry, kv_dtype: str) -> int:
