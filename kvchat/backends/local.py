@@ -9,7 +9,7 @@ from kvchat.engine.engine import KV_DTYPES, Engine, EngineConfig, Preflight
 from kvchat.engine.policy import POLICIES
 from kvchat.engine.sampler import SamplingParams
 from kvchat.engine.sources import ModelSource
-from kvchat.engine.telemetry import CacheSnapshot
+from kvchat.engine.telemetry import CacheSnapshot, SchedulerSnapshot
 
 from .protocol import BackendInfo, Capabilities, Chat, ChatState, Event, Message
 
@@ -24,7 +24,8 @@ class LocalChat:
         c = self.conv
         return ChatState(messages=tuple(dict(m) for m in c.messages), cap=c.cap, policy=c.policy.name,
                          policy_description=c.policy.description, mode=c.mode, tokens_held=c.tokens_held,
-                         evicted_tokens=c.evicted_tokens, preempted_pending=c.preempted_pending, turns=c.turns)
+                         evicted_tokens=c.evicted_tokens, preempted_pending=c.preempted_pending, turns=c.turns,
+                         conversation=c.id)
 
     def send(self, text: str, sampling: SamplingParams | None = None,
              cancel: threading.Event | None = None) -> Iterator[Event]:
@@ -94,6 +95,9 @@ class LocalBackend:
 
     def snapshot(self, chat: Chat | None = None) -> CacheSnapshot:
         return self.engine.snapshot(_conversation(chat) if chat is not None else None)
+
+    def scheduler(self) -> SchedulerSnapshot:
+        return self.engine.scheduler_snapshot()
 
     def count_tokens(self, text: str) -> int | None:
         try:

@@ -16,7 +16,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, Union, runtime_checkable
 
 from kvchat.engine.geometry import Geometry
-from kvchat.engine.telemetry import CacheSnapshot, PrefillEvent, PrefillProgress, TokenEvent, TurnStats
+from kvchat.engine.telemetry import (CacheSnapshot, PrefillEvent, PrefillProgress, SchedulerSnapshot, TokenEvent,
+                                     TurnStats)
 
 if TYPE_CHECKING:
     from kvchat.engine.sampler import SamplingParams
@@ -74,6 +75,8 @@ class ChatState:
     evicted_tokens: int               # evicted by sink-window, since it started
     preempted_pending: int            # tokens freed by preemption, recomputed next turn
     turns: int
+    conversation: int | None = None   # the id the scheduler's RequestView and the block map's
+                                      # owners name it by (None: the backend cannot tell)
 
     @property
     def system(self) -> str | None:
@@ -135,6 +138,10 @@ class Backend(Protocol):
 
     def snapshot(self, chat: Chat | None = None) -> CacheSnapshot:
         """The cache now, with `chat`'s blocks marked (the panels draw this)."""
+
+    def scheduler(self) -> SchedulerSnapshot | None:
+        """Every conversation's request state and the recent steps (the crowd panel draws
+        this); None where the backend cannot see its scheduler (a server seen from outside)."""
 
     def count_tokens(self, text: str) -> int | None:
         """Tokens `text` encodes to (no chat template); None where the backend cannot tell

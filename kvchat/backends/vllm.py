@@ -177,6 +177,11 @@ class VllmBackend:
     def close(self, chat: Chat) -> None:
         pass          # the server holds no conversation; its cached blocks stay for prefix reuse
 
+    def scheduler(self) -> None:
+        """A server's scheduler is seen only through /metrics (the crowd panel marks the rows
+        it cannot fill)."""
+        return None
+
     def set_kv_dtype(self, kv_dtype: str) -> str:
         raise KvchatError(self.capabilities.why_not(KV_DTYPE))
 

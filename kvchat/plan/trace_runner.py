@@ -128,7 +128,7 @@ def run_trace(trace: Trace, backend, timeout_s: float = 3600.0) -> TraceRun:
                 m = Measured(u.uid, k, u.long, clock())
                 out[i].append(m)
                 try:
-                    _one_turn(chat, text_of(turn.new, count, 7919 * i + k), SamplingParams(max_tokens=turn.reply),
+                    timed_turn(chat, text_of(turn.new, count, 7919 * i + k), SamplingParams(max_tokens=turn.reply),
                               m, clock, lagged, stop)
                 except Exception as err:    # a refused or failed turn ends this user, and is reported
                     m.error = f"{type(err).__name__}: {err}"
@@ -172,7 +172,7 @@ def replayed_trace(trace: Trace, measured: list[list[Measured]]) -> Trace:
     return Trace(trace.system_tokens, tuple(users))
 
 
-def _one_turn(chat, text: str, sp, m: Measured, clock, lagged: bool, stop: threading.Event) -> None:
+def timed_turn(chat, text: str, sp, m: Measured, clock, lagged: bool, stop: threading.Event) -> None:
     from kvchat.engine.telemetry import PrefillEvent, TokenEvent, TurnStats
     sampled: list[float] = []
     stats = None

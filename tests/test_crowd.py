@@ -1,0 +1,68 @@
+"""The crowd on the real engine (the bundled model, few tokens): simulated users share the
+scheduler's steps with the user's own conversation, their histories grow, the user's own
+reply is the one it gets alone, and stopping them frees their conversations at once."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvchat.backends.local import LocalBackend
+from kvchat.crowd.driver import Crowd, CrowdConfig, message
+from kvchat.engine import SamplingParams, TurnStats
+from kvchat.engine.errors import KvchatError
+
+
+def reply(chat, text: str) -> str:
+    stats = [ev for ev in chat.send(text, SamplingParams(max_tokens=6)) if isinstance(ev, TurnStats)]
+    return stats[-1].reply
+
+
+def test_three_users_share_the_steps_beside_the_users_own_conversation(engine):
+    backend = LocalBackend(engine)
+    own = backend.open()
+    alone = reply(own, "Name a colour.")
+    own.truncate(0)
+    first_step = engine.scheduler_snapshot().steps
+    crowd = Crowd(backend, CrowdConfig(users=3, think_s=0.05, reply_tokens=4))
+    crowd.start()
+    try:
+        together = reply(own, "Name a colour.")
+        deadline = time.monotonic() + 120
+        while min(u.turns for u in crowd.users) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        ids = set(crowd.owners())
+        views = {v.conversation: v for v in backend.scheduler().conversations}
+        assert ids <= set(views) and own.state().conversation not in ids and len(ids) == 3
+    finally:
+        assert crowd.stop(wait_s=1.0), "a crowd user was still inside a turn a second after stop"
+    assert together == alone        # greedy: the user's own reply is the one it got alone
+    turns = crowd.turns()
+    assert all(t.error is None for t in turns), [t.error for t in turns if t.error]
+    for u in crowd.users:
+        mine = [t for t in turns if t.user == u.index]
+        assert len(mine) >= 2 and u.state == "left"
+        # the history grows: the second prompt holds the first turn, its reply and a new question
+        assert mine[1].prompt_tokens > mine[0].context_tokens
+        assert mine[1].reused_tokens > 0                      # the first turn's blocks were reused
+        assert all(t.ttft_ms is not None and t.ttft_ms > 0 for t in mine)
+    steps = [s for s in engine.steps() if s.index >= first_step]
+    assert max(s.sequences for s in steps) >= 2                # some steps carried several users at once
+    left = {v.conversation for v in backend.scheduler().conversations}
+    assert not ids & left                                      # their conversations are closed
+    backend.close(own)
+
+
+def test_the_long_user_pastes_a_report_and_adds_to_it_every_turn():
+    first, second = message(0, 0, True, 300), message(0, 1, True, 300)
+    assert len(first.split()) >= 300 and "Section 1.1." in first
+    assert "Section 2.1." in second and second not in first
+    assert message(1, 0, False, 300) != message(2, 0, False, 300)   # users start at their own question
+
+
+@pytest.mark.parametrize("kw", [dict(users=0), dict(users=65), dict(users=2, think_s=-1.0),
+                                dict(users=2, think_s=float("nan")), dict(users=2, reply_tokens=0)])
+def test_a_bad_crowd_is_refused_in_one_line(kw):
+    with pytest.raises(KvchatError) as err:
+        CrowdConfig(**kw)
+    assert "\n" not in str(err.value)
