@@ -25,6 +25,7 @@ from kvchat.engine.request import Request
 from kvchat.engine.sampler import Sampler, SamplingParams
 from kvchat.engine.scheduler import Scheduler
 from kvchat.engine.sequence import Sequence
+from kvchat.engine.telemetry import REQUEST_STATES
 
 BS = 4
 VOCAB = 23
@@ -182,6 +183,21 @@ class Crowd(RuleBasedStateMachine):
         self.check_books()
         self.check_finished()
 
+    @precondition(lambda self: len(self.seqs) > 1 and any(s in self.sched.current for s in self.seqs))
+    @rule(data=st.data())
+    def crowd_user_leaves(self, data):
+        """A crowd user stopped mid-turn (kvchat/crowd/driver.py): its cancel is set, the next
+        step ends its request, and its conversation closes; the others go on."""
+        seq = data.draw(st.sampled_from([s for s in self.seqs if s in self.sched.current]))
+        req = self.sched.current[seq]
+        req.cancel.set()
+        step(self.sched, self.model)
+        self.check_finished()
+        self.sched.detach(seq)
+        self.sched.blocks.free(seq, keep_index=True)
+        self.seqs.remove(seq)
+        event("a crowd user left mid-turn")
+
     @precondition(lambda self: len(self.seqs) > 1)
     @rule(data=st.data())
     def close(self, data):
@@ -228,6 +244,15 @@ class Crowd(RuleBasedStateMachine):
     @invariant()
     def books_add_up(self):
         self.check_books()
+
+    @invariant()
+    def the_snapshot_lists_every_conversation_once(self):
+        """What the crowd panel draws: one row per attached conversation, in a known state,
+        holding the blocks its table holds."""
+        views = self.sched.snapshot().conversations
+        assert len(views) == len(self.seqs)
+        assert sorted(v.blocks_held for v in views) == sorted(s.num_blocks for s in self.seqs)
+        assert all(v.state in REQUEST_STATES for v in views)
 
     def teardown(self):
         for _ in range(500):
