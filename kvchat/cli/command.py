@@ -1,4 +1,4 @@
-"""The `kvchat` command: the chat app by default, and headless `ask`, `replay`, `info`, `bench`, `plan`.
+"""The `kvchat` command: the chat app by default, and headless `ask`, `replay`, `info`, `bench`, `plan`, `crowd`.
 
 Every bad input ends with one line on stderr naming the problem and what is accepted, and
 exit status 2; never a traceback. Text that kvchat did not write (a reply, a model's or a
@@ -57,6 +57,8 @@ def build_parser() -> Parser:
     add_bench(sub).set_defaults(func=cmd_bench)
     from ..plan.command import add_parser as add_plan  # argparse only: the simulation loads in run()
     add_plan(sub).set_defaults(func=cmd_plan)
+    from ..crowd.command import add_parser as add_crowd  # argparse only: the engine loads in run()
+    add_crowd(sub).set_defaults(func=cmd_crowd)
     return p
 
 
@@ -348,6 +350,11 @@ def cmd_bench(args) -> int:
 
 def cmd_plan(args) -> int:
     from ..plan.command import run
+    return run(args)
+
+
+def cmd_crowd(args) -> int:
+    from ..crowd.command import run
     return run(args)
 
 

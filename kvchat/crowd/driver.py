@@ -97,10 +97,10 @@ class CrowdUser:
         return f"user {self.index + 1}" + (" (long)" if self.long else "")
 
 
-def message(user: int, turn: int, long: bool, long_words: int) -> str:
+def message(user: int, turn: int, long: bool, long_words: int, seed: int = 0) -> str:
     """What the user sends on this turn."""
     if not long:
-        return question(user, turn)
+        return question(user, turn, seed)
     if turn == 0:
         return LONG_ASK + long_text(long_words)
     return LONG_FOLLOW[0] + long_text(max(1, long_words // 4), turn) + "\n\n" + LONG_FOLLOW[1]
@@ -189,8 +189,8 @@ class Crowd:
         m = Measured(u.index, u.turns, u.long, self.clock())
         error = None
         try:
-            timed_turn(chat, message(u.index, u.turns, u.long, self.config.long_words), sp, m, self.clock,
-                       self.lagged, self._stop)
+            text = message(u.index, u.turns, u.long, self.config.long_words, self.config.seed)
+            timed_turn(chat, text, sp, m, self.clock, self.lagged, self._stop)
         except KvchatError as err:      # refused (the pool full, a cap): recorded, and the user goes on
             error = str(err)
         except Exception as err:        # the backend failed: recorded, and this user leaves

@@ -81,9 +81,10 @@ LONG_ASK = "Here is a report. Read it carefully; I will ask questions about it.\
 LONG_FOLLOW = ("Here is the next part of the report.\n\n", "What changed in this part, compared with the first?")
 
 
-def question(user: int, turn: int) -> str:
-    """The user's question for this turn: each user starts at its own place in the set."""
-    return QUESTIONS[(7 * user + turn) % len(QUESTIONS)]
+def question(user: int, turn: int, seed: int = 0) -> str:
+    """The user's question for this turn: each user (and each seed) starts at its own place
+    in the set."""
+    return QUESTIONS[(7 * user + 11 * seed + turn) % len(QUESTIONS)]
 
 
 def long_text(words: int, part: int = 0) -> str:
