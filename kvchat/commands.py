@@ -184,6 +184,24 @@ def _whatif(args, _themes) -> tuple[str, str, str | None]:
     return args[0], args[1], (args[2] if len(args) == 3 else None)
 
 
+MAX_CROWD = 64
+
+
+def _crowd(args, _themes) -> str | tuple[int, bool]:
+    usage = f"usage: /crowd N [long] (1 to {MAX_CROWD} simulated users) or /crowd off"
+    if len(args) == 1 and args[0].lower() == "off":
+        return "off"
+    if not 1 <= len(args) <= 2 or (len(args) == 2 and args[1].lower() != "long"):
+        raise CommandError(usage)
+    try:
+        n = int(args[0])
+    except ValueError:
+        raise CommandError(f"/crowd needs a number of users from 1 to {MAX_CROWD} or 'off', got {args[0]!r}") from None
+    if not 1 <= n <= MAX_CROWD:
+        raise CommandError(f"/crowd takes 1 to {MAX_CROWD} simulated users, got {n}")
+    return n, len(args) == 2
+
+
 COMMANDS: dict[str, Spec] = {s.name: s for s in (
     Spec("help", "/help", "show keys and commands", _no_arg("help")),
     Spec("reset", "/reset", "free this conversation's cache; the next turn prefills everything", _no_arg("reset")),
@@ -210,6 +228,8 @@ COMMANDS: dict[str, Spec] = {s.name: s for s in (
          _edit),
     Spec("whatif", "/whatif MODEL TOKENS [BUDGET]", "the KV cache a conversation of TOKENS takes on MODEL (bf16)",
          _whatif),
+    Spec("crowd", "/crowd N [long] | off", "N simulated users chat in this pool beside you (long: one pastes a "
+         "long report); the crowd panel shows each and the pool's totals; off ends them", _crowd),
     Spec("quit", "/quit", "quit", _no_arg("quit")),
     Spec("system", "/system TEXT", "set this conversation's system prompt (empty: none); shows the tokens it "
          "adds; it changes the shared prefix, so the next turn prefills from the start"),

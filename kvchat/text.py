@@ -223,3 +223,15 @@ def what_if_command(model: str, tokens: int, budget: str | None = None, kv_dtype
     src = resolve(short_alias(model), geometry_only=True)
     w = what_if(src.geometry, kv_dtype, tokens, 1, parse_bytes(budget) if budget else None)
     return f"{src.name}: " + what_if_line(w, f"add a budget to compare, e.g. /whatif {model} {tokens} 15GB")
+
+
+def crossover_line(weight_bytes: int | None, cache_bytes: int | None, crossover_tokens: int | None) -> str:
+    """The crowd panel's sentence on one step's reads: the weights once for every sequence,
+    each sequence's own cache; named when the caches pass the weights."""
+    if weight_bytes is None or cache_bytes is None:
+        return "step reads: n/a (the backend does not report its steps)"
+    split = f"weights {human_bytes(weight_bytes)} once + caches {human_bytes(cache_bytes)}"
+    if cache_bytes > weight_bytes:
+        return f"{split}: the caches now read more than the weights"
+    where = f" at {crossover_tokens:,} tokens in a step" if crossover_tokens else ""
+    return f"{split} ({100 * cache_bytes / weight_bytes:.0f}%); the caches pass the weights{where}"

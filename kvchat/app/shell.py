@@ -154,6 +154,9 @@ class KvChatApp(App[int], inherit_bindings=False):
         names = list(self.themes)
         self.set_theme(names[(names.index(self.theme_name) + 1) % len(names)])
 
+    def action_crowd(self) -> None:
+        self.chat_screen.controls.crowd.toggle()
+
     def action_palette(self) -> None:
         self.action_command_palette()
 
@@ -162,6 +165,7 @@ class KvChatApp(App[int], inherit_bindings=False):
         dropped, the reply in progress stops, and the chat screen exits once its job ends. A
         load cannot be interrupted: the process ends after it (cli/launch.py)."""
         screen, jobs = self.chat_screen, self.chat_screen.jobs
+        screen.controls.crowd.stop()        # at once: the simulated users are never waited for
         code = 128 + self.signalled if self.signalled is not None else 0
         screen.quitting, screen.exit_code = True, code
         jobs.clear()
@@ -183,6 +187,8 @@ class KvChatApp(App[int], inherit_bindings=False):
             self.action_help()
         elif name == "quit":
             await self.action_quit()
+        elif name == "crowd":
+            self.chat_screen.controls.crowd.command(msg.command.arg)
 
     # ---- loading ----------------------------------------------------------------------------------
     def _loading_tick(self) -> None:

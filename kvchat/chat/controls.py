@@ -28,6 +28,7 @@ from ..store.log import export
 from ..text import per_token, what_if_command
 from .browser import Browser
 from .conversations import Conversations
+from .crowd import CrowdControl
 from .editing import Editor
 from .generation import Generation
 from .host import Host
@@ -54,6 +55,7 @@ class Controls:
                  generation: Generation) -> None:
         self.host = host
         self.conversations = conversations
+        self.crowd = CrowdControl(host)
         self.commands = self._commands(conversations, browser, editor, generation)
 
     def run(self, cmd: Command) -> None:

@@ -25,10 +25,14 @@ from .layout import ALL_AT_ONCE, CHAT, LAYOUTS, TABS
 from .block_map import BlockMap
 from .cache_panel import CachePanel
 from .cap_gauge import CapGauge
+from .crowd_panel import CrowdPanel
 from .latency_panel import LatencyPanel
 
 # each panel's widget id, by its name (keys.PANELS: the tabs' labels and /panel's names)
 PANELS = dict(zip(PANEL_NAMES, ("cache-panel", "cap-gauge", "block-map", "latency-panel"), strict=True))
+# panels offered only while what they show exists (the crowd panel while a crowd runs): a tab
+# after the four, and the top of the first stack where all are shown
+EXTRA = {"crowd": "crowd-panel"}
 
 
 class PanelTabs(Widget):
@@ -53,20 +57,21 @@ class PanelTabs(Widget):
         self.current = "cache"
         self.closed: frozenset[str] = frozenset()
         self.hint = ""                        # the cycle key, e.g. "f10"
+        self.names: tuple[str, ...] = tuple(PANELS)
         self._spans: list[tuple[int, int, str]] = []
 
-    def show(self, current: str, closed: frozenset[str], hint: str) -> None:
-        if (current, closed, hint) != (self.current, self.closed, self.hint):
-            self.current, self.closed, self.hint = current, closed, hint
+    def show(self, current: str, closed: frozenset[str], hint: str, names: tuple[str, ...] = tuple(PANELS)) -> None:
+        if (current, closed, hint, names) != (self.current, self.closed, self.hint, self.names):
+            self.current, self.closed, self.hint, self.names = current, closed, hint, names
             self.refresh()
 
     def render(self) -> Text:
         """' cache │ cap │ blocks │ latency ' and the key; without the spaces where that is too wide."""
         width = self.content_size.width or 80
-        spaced = sum(len(n) + 2 for n in PANELS) + len(PANELS) - 1 <= width
+        spaced = sum(len(n) + 2 for n in self.names) + len(self.names) - 1 <= width
         out = Text(no_wrap=True, overflow="crop")
         self._spans = []
-        for name in PANELS:
+        for name in self.names:
             if out:
                 out.append("│" if spaced else " ")
             style = ("paneltabs--current" if name == self.current else
@@ -117,11 +122,18 @@ class PanelSwitcher(Vertical):
         self.closed: set[str] = set()      # closed by /panel, in every layout
         self.chosen: bool | None = None    # F6's show (True) / hide (False); None: the layout decides
         self.hint = ""
+        self.offered: set[str] = set()     # the EXTRA panels shown now
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        """The panels in tab and cycle order: the four, then the extra ones offered now."""
+        return (*PANELS, *(n for n in EXTRA if n in self.offered))
 
     def compose(self) -> ComposeResult:
         yield PanelTabs()
         with PanelScroll():
             with Vertical(classes="panel-stack"):
+                yield CrowdPanel(id=EXTRA["crowd"])
                 yield CachePanel(id=PANELS["cache"])
                 yield CapGauge(id=PANELS["cap"])
             with Vertical(classes="panel-stack"):
@@ -132,7 +144,7 @@ class PanelSwitcher(Vertical):
         self._apply()
 
     def panel(self, name: str):
-        return self.query_one(f"#{PANELS[name]}")
+        return self.query_one(f"#{PANELS.get(name) or EXTRA[name]}")
 
     @property
     def one_at_a_time(self) -> bool:
@@ -140,7 +152,7 @@ class PanelSwitcher(Vertical):
 
     def laid_out(self) -> list[str]:
         """The panels the layout shows (while the column itself is displayed), in order."""
-        return [n for n in PANELS if n not in self.closed and (not self.one_at_a_time or n == self.current)]
+        return [n for n in self.names if n not in self.closed and (not self.one_at_a_time or n == self.current)]
 
     # ---- what the app and the keys change ----------------------------------------------------
     def use_layout(self, layout: str) -> None:
@@ -153,7 +165,7 @@ class PanelSwitcher(Vertical):
 
     def cycle(self, step: int = 1) -> None:
         """The next open panel to the front; where all are shown, scroll it into view."""
-        names = list(PANELS)
+        names = list(self.names)
         for i in range(1, len(names) + 1):
             name = names[(names.index(self.current) + step * i) % len(names)]
             if name not in self.closed:
@@ -181,6 +193,17 @@ class PanelSwitcher(Vertical):
             self.cycle()
         self._apply()
 
+    def offer(self, name: str, on: bool) -> None:
+        """Add an EXTRA panel (in front) or take it away (the cache panel in front again)."""
+        if on:
+            self.offered.add(name)
+            self.select(name)
+            return
+        self.offered.discard(name)
+        if self.current == name:
+            self.current = "cache"
+        self._apply()
+
     def set_hint(self, key: str) -> None:
         self.hint = key
         self._apply()
@@ -197,11 +220,11 @@ class PanelSwitcher(Vertical):
         if not self.is_mounted:
             return
         showing = self.laid_out()
-        for name in PANELS:
+        for name in (*PANELS, *EXTRA):
             self.panel(name).display = name in showing
         tabs = self.query_one(PanelTabs)
         tabs.display = self.one_at_a_time
-        tabs.show(self.current, frozenset(self.closed), self.hint)
+        tabs.show(self.current, frozenset(self.closed), self.hint, self.names)
         for name in showing:
             self.panel(name).catch_up()      # before the next layout: it shows current figures at once
 

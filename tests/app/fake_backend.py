@@ -41,6 +41,7 @@ from kvchat.engine.policy import POLICIES, make_policy
 from kvchat.engine.sampler import SamplingParams
 from kvchat.engine.streaming import DEFAULT_SINK_TOKENS, check_window_cap, sink_blocks
 from kvchat.engine.telemetry import (FREE, HELD, OTHER, PARTIAL, REUSED, CacheSnapshot, PrefillEvent, PrefillProgress,
+                                     RequestView, SchedulerSnapshot,
                                      TokenEvent, TurnStats)
 
 REPLIES = ("Hello there! The **KV cache** keeps keys and values.",
@@ -96,13 +97,17 @@ class FakeChat:
         self.evicted_tokens = 0         # by sink-window, since start
         self.preempted_pending = 0      # tokens lost to preemption, recomputed next turn
         self.turn_preempted = 0         # conversations this turn preempted
+        backend.opened += 1
+        self.id = backend.opened        # as the engine's Conversation.id: the scheduler's name for it
+        self.busy = False               # a turn of it is running (the scheduler's "running")
+        self.last_ttft_ms: float | None = None
 
     # ---- the Chat protocol -------------------------------------------------------------------
     def state(self) -> ChatState:
         return ChatState(messages=tuple(dict(m) for m in self.messages), cap=self.cap, policy=self.policy.name,
                          policy_description=self.policy.description, mode=self.mode, tokens_held=self.tokens_held,
                          evicted_tokens=self.evicted_tokens, preempted_pending=self.preempted_pending,
-                         turns=self.turns)
+                         turns=self.turns, conversation=self.id)
 
     def set_cap(self, cap: int | None) -> None:
         if cap is not None and cap <= 0:
@@ -248,62 +253,71 @@ class FakeChat:
     def _turn(self, sp: SamplingParams, cancel, dropped: int, before: list[Message]) -> Iterator[Event]:
         b = self.backend
         with b.lock:
-            if b.fail_next is not None:      # before the first token: as if never sent, as the engine does
-                err, b.fail_next = b.fail_next, None
-                self.messages = before
-                raise err
-            recomputed, self.preempted_pending, self.turn_preempted = self.preempted_pending, 0, 0
-            evicted0 = self.evicted_tokens
-            prefill = self._prefill(dropped)
-            if self.mode == "cache":         # like the engine: the dense no-cache pass reports no chunks
-                try:
-                    yield from self._chunks(prefill.computed_tokens, cancel)
-                except TurnCancelled:        # as never sent: the messages back, nothing held
-                    self._drop()
-                    self.messages, self.preempted_pending = before, recomputed
-                    raise
-            yield prefill if b.cfg.reports_reuse else PrefillEvent(prefill.prompt_tokens, None, None, None)
-            words = b.cfg.replies[b.replies_sent % len(b.cfg.replies)].split(" ")   # newlines stay inside words
-            b.replies_sent += 1
-            b.sampling_seen.append(replace(sp))
-            if sp.temperature > 0:    # "sampling": the same words in a seeded order (greedy keeps the script)
-                random.Random(sp.seed).shuffle(words)
-            out: list[str] = []
-            stop = "max_tokens" if len(words) > sp.max_tokens else "eos"
+            self.busy = True
             try:
-                for i, word in enumerate(words[:sp.max_tokens]):
-                    pos = prefill.prompt_tokens + i
-                    if self.cap is not None and not self.streaming and pos >= self.cap:
-                        stop = "cap"
-                        break
-                    if b.cfg.token_delay_s and cancel is not None:
-                        cancel.wait(b.cfg.token_delay_s)
-                    if self.mode == "cache":
-                        self._hold(pos + 1)
-                    out.append(word + " ")
-                    yield TokenEvent(word + " ", 1000 + i, pos, 10.0 + 0.01 * pos)
-                    if b.fail_mid_turn is not None:
-                        err, b.fail_mid_turn = b.fail_mid_turn, None
-                        raise err
-                    if cancel is not None and cancel.is_set():
-                        stop = "cancelled"
-                        break
+                yield from self._locked_turn(sp, cancel, dropped, before)
             finally:
-                reply = "".join(out).strip()
-                self.messages.append({"role": "assistant", "content": reply})
-                self.turns += 1
-            positions = tuple(range(prefill.prompt_tokens, prefill.prompt_tokens + len(out)))
-            told = b.cfg.reports_reuse
-            yield TurnStats(
-                turn=self.turns, prompt_tokens=prefill.prompt_tokens,
-                reused_tokens=prefill.reused_tokens if told else None,
-                computed_tokens=prefill.computed_tokens if told else None, generated_tokens=len(out),
-                ttft_ms=5.0 + 0.1 * prefill.computed_tokens, prefill_ms=1.0,
-                decode_ms=tuple(10.0 + 0.01 * p for p in positions), positions=positions, stop_reason=stop,
-                reply=reply, mode=self.mode, kv_dtype=b.kv_dtype, policy=self.policy.name, dropped_messages=dropped,
-                evicted_blocks=(self.evicted_tokens - evicted0) // b.cfg.block_size, preempted=self.turn_preempted,
-                recomputed_tokens=recomputed if self.mode == "cache" else 0, cache=b.snapshot(self),
-                unavailable=() if told else ("reused_tokens", "computed_tokens"))
+                self.busy = False
+
+    def _locked_turn(self, sp: SamplingParams, cancel, dropped: int, before: list[Message]) -> Iterator[Event]:
+        b = self.backend
+        if b.fail_next is not None:      # before the first token: as if never sent, as the engine does
+            err, b.fail_next = b.fail_next, None
+            self.messages = before
+            raise err
+        recomputed, self.preempted_pending, self.turn_preempted = self.preempted_pending, 0, 0
+        evicted0 = self.evicted_tokens
+        prefill = self._prefill(dropped)
+        if self.mode == "cache":         # like the engine: the dense no-cache pass reports no chunks
+            try:
+                yield from self._chunks(prefill.computed_tokens, cancel)
+            except TurnCancelled:        # as never sent: the messages back, nothing held
+                self._drop()
+                self.messages, self.preempted_pending = before, recomputed
+                raise
+        yield prefill if b.cfg.reports_reuse else PrefillEvent(prefill.prompt_tokens, None, None, None)
+        words = b.cfg.replies[b.replies_sent % len(b.cfg.replies)].split(" ")   # newlines stay inside words
+        b.replies_sent += 1
+        b.sampling_seen.append(replace(sp))
+        if sp.temperature > 0:    # "sampling": the same words in a seeded order (greedy keeps the script)
+            random.Random(sp.seed).shuffle(words)
+        out: list[str] = []
+        stop = "max_tokens" if len(words) > sp.max_tokens else "eos"
+        try:
+            for i, word in enumerate(words[:sp.max_tokens]):
+                pos = prefill.prompt_tokens + i
+                if self.cap is not None and not self.streaming and pos >= self.cap:
+                    stop = "cap"
+                    break
+                if b.cfg.token_delay_s and cancel is not None:
+                    cancel.wait(b.cfg.token_delay_s)
+                if self.mode == "cache":
+                    self._hold(pos + 1)
+                out.append(word + " ")
+                yield TokenEvent(word + " ", 1000 + i, pos, 10.0 + 0.01 * pos)
+                if b.fail_mid_turn is not None:
+                    err, b.fail_mid_turn = b.fail_mid_turn, None
+                    raise err
+                if cancel is not None and cancel.is_set():
+                    stop = "cancelled"
+                    break
+        finally:
+            reply = "".join(out).strip()
+            self.messages.append({"role": "assistant", "content": reply})
+            self.turns += 1
+        positions = tuple(range(prefill.prompt_tokens, prefill.prompt_tokens + len(out)))
+        told = b.cfg.reports_reuse
+        self.last_ttft_ms = 5.0 + 0.1 * prefill.computed_tokens
+        yield TurnStats(
+            turn=self.turns, prompt_tokens=prefill.prompt_tokens,
+            reused_tokens=prefill.reused_tokens if told else None,
+            computed_tokens=prefill.computed_tokens if told else None, generated_tokens=len(out),
+            ttft_ms=self.last_ttft_ms, prefill_ms=1.0,
+            decode_ms=tuple(10.0 + 0.01 * p for p in positions), positions=positions, stop_reason=stop,
+            reply=reply, mode=self.mode, kv_dtype=b.kv_dtype, policy=self.policy.name, dropped_messages=dropped,
+            evicted_blocks=(self.evicted_tokens - evicted0) // b.cfg.block_size, preempted=self.turn_preempted,
+            recomputed_tokens=recomputed if self.mode == "cache" else 0, cache=b.snapshot(self),
+            unavailable=() if told else ("reused_tokens", "computed_tokens"))
 
 
 class FakeBackend:
@@ -320,6 +334,7 @@ class FakeBackend:
         self.fail_next: Exception | None = None       # raised by the next turn before its first token, once
         self.fail_mid_turn: Exception | None = None   # raised by the next turn after its first token, once
         self.sampling_seen: list[SamplingParams] = []  # each turn's sampling parameters, in order
+        self.opened = 0
 
     def refuse(self, capability: str) -> None:
         """What a backend without `capability` does when asked anyway."""
@@ -357,6 +372,16 @@ class FakeBackend:
         with self.lock:
             chat._drop()
             self.chats.remove(chat)
+
+    def scheduler(self) -> SchedulerSnapshot:
+        """Every open chat as the engine's scheduler lists it; the fake runs one turn at a
+        time under its lock, so at most one is running and none waits."""
+        with self.lock:
+            views = tuple(RequestView(
+                conversation=c.id, request=None, state="running" if c.busy else "idle", context_tokens=c.tokens_held,
+                blocks_held=len(c.block_table), prompt_tokens=0, generated_tokens=0, ttft_ms=c.last_ttft_ms,
+                ms_per_token=10.0 if c.turns else None, preemptions=0, recomputed_tokens=0) for c in self.chats)
+            return SchedulerSnapshot(views, sum(c.busy for c in self.chats), 0, self.preemptions, 0, 0, 512, ())
 
     def count_tokens(self, text: str) -> int | None:
         """One word is one token, as in the replies; None when configured not to know."""

@@ -1,0 +1,110 @@
+"""What the crowd panel shows, as plain data: one row per conversation in the pool (the
+user's own first, then each simulated user) and the pool's totals, built from the
+scheduler's snapshot (SchedulerSnapshot), the cache's (CacheSnapshot) and the crowd's own
+turn records. No Textual here: the widget (kvchat/widgets/crowd_panel.py) draws a
+CrowdFigures, and a test can check every figure without a screen.
+
+Where the backend cannot see its scheduler (a server), the rows come from the streams' own
+timings and the figures it cannot tell are None (drawn as n/a).
+"""
+from __future__ import annotations
+
+import time
+from collections import deque
+from dataclasses import dataclass
+
+from kvchat.engine.telemetry import CacheSnapshot, SchedulerSnapshot
+
+from .driver import CrowdUser
+
+WINDOW_S = 10.0      # tokens/s over the steps of the last WINDOW_S seconds
+RATE_S = 60.0        # preemptions and recomputed tokens per minute, over the last minute
+
+
+@dataclass(frozen=True, slots=True)
+class CrowdRow:
+    name: str                      # "you", "user 2", "user 1 (long)"
+    own: bool                      # the user's own conversation (highlighted)
+    state: str                     # running, prefill, waiting, preempted, idle; thinking for a crowd user between turns
+    context_tokens: int | None
+    ttft_ms: float | None
+    ms_per_token: float | None
+    blocks_held: int | None
+    pool_share: float | None       # blocks held / the pool's blocks
+    turns: int | None = None
+    preemptions: int | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class CrowdFigures:
+    rows: tuple[CrowdRow, ...]
+    users: int                     # simulated users running
+    tokens_per_s: float | None     # every reply token the steps sampled, over the last WINDOW_S
+    step_ms: float | None          # the last step's time
+    step_tokens: int | None        # cached tokens the last step's attention read, over every sequence
+    weight_bytes: int | None       # the last step's weights, read once for every sequence
+    cache_bytes: int | None        # the last step's K/V reads, every sequence's cache summed
+    crossover_tokens: int | None   # tokens in a step at which the caches read as much as the weights
+    preemptions_per_min: float | None
+    recomputed_per_min: float | None
+    waiting: int | None
+    running: int | None
+    pool_used: float | None        # share of the pool's blocks in use
+    source: str = "local"          # "local", or the server's name: what filled the figures
+
+    @property
+    def caches_pass_weights(self) -> bool:
+        return self.cache_bytes is not None and self.weight_bytes is not None and self.cache_bytes > self.weight_bytes
+
+
+class Meter:
+    """Builds CrowdFigures from successive snapshots; keeps what a rate needs (the pool-wide
+    preemption and recomputation totals over the last minute)."""
+
+    def __init__(self) -> None:
+        self._marks: deque[tuple[float, int, int]] = deque()
+
+    def figures(self, users: list[CrowdUser], sched: SchedulerSnapshot | None, cache: CacheSnapshot | None,
+                own: int | None, now: float | None = None) -> CrowdFigures:
+        now = time.monotonic() if now is None else now
+        blocks = cache.num_blocks if cache is not None and cache.num_blocks else None
+        views = {v.conversation: v for v in sched.conversations} if sched is not None else {}
+        rows = []
+        if own is not None and own in views:
+            v = views[own]
+            rows.append(CrowdRow("you", True, v.state, v.context_tokens, v.ttft_ms, v.ms_per_token, v.blocks_held,
+                                 v.blocks_held / blocks if blocks else None, preemptions=v.preemptions))
+        for u in users:
+            v = views.get(u.conversation) if u.conversation is not None else None
+            last = u.last
+            if v is not None:
+                state = "thinking" if v.state == "idle" and u.state == "thinking" else v.state
+                rows.append(CrowdRow(u.name, False, state, v.context_tokens, v.ttft_ms, v.ms_per_token, v.blocks_held,
+                                     v.blocks_held / blocks if blocks else None, u.turns, v.preemptions))
+            else:       # no scheduler to ask: the client's own timings
+                rows.append(CrowdRow(u.name, False, u.state, last.context_tokens if last else None,
+                                     last.ttft_ms if last else None, last.ms_per_token if last else None,
+                                     None, None, u.turns))
+        active = sum(u.state in ("thinking", "sending", "joining") for u in users)
+        if sched is None:
+            return CrowdFigures(tuple(rows), active, None, None, None, None, None, None, None, None, None, None,
+                                cache.occupancy if cache is not None else None,
+                                source=cache.source if cache is not None else "unknown")
+        step = sched.last_step
+        recent = [s for s in sched.recent if s.time >= now - WINDOW_S]
+        tps = None
+        if recent:
+            span = recent[-1].time - recent[0].time + recent[0].step_ms / 1000
+            tps = sum(s.tokens_out for s in recent) / span if span > 0 else None
+        self._marks.append((now, sched.preemptions, sched.recomputed_tokens))
+        while self._marks and self._marks[0][0] < now - RATE_S:
+            self._marks.popleft()
+        t0, p0, r0 = self._marks[0]
+        minutes = max(now - t0, 1.0) / 60
+        bpt = cache.bytes_per_token if cache is not None else None
+        cross = step.weight_bytes // bpt if step is not None and bpt else None
+        return CrowdFigures(
+            tuple(rows), active, tps, step.step_ms if step else None, step.context_tokens if step else None,
+            step.weight_bytes if step else None, step.cache_bytes if step else None, cross,
+            (sched.preemptions - p0) / minutes, (sched.recomputed_tokens - r0) / minutes, sched.waiting,
+            sched.running, cache.occupancy if cache is not None else None)

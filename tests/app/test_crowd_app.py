@@ -1,0 +1,120 @@
+"""/crowd in the app, on the scripted FakeBackend (its turns take no model time, and it lists
+its chats as the engine's scheduler does; tests/test_crowd.py runs the crowd on the real
+engine): simulated users join the pool, the crowd panel lists them, the user's own
+conversation keeps replying, /crowd off and the key end them, and quitting with a crowd
+running exits at once and keeps the user's conversation, and only it."""
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from kvchat.commands import Command, CommandError, parse
+from kvchat.crowd.figures import Meter
+from kvchat.widgets import Notice
+from kvchat.widgets.crowd_panel import CrowdPanel
+
+from .conftest import send, wait_until
+
+
+def notices(app) -> list[str]:
+    return [n.text for n in app.chat_screen.view.query(Notice)]
+
+
+def crowd_of(app):
+    return app.chat_screen.controls.crowd
+
+
+def test_crowd_parses_n_long_and_off_and_names_bad_input():
+    assert parse("/crowd 3") == Command("crowd", (3, False))
+    assert parse("/crowd 4 long") == Command("crowd", (4, True))
+    assert parse("/crowd off") == Command("crowd", "off")
+    for bad, words in (("/crowd", "usage: /crowd N"), ("/crowd 0", "1 to 64"), ("/crowd 65", "1 to 64"),
+                       ("/crowd many", "number of users"), ("/crowd 3 short", "usage: /crowd N")):
+        with pytest.raises(CommandError, match=words) as err:
+            parse(bad)
+        assert "\n" not in str(err.value)
+
+
+async def test_a_crowd_joins_the_pool_beside_the_users_own_conversation(fake, running_app):
+    async with running_app() as (app, pilot):
+        await send(pilot, "hello")
+        app.query_one("#input").load_text("/crowd 3")
+        await pilot.press("enter")
+        control = crowd_of(app)
+        await wait_until(pilot, lambda: control.running, what="the crowd to start")
+        panel = app.query_one(CrowdPanel)
+        switcher = app.chat_screen.panels.switcher
+        assert "crowd" in switcher.names and panel.display
+        assert any("3 simulated users joined" in n for n in notices(app))
+        await wait_until(pilot, lambda: min(u.turns for u in control.crowd.users) >= 2, timeout=30,
+                         what="every simulated user's second turn")
+        await wait_until(pilot, lambda: panel.figures is not None and len(panel.figures.rows) == 4,
+                         what="the panel's rows")
+        rows = panel.figures.rows
+        assert rows[0].name == "you" and rows[0].own and [r.name for r in rows[1:]] == ["user 1", "user 2", "user 3"]
+        assert all(r.context_tokens and r.context_tokens > 0 for r in rows)
+        own_chat = app.chat_screen.session.chat
+        assert rows[0].context_tokens == own_chat.tokens_held
+        await send(pilot, "still here?")                  # the user's own conversation keeps working
+        assert len(app.chat_screen.session.turns) == 2
+        turns = control.crowd.turns()
+        for u in control.crowd.users:                      # each user's history grows turn by turn
+            mine = [t for t in turns if t.user == u.index]
+            assert all(b.prompt_tokens > a.context_tokens for a, b in zip(mine, mine[1:]))
+        app.query_one("#input").load_text("/crowd off")
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: "crowd" not in switcher.names, what="the panel to go")
+        await wait_until(pilot, lambda: fake.chats == [own_chat], timeout=5, what="the crowd's chats to close")
+        assert not panel.display and any("the crowd left" in n for n in notices(app))
+
+
+async def test_the_key_starts_and_stops_a_crowd(fake, running_app):
+    async with running_app() as (app, pilot):
+        control = crowd_of(app)
+        await pilot.press("alt+c")
+        await wait_until(pilot, lambda: control.running and len(fake.chats) == 5, what="4 users to join")
+        await pilot.press("alt+c")
+        await wait_until(pilot, lambda: not control.running and len(fake.chats) == 1, timeout=5,
+                         what="the users to leave")
+
+
+async def test_quitting_with_a_crowd_running_exits_at_once_and_saves_only_the_users_conversation(
+        fake, running_app, private_dirs):
+    async with running_app() as (app, pilot):
+        await send(pilot, "remember me")
+        app.query_one("#input").load_text("/crowd 4 long")
+        await pilot.press("enter")
+        control = crowd_of(app)
+        await wait_until(pilot, lambda: control.running and sum(u.turns for u in control.crowd.users) >= 4,
+                         timeout=30, what="the crowd's turns")
+        log = app.chat_screen.session.log.path
+        t0 = time.monotonic()
+        await pilot.press("ctrl+q")
+        await wait_until(pilot, lambda: not app.is_running, timeout=5, what="the app to exit")
+        took = time.monotonic() - t0
+    assert took < 1.0, f"quitting took {took:.2f} s with a crowd running"
+    assert app.return_code == 0
+    text = log.read_text()
+    assert "remember me" in text
+    saved = [p for p in (private_dirs / "data").rglob("*.jsonl") if p.name != "errors.log"]
+    assert saved == [log], saved                          # the crowd's conversations are not saved
+    assert not any("Here is a report" in p.read_text() for p in saved)
+
+
+def test_the_meter_names_the_crossover_and_the_rates():
+    """The panel's totals from a scheduler snapshot: tokens/s over the recent steps, the
+    crossover in tokens (weights / bytes per token), preemptions per minute."""
+    from kvchat.engine.telemetry import SchedulerSnapshot, StepRecord
+    from kvchat.text import crossover_line
+    steps = tuple(StepRecord(i, 3, 3, 0, 0, 0, 3, 12_000, 3, 100.0, 538_000_000, 552_960_000, 0, 10.0 + 0.1 * i)
+                  for i in range(10))
+    meter = Meter()
+    first = meter.figures([], SchedulerSnapshot((), 3, 0, 0, 0, 10, 512, steps), None, None, now=11.0)
+    assert first.tokens_per_s == pytest.approx(30 / 1.0)          # 10 steps of 3 tokens over 1.0 s
+    later = meter.figures([], SchedulerSnapshot((), 3, 1, 6, 120, 10, 512, steps), None, None, now=41.0)
+    assert later.preemptions_per_min == pytest.approx(6 / 0.5) and later.waiting == 1
+    assert later.caches_pass_weights
+    line = crossover_line(538_000_000, 552_960_000, 11_675)
+    assert line.endswith("the caches now read more than the weights")
+    assert "the caches pass the weights at 11,675 tokens in a step" in crossover_line(538_000_000, 269_000_000, 11_675)
