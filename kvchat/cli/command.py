@@ -355,7 +355,7 @@ def cmd_plan(args) -> int:
 
 def cmd_crowd(args) -> int:
     from ..crowd.command import run
-    return run(args)
+    return run(args, load_backend)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -66,10 +66,11 @@ def _check_out(flag: str, path: str | None, suffix: str | None = None) -> None:
         raise UsageError(f"{flag} {path!r}: the folder {str(target.parent)!r} does not exist")
 
 
-def run(args) -> int:
+def run(args, load_backend) -> int:
+    """`load_backend(args, quiet)`: the CLI's (cli/command.py), passed down so this room
+    does not import the command that imports it."""
     _check_out("--json", args.json)
     _check_out("--plot", args.plot, ".png")
-    from ..cli.command import load_backend
     from .driver import CrowdConfig
     from .plot import png, terminal
     from .report import run_crowd, table

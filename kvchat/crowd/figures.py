@@ -70,10 +70,11 @@ class Meter:
         blocks = cache.num_blocks if cache is not None and cache.num_blocks else None
         views = {v.conversation: v for v in sched.conversations} if sched is not None else {}
         rows = []
-        if own is not None and own in views:
-            v = views[own]
-            rows.append(CrowdRow("you", True, v.state, v.context_tokens, v.ttft_ms, v.ms_per_token, v.blocks_held,
-                                 v.blocks_held / blocks if blocks else None, preemptions=v.preemptions))
+        mine = views.get(own) if own is not None else None
+        if mine is not None:
+            rows.append(CrowdRow("you", True, mine.state, mine.context_tokens, mine.ttft_ms, mine.ms_per_token,
+                                 mine.blocks_held, mine.blocks_held / blocks if blocks else None,
+                                 preemptions=mine.preemptions))
         for u in users:
             v = views.get(u.conversation) if u.conversation is not None else None
             last = u.last

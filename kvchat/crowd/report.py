@@ -132,7 +132,7 @@ def run_crowd(backend, config: CrowdConfig, seconds: float, on_turn=None) -> Cro
 def table(runs: list[CrowdRun]) -> str:
     """The runs side by side: one row per number of users."""
     head = ("users", "turns", "tok/s", "TTFT p50", "p90", "p99", "ms/tok p50", "preempt", "recomputed", "max ctx")
-    rows = [head]
+    rows: list[tuple[str, ...]] = [head]
     for r in runs:
         s = r.summary()
         rows.append((f"{s['users']}{' (long)' if s['long'] else ''}", str(s["turns"]), f"{s['tokens_per_s']:.1f}",
