@@ -247,9 +247,9 @@ class Simulator:
             while need > pool.num_free:
                 victim = running.pop()          # the newest
                 yielded.add(id(victim))
-                got = sched.pop(id(victim), None)
-                if got is not None:
-                    budget += got[1]
+                taken = sched.pop(id(victim), None)
+                if taken is not None:
+                    budget += taken[1]
                 self._preempt(victim)
                 if victim is r:
                     break
@@ -263,10 +263,10 @@ class Simulator:
             r = self.waiting[0]
             if id(r) in yielded:
                 break
-            got = self._admission(r, budget if sched else chunk, whole=True)
-            if got is None:
+            admit = self._admission(r, budget if sched else chunk, whole=True)
+            if admit is None:
                 break
-            hits, n, need = got
+            hits, n, need = admit
             self.waiting.popleft()
             pool.touch(hits)
             r.blocks = hits + pool.allocate(need)
