@@ -65,15 +65,17 @@ class CrowdPanel(Panel, Widget):
             return out.append("no crowd: /crowd N adds N simulated users to this pool", style="dim")
         wide = (self.content_region.width or 60) >= 56
         head = (f"{'who':<14}{'state':<10}{'ctx':>7}{'TTFT':>7}{'ms/t':>6}{'blk':>5}{'pool':>6}" if wide
-                else f"{'who':<9}{'state':<9}{'ctx':>6}{'TTFT':>6}")
-        out.append(head + " ms\n" if wide else head + "\n", self.get_component_rich_style("crowdpanel--head"))
+                else f"{'who':<8}{'state':<10}{'ctx':>6}{'TTFT':>6}{'ms/t':>5}{'pool':>5}")
+        out.append(head + (" ms\n" if wide else "\n"), self.get_component_rich_style("crowdpanel--head"))
         for r in f.rows:
             share = "n/a" if r.pool_share is None else f"{100 * r.pool_share:.0f}%"
             if wide:
                 line = (f"{r.name:<14}{r.state:<10}{_n(r.context_tokens):>7}{_ms(r.ttft_ms):>7}"
                         f"{_ms(r.ms_per_token):>6}{_n(r.blocks_held):>5}{share:>6}")
-            else:
-                line = f"{r.name.replace('user ', 'u'):<9}{r.state:<9}{_n(r.context_tokens):>6}{_ms(r.ttft_ms):>6}"
+            else:       # 40 cells: the columns layout's 44-column panel
+                name = r.name.replace("user ", "u").replace(" (long)", " long")
+                line = (f"{name:<8}{r.state:<10}{_n(r.context_tokens):>6}{_ms(r.ttft_ms):>6}"
+                        f"{_ms(r.ms_per_token):>5}{share:>5}")
             out.append(line + "\n", self.get_component_rich_style("crowdpanel--own") if r.own else "")
         out.append(f"{f.users} simulated · {_n(f.tokens_per_s, ',.1f')} tok/s in all · step "
                    f"{_ms(f.step_ms)} ms over {_n(f.step_tokens)} cached tokens\n")
