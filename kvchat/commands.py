@@ -178,10 +178,12 @@ def _system(text: str) -> str:
 RAW = {"system": _system}     # commands whose argument is the rest of the line, unsplit
 
 
-def _whatif(args, _themes) -> tuple[str, str, str | None]:
-    if len(args) not in (2, 3):
-        raise CommandError("usage: /whatif MODEL TOKENS [BUDGET], e.g. /whatif 70b 30000 15GB")
-    return args[0], args[1], (args[2] if len(args) == 3 else None)
+def _whatif(args, _themes) -> tuple[str | None, ...]:
+    """MODEL TOKENS, then a bare number of users and / or a budget with its unit (in either order)."""
+    if len(args) not in (2, 3, 4):
+        raise CommandError("usage: /whatif MODEL TOKENS [USERS] [BUDGET], e.g. /whatif 70b 30000 15GB or "
+                           "/whatif 8b 8192 16")
+    return tuple(args) if len(args) > 2 else (args[0], args[1], None)
 
 
 MAX_CROWD = 64
@@ -226,7 +228,8 @@ COMMANDS: dict[str, Spec] = {s.name: s for s in (
     Spec("chats", "/chats", "browse saved conversations: open, rename, delete, search", _no_arg("chats")),
     Spec("edit", "/edit [N] | off", "edit your message N (default the last) and resend it; later ones are dropped",
          _edit),
-    Spec("whatif", "/whatif MODEL TOKENS [BUDGET]", "the KV cache a conversation of TOKENS takes on MODEL (bf16)",
+    Spec("whatif", "/whatif MODEL TOKENS [USERS] [BUDGET]", "the KV cache USERS conversations of TOKENS take on "
+         "MODEL (bf16), against its weights and a budget",
          _whatif),
     Spec("crowd", "/crowd N [long] | off", "N simulated users chat in this pool beside you (long: one pastes a "
          "long report); the crowd panel shows each and the pool's totals; off ends them", _crowd),

@@ -215,14 +215,29 @@ def short_alias(model: str) -> str:
     return ends[0] if m not in KNOWN and len(ends) == 1 else model
 
 
-def what_if_command(model: str, tokens: int, budget: str | None = None, kv_dtype: str = "bf16") -> str:
+def what_if_command(model: str, tokens: int, budget: str | None = None, kv_dtype: str = "bf16",
+                    users: int = 1) -> str:
     """The app's `/whatif MODEL TOKENS [BUDGET]`: the model's geometry from the known table
     (or a local folder; no weights read), each model in its serving dtype (bf16 unless
     given). Raises KvchatError naming a bad value."""
     from kvchat.engine.sources import resolve
     src = resolve(short_alias(model), geometry_only=True)
-    w = what_if(src.geometry, kv_dtype, tokens, 1, parse_bytes(budget) if budget else None)
-    return f"{src.name}: " + what_if_line(w, f"add a budget to compare, e.g. /whatif {model} {tokens} 15GB")
+    w = what_if(src.geometry, kv_dtype, tokens, users, parse_bytes(budget) if budget else None)
+    line = f"{src.name}: " + what_if_line(w, f"add a budget to compare, e.g. /whatif {model} {tokens} 15GB")
+    return line if users == 1 else line + ". " + crowd_reads_line(src.geometry, kv_dtype, tokens, users)
+
+
+def crowd_reads_line(geom, kv_dtype: str, tokens: int, users: int) -> str:
+    """What one decode step of `users` such conversations reads: the weights once (in the
+    KV dtype's serving dtype), every cache in full."""
+    from kvchat.engine.sizing import step_reads
+    dtype = kv_dtype if kv_dtype in ("bf16", "fp16", "fp32") else "bf16"
+    r = step_reads(geom, dtype, kv_dtype, tokens * users)
+    caches, weights = r.cache_bytes, r.weight_bytes
+    verdict = "the caches read more than the weights" if caches > weights else "the weights still read more"
+    return (f"One decode step of all {users:,}: {users:,} x {tokens:,} x {human_bytes(r.cache_bytes_per_token)} = "
+            f"{human_bytes(caches)} of caches against {weights / 1e9:,.2f} GB of {dtype} weights read once: "
+            f"{verdict} (they cross at {r.crossover_tokens:,} tokens in a step).")
 
 
 def crossover_line(weight_bytes: int | None, cache_bytes: int | None, crossover_tokens: int | None) -> str:

@@ -258,8 +258,17 @@ class Controls:
         preview = "\n".join(lines[:4]) + (f"\n… ({len(lines) - 4:,} more lines)" if len(lines) > 4 else "")
         self.host.send(text, shown=f"/load {path} ({len(text):,} characters)\n{preview}", typed=f"/load {path}")
 
-    def what_if(self, model: str, tokens: str, budget: str | None) -> None:
+    def what_if(self, model: str, tokens: str, *rest: str | None) -> None:
+        """/whatif MODEL TOKENS [USERS] [BUDGET]: a bare number is users, a size with a unit the budget."""
+        given = [r for r in rest if r is not None]
+        counts = [r for r in given if r.replace(",", "").replace("_", "").isdigit()]
+        budgets = [r for r in given if r not in counts]
         try:
-            self.host.notice(what_if_command(model, token_count("whatif", tokens), budget))
+            if len(counts) > 1 or len(budgets) > 1:
+                raise CommandError("/whatif takes one number of users and one budget with its unit, "
+                                   "e.g. /whatif 8b 8192 16 40GB")
+            users = token_count("whatif", counts[0]) if counts else 1
+            self.host.notice(what_if_command(model, token_count("whatif", tokens), budgets[0] if budgets else None,
+                                             users=users))
         except (KvchatError, CommandError) as err:
             self.host.notice(str(err), error=True)

@@ -37,3 +37,27 @@ async def test_whatif_names_a_bad_token_count(running_app):
         app.query_one("#input").load_text("/whatif 70b lots")
         await pilot.press("enter")
         await wait_until(pilot, lambda: any("whole number of tokens" in n.text for n in app.chat_screen.view.query(Notice)))
+
+
+def test_whatif_takes_a_number_of_users_after_the_tokens():
+    assert parse("/whatif 8b 8192 16") == Command("whatif", ("8b", "8192", "16"))
+    assert parse("/whatif 8b 8192 16 40GB") == Command("whatif", ("8b", "8192", "16", "40GB"))
+
+
+async def test_whatif_16_users_of_8k_on_8b_read_16_gib_of_caches_against_16_gb_of_weights(running_app):
+    """The seed's arithmetic, checkable by hand: 2 x 32 layers x 8 KV heads x 128 x 2 B = 128 KiB
+    a token; 16 x 8,192 tokens of it = 16 GiB; 8.03 B parameters x 2 B = 16.06 GB of weights;
+    and the bundled model in fp32 crosses at 538 MB / 45 KiB = 11,677 tokens (3 users at 4k pass it)."""
+    async with running_app() as (app, pilot):
+        for text in ("/whatif 8b 8192 16", "/whatif smollm2-135m 4096 3", "/whatif 8b 8192 2 3"):
+            app.query_one("#input").load_text(text)
+            await pilot.press("enter")
+        await wait_until(pilot, lambda: sum("One decode step" in n.text for n in app.chat_screen.view.query(Notice)) == 2
+                         and any("one number of users" in n.text for n in app.chat_screen.view.query(Notice)))
+        eight, small = [n.text for n in app.chat_screen.view.query(Notice) if "One decode step" in n.text]
+        assert "16 x 8,192 x 128 KiB = 16 GiB of caches against 16.06 GB of bf16 weights" in eight
+        assert "the caches read more than the weights" in eight
+        assert "3 x 4,096 x 22.5 KiB" in small   # bf16, as /whatif sizes every model; fp32 below
+        from kvchat.text import what_if_command
+        fp32 = what_if_command("smollm2-135m", 4096, kv_dtype="fp32", users=3)
+        assert "0.54 GB of fp32 weights" in fp32 and "cross at 11,677 tokens" in fp32
