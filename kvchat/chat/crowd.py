@@ -94,7 +94,8 @@ class CrowdControl:
         while not stop.wait(POLL_S):
             session = self.host.session
             own = session.state.conversation if session is not None else None
-            figures = meter.figures(crowd.users, backend.scheduler(), backend.snapshot(None), own)
+            figures = meter.figures(crowd.users, backend.scheduler(), backend.snapshot(None), own,
+                                    turns=crowd.turns(), clock=crowd.clock())
             if stop.is_set():
                 return
             panel.post_message(CrowdPanel.Figures(figures))

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from kvchat.engine.telemetry import CacheSnapshot, SchedulerSnapshot
 
-from .driver import CrowdUser
+from .driver import CrowdTurn, CrowdUser
 
 WINDOW_S = 10.0      # tokens/s over the steps of the last WINDOW_S seconds
 RATE_S = 60.0        # preemptions and recomputed tokens per minute, over the last minute
@@ -65,7 +65,10 @@ class Meter:
         self._marks: deque[tuple[float, int, int]] = deque()
 
     def figures(self, users: list[CrowdUser], sched: SchedulerSnapshot | None, cache: CacheSnapshot | None,
-                own: int | None, now: float | None = None) -> CrowdFigures:
+                own: int | None, now: float | None = None, turns: list[CrowdTurn] | None = None,
+                clock: float | None = None) -> CrowdFigures:
+        """`turns` and `clock` (the crowd's records and its clock now): the client's own
+        tokens/s where no scheduler reports steps."""
         now = time.monotonic() if now is None else now
         blocks = cache.num_blocks if cache is not None and cache.num_blocks else None
         views = {v.conversation: v for v in sched.conversations} if sched is not None else {}
@@ -88,24 +91,44 @@ class Meter:
                                      None, None, u.turns))
         active = sum(u.state in ("thinking", "sending", "joining") for u in users)
         if sched is None:
-            return CrowdFigures(tuple(rows), active, None, None, None, None, None, None, None, None, None, None,
-                                cache.occupancy if cache is not None else None,
-                                source=cache.source if cache is not None else "unknown")
+            return self._from_server(tuple(rows), active, cache, turns, clock, now)
         step = sched.last_step
         recent = [s for s in sched.recent if s.time >= now - WINDOW_S]
         tps = None
         if recent:
             span = recent[-1].time - recent[0].time + recent[0].step_ms / 1000
             tps = sum(s.tokens_out for s in recent) / span if span > 0 else None
-        self._marks.append((now, sched.preemptions, sched.recomputed_tokens))
-        while self._marks and self._marks[0][0] < now - RATE_S:
-            self._marks.popleft()
-        t0, p0, r0 = self._marks[0]
-        minutes = max(now - t0, 1.0) / 60
+        pre, rec = self._rate(now, sched.preemptions, sched.recomputed_tokens)
         bpt = cache.bytes_per_token if cache is not None else None
         cross = step.weight_bytes // bpt if step is not None and bpt else None
         return CrowdFigures(
             tuple(rows), active, tps, step.step_ms if step else None, step.context_tokens if step else None,
             step.weight_bytes if step else None, step.cache_bytes if step else None, cross,
-            (sched.preemptions - p0) / minutes, (sched.recomputed_tokens - r0) / minutes, sched.waiting,
+            pre, rec, sched.waiting,
             sched.running, cache.occupancy if cache is not None else None)
+
+    def _rate(self, now: float, preemptions: int, recomputed: int) -> tuple[float, float]:
+        """Per minute over the last RATE_S, from the running totals."""
+        self._marks.append((now, preemptions, recomputed))
+        while self._marks and self._marks[0][0] < now - RATE_S:
+            self._marks.popleft()
+        t0, p0, r0 = self._marks[0]
+        minutes = max(now - t0, 1.0) / 60
+        return (preemptions - p0) / minutes, (recomputed - r0) / minutes
+
+    def _from_server(self, rows: tuple[CrowdRow, ...], active: int, cache: CacheSnapshot | None,
+                     turns: list[CrowdTurn] | None, clock: float | None, now: float) -> CrowdFigures:
+        """A server seen from outside: its /metrics (running, waiting, preemptions, KV usage)
+        and the streams' own tokens/s; no steps, so the step's time and bytes are n/a."""
+        stats = getattr(cache, "server", None)
+        tps = None
+        if turns is not None and clock is not None:
+            window = min(WINDOW_S, clock) or None
+            tps = sum(t.generated_tokens for t in turns if t.end_s >= clock - WINDOW_S) / window if window else None
+        pre = None
+        if stats is not None and stats.preemptions is not None:
+            pre = self._rate(now, stats.preemptions, 0)[0]
+        return CrowdFigures(rows, active, tps, None, None, None, None, None, pre, None,
+                            stats.waiting if stats is not None else None, stats.running if stats is not None else None,
+                            stats.usage if stats is not None else cache.occupancy if cache is not None else None,
+                            source=stats.url if stats is not None else cache.source if cache is not None else "unknown")

@@ -118,3 +118,28 @@ def test_the_meter_names_the_crossover_and_the_rates():
     line = crossover_line(538_000_000, 552_960_000, 11_675)
     assert line.endswith("the caches now read more than the weights")
     assert "the caches pass the weights at 11,675 tokens in a step" in crossover_line(538_000_000, 269_000_000, 11_675)
+
+
+def test_against_a_server_the_meter_reads_its_metrics_and_the_streams_and_marks_the_rest():
+    """No scheduler to ask (a vLLM server): running, waiting, preemptions and KV usage from its
+    /metrics (the ServerSnapshot), tokens/s from the streams' own turns, the steps n/a."""
+    from dataclasses import replace
+
+    from kvchat.backends.server_stats import ServerSnapshot, ServerStats
+    from kvchat.crowd.driver import CrowdTurn, CrowdUser
+    from .fake_backend import FakeBackend
+    base = FakeBackend().snapshot()
+    fields = {f: getattr(base, f) for f in base.__dataclass_fields__}
+    stats = ServerStats("http://127.0.0.1:8000", 0.4, None, 3, 2, 5, None, None, None, None, None)
+    snap = ServerSnapshot(**fields, server=stats)
+    user = CrowdUser(0, False, conversation=None, state="thinking", turns=1)
+    user.last = CrowdTurn(0, 0, False, None, 1.0, 2.0, 40, 0, 8, 120.0, 11.0)
+    turns = [user.last, replace(user.last, turn=1, end_s=9.0, generated_tokens=12)]
+    meter = Meter()
+    meter.figures([user], None, snap, None, now=100.0, turns=turns, clock=10.0)
+    f = meter.figures([user], None, snap, None, now=130.0, turns=turns, clock=10.0)
+    assert (f.running, f.waiting, f.pool_used, f.source) == (2, 5, 0.4, "http://127.0.0.1:8000")
+    assert f.tokens_per_s == pytest.approx(20 / 10.0) and f.preemptions_per_min == 0.0
+    assert f.step_ms is None and f.weight_bytes is None and not f.caches_pass_weights
+    row = f.rows[0]
+    assert (row.context_tokens, row.ttft_ms, row.blocks_held, row.pool_share) == (48, 120.0, None, None)
