@@ -17,8 +17,9 @@ from kvchat.engine.errors import KvchatError
 
 from ..crowd.driver import Crowd, CrowdConfig
 from ..crowd.figures import Meter
-from ..widgets.crowd_panel import CrowdPanel
+from ..widgets.panel_switcher import PanelSwitcher
 from .host import Host
+from .session import Session
 
 DEFAULT_USERS = 4
 POLL_S = 0.5
@@ -69,8 +70,7 @@ class CrowdControl:
         self.crowd.start()
         self._poll_stop = threading.Event()
         self.host.panels.switcher.offer("crowd", True)
-        panel = self.host.panels.switcher.panel("crowd")
-        self._poller = threading.Thread(target=self._poll, args=(self.crowd, self._poll_stop, panel),
+        self._poller = threading.Thread(target=self._poll, args=(self.crowd, self._poll_stop),
                                         name="crowd-poll", daemon=True)
         self._poller.start()
         what = f" (user 1 pastes a report of about {cfg.long_words:,} words and adds to it)" if long else ""
@@ -88,14 +88,21 @@ class CrowdControl:
             except LookupError:      # the screen is being torn down (quitting)
                 pass
 
-    def _poll(self, crowd: Crowd, stop: threading.Event, panel: CrowdPanel) -> None:
-        meter = Meter()
+    def _poll(self, crowd: Crowd, stop: threading.Event) -> None:
+        """Twice a second: the scheduler, the cache with the focused conversation's blocks
+        marked, and the figures, posted to the panels' column."""
+        meter, switcher = Meter(), self.host.panels.switcher
         backend = self.host.backend
         while not stop.wait(POLL_S):
-            session = self.host.session
+            try:
+                session: Session | None = self.host.session
+            except RuntimeError:        # no conversation open (cannot happen once loaded; kept safe)
+                session = None
+            chat = session.chat if session is not None else None
+            cache = backend.snapshot(chat)
             own = session.state.conversation if session is not None else None
-            figures = meter.figures(crowd.users, backend.scheduler(), backend.snapshot(None), own,
-                                    turns=crowd.turns(), clock=crowd.clock())
+            figures = meter.figures(crowd.users, backend.scheduler(), cache, own, turns=crowd.turns(),
+                                    clock=crowd.clock())
             if stop.is_set():
                 return
-            panel.post_message(CrowdPanel.Figures(figures))
+            switcher.post_message(PanelSwitcher.CrowdUpdate(figures, cache))

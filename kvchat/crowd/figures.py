@@ -33,6 +33,7 @@ class CrowdRow:
     pool_share: float | None       # blocks held / the pool's blocks
     turns: int | None = None
     preemptions: int | None = None
+    conversation: int | None = None  # its id (the block map's owner), for its colour
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,14 +78,15 @@ class Meter:
         if mine is not None:
             rows.append(CrowdRow("you", True, mine.state, mine.context_tokens, mine.ttft_ms, mine.ms_per_token,
                                  mine.blocks_held, mine.blocks_held / blocks if blocks else None,
-                                 preemptions=mine.preemptions))
+                                 preemptions=mine.preemptions, conversation=own))
         for u in users:
             v = views.get(u.conversation) if u.conversation is not None else None
             last = u.last
             if v is not None:
                 state = "thinking" if v.state == "idle" and u.state == "thinking" else v.state
                 rows.append(CrowdRow(u.name, False, state, v.context_tokens, v.ttft_ms, v.ms_per_token, v.blocks_held,
-                                     v.blocks_held / blocks if blocks else None, u.turns, v.preemptions))
+                                     v.blocks_held / blocks if blocks else None, u.turns, v.preemptions,
+                                     u.conversation))
             else:       # no scheduler to ask: the client's own timings
                 rows.append(CrowdRow(u.name, False, u.state, last.context_tokens if last else None,
                                      last.ttft_ms if last else None, last.ms_per_token if last else None,

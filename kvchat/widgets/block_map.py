@@ -27,6 +27,13 @@ LEGEND_LABELS = {FREE: "free", HELD: "held", PARTIAL: "partial", REUSED: "reused
 # free, full for held, half-full for partial, hollow for cached (held by none, evictable)
 GLYPHS = {FREE: "·", HELD: "■", PARTIAL: "▄", REUSED: "●", CACHED: "□", SHARED: "≡", OTHER: "▪"}
 CELL = GLYPHS[HELD]
+# while a crowd runs, the other conversations' blocks take their owner's colour (the crowd
+# panel names each user in the same one); the user's own keep their state's colours
+OWNER_COLOURS = ("magenta", "cyan", "yellow", "bright_blue", "bright_red", "green", "bright_magenta", "orange3")
+
+
+def owner_colour(conversation: int) -> str:
+    return OWNER_COLOURS[conversation % len(OWNER_COLOURS)]
 _GLYPH = tuple(GLYPHS.get(c, "?") for c in range(max(GLYPHS) + 1))
 
 
@@ -66,11 +73,20 @@ class BlockMap(Panel, Widget):
         self.ratio = 1
         self._grid_key: tuple | None = None
         self._grid_text = Text()
+        self.by_owner = False               # colour other chats' blocks by their owner (a crowd runs)
+
+    def colour_owners(self, on: bool) -> None:
+        if on != self.by_owner:
+            self.by_owner = on
+            self._grid_key = None
+            if self.drawing():
+                self.draw()
 
     def show(self, snapshot: CacheSnapshot) -> None:
         old = self.snapshot
         self.snapshot = snapshot
-        if old is None or old.block_map != snapshot.block_map or old.wasted_slots != snapshot.wasted_slots:
+        if old is None or old.block_map != snapshot.block_map or old.wasted_slots != snapshot.wasted_slots or (
+                self.by_owner and old.block_owner != snapshot.block_owner):
             # the height only changes with the number of blocks or the legend's entries
             same_shape = old is not None and old.num_blocks == snapshot.num_blocks and (
                 {c for c in LEGEND_LABELS if old.block_map.count(c)} ==
@@ -94,13 +110,17 @@ class BlockMap(Panel, Widget):
     def _style(self, code: int):
         return self.get_component_rich_style(f"blockmap--{BLOCK_STATE_NAMES[code]}")
 
-    def _grid(self, codes: bytes, width: int) -> Text:
-        """The cells, one span per run of equal cells; cached, as it changes once a block."""
+    def _grid(self, codes: bytes, width: int, owners: tuple[int, ...] = (), block_owner: bytes = b"") -> Text:
+        """The cells, one span per run of equal cells; cached, as it changes once a block.
+        With owners (a crowd running, one block a cell), another chat's block takes its
+        owner's colour."""
         styles = tuple(self._style(c) for c in range(len(BLOCK_STATE_NAMES)))
-        key = (codes, width, styles)
+        key = (codes, width, styles, owners, block_owner)
         if self._grid_key == key:
             return self._grid_text
         cells, self.ratio = aggregate(codes, width * self.MAX_ROWS)
+        if owners and self.ratio == 1 and len(block_owner) == len(codes):
+            return self._owner_grid(key, cells, width, styles, owners, block_owner)
         out = Text()
         for row in range(0, len(cells), width):
             line = cells[row:row + width]
@@ -115,6 +135,18 @@ class BlockMap(Panel, Widget):
         self._grid_key, self._grid_text = key, out
         return out
 
+    def _owner_grid(self, key: tuple, cells: bytes, width: int, styles: tuple, owners: tuple[int, ...],
+                    block_owner: bytes) -> Text:
+        out = Text()
+        for i, code in enumerate(cells):
+            owner = block_owner[i]
+            style = owner_colour(owners[owner - 1]) if code == OTHER and owner else styles[code]
+            out.append(_GLYPH[code], style)
+            if (i + 1) % width == 0 or i + 1 == len(cells):
+                out.append("\n")
+        self._grid_key, self._grid_text = key, out
+        return out
+
     def render(self) -> Text:
         s = self.snapshot
         if self.why_not:
@@ -122,7 +154,8 @@ class BlockMap(Panel, Widget):
         if s is None:
             return Text("no pool yet", style="dim")
         width = max(self.content_region.width or self.size.width, 8)
-        out = self._grid(s.block_map, width).copy()
+        owners = (s.owners, s.block_owner) if self.by_owner else ((), b"")
+        out = self._grid(s.block_map, width, *owners).copy()
         line_len = 0
         for code, label in LEGEND_LABELS.items():
             count = s.block_map.count(code)
@@ -138,6 +171,8 @@ class BlockMap(Panel, Widget):
             out.append(_GLYPH[code], self._style(code))
             out.append(entry)
             line_len += 1 + len(entry)
+        if self.by_owner and self.ratio == 1 and s.owners:
+            out.append("\nother chats in their user's colour, as the crowd panel names them", style="dim")
         out.append("\n")
         ratio = "1 cell = 1 block" if self.ratio == 1 else f"1 cell = {self.ratio:,} blocks"
         occupancy = f"{100 * s.occupancy:.1f}%" if s.occupancy is not None else "unknown"

@@ -6,11 +6,11 @@ recomputed tokens per minute, the waiting queue. It draws the CrowdFigures it is
 from __future__ import annotations
 
 from rich.text import Text
-from textual.message import Message
 from textual.widget import Widget
 
 from ..crowd.figures import CrowdFigures
 from ..text import crossover_line
+from .block_map import owner_colour
 from .panel import Panel
 
 
@@ -33,13 +33,6 @@ class CrowdPanel(Panel, Widget):
     CrowdPanel > .crowdpanel--head { color: $foreground 60%; }
     """
 
-    class Figures(Message):
-        """New figures, posted by the crowd's poller thread (post_message is thread-safe)."""
-
-        def __init__(self, figures: CrowdFigures | None) -> None:
-            super().__init__()
-            self.figures = figures
-
     def __init__(self, **kwargs) -> None:
         super().__init__(**kwargs)
         self.border_title = "crowd"
@@ -50,10 +43,6 @@ class CrowdPanel(Panel, Widget):
             self.figures = figures
             if self.drawing():
                 self.refresh(layout=True)
-
-    def on_crowd_panel_figures(self, msg: Figures) -> None:
-        msg.stop()
-        self.show(msg.figures)
 
     def draw(self) -> None:
         self.refresh(layout=True)
@@ -76,7 +65,12 @@ class CrowdPanel(Panel, Widget):
                 name = r.name.replace("user ", "u").replace(" (long)", " long")
                 line = (f"{name:<8}{r.state:<10}{_n(r.context_tokens):>6}{_ms(r.ttft_ms):>6}"
                         f"{_ms(r.ms_per_token):>5}{share:>5}")
-            out.append(line + "\n", self.get_component_rich_style("crowdpanel--own") if r.own else "")
+            if r.own:
+                out.append(line + "\n", self.get_component_rich_style("crowdpanel--own"))
+                continue
+            cut = len(line) - len(line.lstrip()) + (14 if wide else 8)
+            colour = owner_colour(r.conversation) if r.conversation is not None else ""
+            out.append(line[:cut], colour).append(line[cut:] + "\n")
         out.append(f"{f.users} simulated · {_n(f.tokens_per_s, ',.1f')} tok/s in all · step "
                    f"{_ms(f.step_ms)} ms over {_n(f.step_tokens)} cached tokens\n")
         out.append(crossover_line(f.weight_bytes, f.cache_bytes, f.crossover_tokens) + "\n",

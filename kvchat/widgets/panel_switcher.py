@@ -20,12 +20,14 @@ from textual.containers import Vertical, VerticalScroll
 from textual.message import Message
 from textual.widget import Widget
 
+from kvchat.engine.telemetry import CacheSnapshot
+
 from ..keys import PANELS as PANEL_NAMES
 from .layout import ALL_AT_ONCE, CHAT, LAYOUTS, TABS
 from .block_map import BlockMap
 from .cache_panel import CachePanel
 from .cap_gauge import CapGauge
-from .crowd_panel import CrowdPanel
+from .crowd_panel import CrowdFigures, CrowdPanel
 from .latency_panel import LatencyPanel
 
 # each panel's widget id, by its name (keys.PANELS: the tabs' labels and /panel's names)
@@ -140,8 +142,24 @@ class PanelSwitcher(Vertical):
                 yield BlockMap(id=PANELS["blocks"])
                 yield LatencyPanel(id=PANELS["latency"])
 
+    class CrowdUpdate(Message):
+        """A crowd's figures and the pool's cache, from the crowd's poller thread (post_message
+        is thread-safe): the crowd panel's rows, and the block map coloured by user."""
+
+        def __init__(self, figures: CrowdFigures | None, cache: CacheSnapshot | None) -> None:
+            super().__init__()
+            self.figures, self.cache = figures, cache
+
     def on_mount(self) -> None:
         self._apply()
+
+    def on_panel_switcher_crowd_update(self, msg: CrowdUpdate) -> None:
+        msg.stop()
+        if "crowd" not in self.offered:     # the crowd left while this was on its way
+            return
+        self.query_one(CrowdPanel).show(msg.figures)
+        if msg.cache is not None:
+            self.query_one(BlockMap).show(msg.cache)
 
     def panel(self, name: str):
         return self.query_one(f"#{PANELS.get(name) or EXTRA[name]}")
@@ -195,6 +213,8 @@ class PanelSwitcher(Vertical):
 
     def offer(self, name: str, on: bool) -> None:
         """Add an EXTRA panel (in front) or take it away (the cache panel in front again)."""
+        if name == "crowd":
+            self.query_one(BlockMap).colour_owners(on)
         if on:
             self.offered.add(name)
             self.select(name)

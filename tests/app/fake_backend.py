@@ -410,7 +410,9 @@ class FakeBackend:
                 for i, b in enumerate(focus.block_table):
                     codes[b] = REUSED if i < focus.reused_blocks else PARTIAL if (i + 1) * bs > held else HELD
             used = sum(o is not None for o in self.owner)
-            return CacheSnapshot(
+            owners = tuple(sorted({o.id for o in self.owner if o is not None}))
+            block_owner = bytes(0 if o is None else 1 + owners.index(o.id) for o in self.owner)
+            return CacheSnapshot(owners=owners, block_owner=block_owner,
                 model="fake-smollm2", kv_dtype=self.kv_dtype, block_size=bs, num_blocks=n, bytes_per_token=bpt,
                 scale_bytes_per_token=self.scale_bytes_per_token,
                 capacity_bytes=n * bs * bpt, tokens_held=held, bytes_used=held * bpt,

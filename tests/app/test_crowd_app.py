@@ -143,3 +143,35 @@ def test_against_a_server_the_meter_reads_its_metrics_and_the_streams_and_marks_
     assert f.step_ms is None and f.weight_bytes is None and not f.caches_pass_weights
     row = f.rows[0]
     assert (row.context_tokens, row.ttft_ms, row.blocks_held, row.pool_share) == (48, 120.0, None, None)
+
+
+async def test_the_block_map_colours_other_chats_by_user_while_a_crowd_runs(fake, running_app):
+    from rich.style import Style
+
+    from kvchat.widgets.block_map import BlockMap, owner_colour
+    async with running_app() as (app, pilot):
+        await send(pilot, "hello")
+        control = crowd_of(app)
+        await pilot.press("alt+c")
+        blocks = app.query_one(BlockMap)
+        await wait_until(pilot, lambda: control.running and min(u.turns for u in control.crowd.users) >= 1
+                         and blocks.by_owner and blocks.snapshot is not None and len(blocks.snapshot.owners) >= 5,
+                         timeout=20, what="the crowd's blocks in the map")
+        snap = blocks.snapshot
+        text = blocks.render()
+        grid = text.plain.split("\n")
+        width = len(grid[0])
+        checked = 0
+        for user in control.crowd.users:
+            mine = [b for b in range(snap.num_blocks) if snap.owner_of(b) == user.conversation]
+            if not mine:
+                continue
+            checked += 1
+            b = mine[0]
+            offset = (b // width) * (width + 1) + b % width     # each grid row ends with a newline
+            spans = [sp for sp in text.spans if sp.start <= offset < sp.end]
+            assert any(Style.parse(owner_colour(user.conversation)) == (sp.style if isinstance(sp.style, Style)
+                       else Style.parse(str(sp.style))) for sp in spans), (user.name, spans)
+        assert checked >= 3, "most simulated users hold blocks after their first turn"
+        await pilot.press("alt+c")
+        await wait_until(pilot, lambda: not blocks.by_owner, what="the map's own colours back")
