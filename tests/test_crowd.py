@@ -66,3 +66,29 @@ def test_a_bad_crowd_is_refused_in_one_line(kw):
     with pytest.raises(KvchatError) as err:
         CrowdConfig(**kw)
     assert "\n" not in str(err.value)
+
+
+def test_the_seed_scenario_one_long_user_in_a_small_pool_preempts_the_others():
+    """The texts' scenario at the bundled model's scale: a 24 MiB pool holds 544 tokens (34
+    blocks of 16 at 45 KiB a token, fp32); the long user pastes about 300 tokens and adds
+    more every turn, the three others chat beside it, and the pool runs out: the scheduler
+    preempts and recomputes, and the long user holds most of the pool at some moment."""
+    from kvchat.crowd.report import run_crowd
+    from kvchat.engine import Engine, EngineConfig
+    backend = LocalBackend(Engine(EngineConfig(kv_budget="24MiB")))
+    blocks = backend.snapshot().num_blocks
+    shares: list[float] = []
+    assert backend.scheduler().preemptions == 0
+
+    def sample(_turn) -> None:
+        views = backend.scheduler().conversations
+        shares.extend(v.blocks_held / blocks for v in views)
+    run = run_crowd(backend, CrowdConfig(users=4, long=True, think_s=0.05, reply_tokens=4, long_words=230), 12.0,
+                    on_turn=sample)
+    assert run.stopped_in_time
+    assert run.preemptions and run.preemptions > 0 and run.recomputed_tokens and run.recomputed_tokens > 0
+    long_turns = [t for t in run.turns if t.long and t.error is None]
+    assert long_turns and max(t.context_tokens for t in long_turns) > blocks * 16 // 2
+    assert max(shares) >= 0.5, max(shares)
+    others = [t for t in run.turns if not t.long and t.error is None]
+    assert len({t.user for t in others}) == 3     # the others kept getting their turns
