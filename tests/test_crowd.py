@@ -92,3 +92,14 @@ def test_the_seed_scenario_one_long_user_in_a_small_pool_preempts_the_others():
     assert max(shares) >= 0.5, max(shares)
     others = [t for t in run.turns if not t.long and t.error is None]
     assert len({t.user for t in others}) == 3     # the others kept getting their turns
+
+
+def test_the_users_own_cost_reads_its_turns_steps():
+    """The crowd panel's line on the user's own curve: mean ms/token, mean cached tokens its
+    steps read over every sequence, and its own mean context, from its turn record."""
+    from kvchat.crowd.figures import own_cost
+    from kvchat.engine.telemetry import TurnSummary
+    rec = TurnSummary(decode_ms=(10.0, 14.0), positions=(100, 101), step_sequences=(3, 4), step_tokens=(900, 1300))
+    assert own_cost(rec) == (12.0, 1100.0, 100.5)
+    assert own_cost(rec.to_dict()) == (12.0, 1100.0, 100.5)       # a restored record reads the same
+    assert own_cost(TurnSummary()) is None and own_cost(None) is None

@@ -101,8 +101,9 @@ class CrowdControl:
             chat = session.chat if session is not None else None
             cache = backend.snapshot(chat)
             own = session.state.conversation if session is not None else None
+            last = session.turns[-1] if session is not None and session.turns else None
             figures = meter.figures(crowd.users, backend.scheduler(), cache, own, turns=crowd.turns(),
-                                    clock=crowd.clock())
+                                    clock=crowd.clock(), own_turn=last)
             if stop.is_set():
                 return
             switcher.post_message(PanelSwitcher.CrowdUpdate(figures, cache))

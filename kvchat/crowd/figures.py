@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from typing import Any
 
 from kvchat.engine.telemetry import CacheSnapshot, SchedulerSnapshot
+from kvchat.latency import turn_field
 
 from .driver import CrowdTurn, CrowdUser
 
@@ -52,6 +54,9 @@ class CrowdFigures:
     running: int | None
     pool_used: float | None        # share of the pool's blocks in use
     source: str = "local"          # "local", or the server's name: what filled the figures
+    # the user's own last turn: its mean decode ms/token, the mean cached tokens its steps read
+    # over every sequence in them, and its own mean context: the crowd's cost on its own curve
+    own_cost: tuple[float, float, float] | None = None
 
     @property
     def caches_pass_weights(self) -> bool:
@@ -67,9 +72,14 @@ class Meter:
 
     def figures(self, users: list[CrowdUser], sched: SchedulerSnapshot | None, cache: CacheSnapshot | None,
                 own: int | None, now: float | None = None, turns: list[CrowdTurn] | None = None,
-                clock: float | None = None) -> CrowdFigures:
-        """`turns` and `clock` (the crowd's records and its clock now): the client's own
+                clock: float | None = None, own_turn: Any = None) -> CrowdFigures:
+        """`own_turn`: the user's own last turn record (its step_tokens). `turns` and `clock` (the crowd's records and its clock now): the client's own
         tokens/s where no scheduler reports steps."""
+        return replace(self._figures(users, sched, cache, own, now, turns, clock), own_cost=own_cost(own_turn))
+
+    def _figures(self, users: list[CrowdUser], sched: SchedulerSnapshot | None, cache: CacheSnapshot | None,
+                 own: int | None, now: float | None, turns: list[CrowdTurn] | None,
+                 clock: float | None) -> CrowdFigures:
         now = time.monotonic() if now is None else now
         blocks = cache.num_blocks if cache is not None and cache.num_blocks else None
         views = {v.conversation: v for v in sched.conversations} if sched is not None else {}
@@ -134,3 +144,14 @@ class Meter:
                             stats.waiting if stats is not None else None, stats.running if stats is not None else None,
                             stats.usage if stats is not None else cache.occupancy if cache is not None else None,
                             source=stats.url if stats is not None else cache.source if cache is not None else "unknown")
+
+
+def own_cost(record: Any) -> tuple[float, float, float] | None:
+    """(mean ms/token, mean cached tokens in its steps, mean own context) of a turn record."""
+    if record is None:
+        return None
+    ms, pos = turn_field(record, "decode_ms", ()), turn_field(record, "positions", ())
+    steps = turn_field(record, "step_tokens", ())
+    if not ms or not steps or not pos:
+        return None
+    return sum(ms) / len(ms), sum(steps) / len(steps), sum(pos) / len(pos)

@@ -77,6 +77,10 @@ class CrowdPanel(Panel, Widget):
                    self.get_component_rich_style("crowdpanel--cross") if f.caches_pass_weights else "")
         out.append(f"preemptions {_n(f.preemptions_per_min, ',.1f')}/min · recomputed "
                    f"{_n(f.recomputed_per_min)} tok/min · waiting {_n(f.waiting)} · running {_n(f.running)}")
+        if f.own_cost is not None:
+            ms, step, mine = f.own_cost
+            out.append(f"\nyou: {_ms(ms)} ms/token over steps reading {step:,.0f} cached tokens in all "
+                       f"(your own context {mine:,.0f})")
         if f.source != "local":
             out.append(f"\nfrom {f.source}: per-user blocks and steps n/a", style="dim")
         return out
