@@ -73,8 +73,9 @@ class Meter:
     def figures(self, users: list[CrowdUser], sched: SchedulerSnapshot | None, cache: CacheSnapshot | None,
                 own: int | None, now: float | None = None, turns: list[CrowdTurn] | None = None,
                 clock: float | None = None, own_turn: Any = None) -> CrowdFigures:
-        """`own_turn`: the user's own last turn record (its step_tokens). `turns` and `clock` (the crowd's records and its clock now): the client's own
-        tokens/s where no scheduler reports steps."""
+        """`own_turn`: the user's own last turn record (its step_tokens). `turns` and `clock`
+        (the crowd's records and its clock now): the client's own tokens/s where no scheduler
+        reports steps."""
         return replace(self._figures(users, sched, cache, own, now, turns, clock), own_cost=own_cost(own_turn))
 
     def _figures(self, users: list[CrowdUser], sched: SchedulerSnapshot | None, cache: CacheSnapshot | None,
