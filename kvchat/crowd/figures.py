@@ -27,7 +27,8 @@ RATE_S = 60.0        # preemptions and recomputed tokens per minute, over the la
 class CrowdRow:
     name: str                      # "you", "user 2", "user 1 (long)"
     own: bool                      # the user's own conversation (highlighted)
-    state: str                     # running, prefill, waiting, preempted, idle; thinking for a crowd user between turns
+    state: str                     # running, prefill, waiting, preempted, idle; a crowd user between turns:
+                                   # thinking, or refused (its last turn did not fit the pool)
     context_tokens: int | None
     ttft_ms: float | None
     ms_per_token: float | None
@@ -94,7 +95,9 @@ class Meter:
             v = views.get(u.conversation) if u.conversation is not None else None
             last = u.last
             if v is not None:
-                state = "thinking" if v.state == "idle" and u.state == "thinking" else v.state
+                state = v.state
+                if v.state == "idle" and u.state == "thinking":   # between turns: refused last time, or thinking
+                    state = "refused" if last is not None and last.error else "thinking"
                 rows.append(CrowdRow(u.name, False, state, v.context_tokens, v.ttft_ms, v.ms_per_token, v.blocks_held,
                                      v.blocks_held / blocks if blocks else None, u.turns, v.preemptions,
                                      u.conversation))

@@ -175,3 +175,16 @@ async def test_the_block_map_colours_other_chats_by_user_while_a_crowd_runs(fake
         assert checked >= 3, "most simulated users hold blocks after their first turn"
         await pilot.press("alt+c")
         await wait_until(pilot, lambda: not blocks.by_owner, what="the map's own colours back")
+
+
+def test_a_crowd_user_whose_last_turn_was_refused_reads_refused_between_turns():
+    from kvchat.crowd.driver import CrowdTurn, CrowdUser
+    from kvchat.engine.telemetry import RequestView, SchedulerSnapshot
+    user = CrowdUser(0, True, conversation=7, state="thinking", turns=3)
+    user.last = CrowdTurn(0, 2, True, 7, 1.0, 1.5, 0, 0, 0, None, None, error="KV pool full: ...")
+    view = RequestView(7, None, "idle", 0, 0, 900, 0, None, None, 2, 400)
+    f = Meter().figures([user], SchedulerSnapshot((view,), 0, 0, 2, 400, 10, 512, ()), None, None, now=5.0)
+    assert f.rows[0].state == "refused" and f.rows[0].name == "user 1 (long)"
+    user.last = CrowdTurn(0, 2, True, 7, 1.0, 1.5, 900, 0, 4, 50.0, 90.0)
+    f = Meter().figures([user], SchedulerSnapshot((view,), 0, 0, 2, 400, 10, 512, ()), None, None, now=5.0)
+    assert f.rows[0].state == "thinking"
