@@ -105,6 +105,7 @@ def run_crowd(backend, config: CrowdConfig, seconds: float, on_turn=None) -> Cro
     """The crowd for `seconds` over the backend, then stopped (a turn cut by the stop is not
     counted). `on_turn(turn)` is called for each turn as it ends (the progress line)."""
     log = StepLog(backend)
+    served0 = _server_preemptions(backend) if log.first is None else None
     crowd = Crowd(backend, config)
     log.start()
     t0 = time.perf_counter()
@@ -126,7 +127,15 @@ def run_crowd(backend, config: CrowdConfig, seconds: float, on_turn=None) -> Cro
     if first is not None and end is not None:
         run.preemptions = end.preemptions - first.preemptions
         run.recomputed_tokens = end.recomputed_tokens - first.recomputed_tokens
+    elif served0 is not None and (served1 := _server_preemptions(backend)) is not None:
+        run.preemptions = served1 - served0          # the server's counter: every client's, not only ours
     return run
+
+
+def _server_preemptions(backend) -> int | None:
+    """A server's preemption counter from its /metrics (None where it exports none)."""
+    stats = getattr(backend.snapshot(), "server", None)
+    return stats.preemptions if stats is not None else None
 
 
 def table(runs: list[CrowdRun]) -> str:
