@@ -14,7 +14,7 @@ from textual.containers import Vertical
 from textual.widgets import Static
 from textual_plotext import PlotextPlot
 
-from ..latency import MODES, Fit, Key, LatencyData, Turn, series_label, turn_field
+from ..latency import MODES, Fit, Key, LatencyData, Turn, fit_series, series_key, series_label, turn_field
 from ..text import duration
 from .panel import Panel
 
@@ -107,6 +107,27 @@ class LatencyPanel(Panel, Vertical):
         self.data = LatencyData()
         self._drawn_at = 0.0
         self._width = 60
+        self.by_step = False     # x: the cached tokens of the whole step (a crowd runs), not the own context
+
+    def plot_against_step(self, on: bool) -> None:
+        """While a crowd runs: each finished turn's ms/token against the cached tokens its
+        steps read over every sequence in them (TurnSummary.step_tokens), so the others'
+        contexts show on the user's own curve; off: against its own context position."""
+        if on != self.by_step:
+            self.by_step = on
+            self._redraw()
+
+    def drawn_series(self) -> dict[Key, list[tuple[int, float]]]:
+        """The points the plot draws, by series: (context position or step tokens, ms)."""
+        if not self.by_step:
+            return {k: self.data.series[k] for k in sorted(self.data.series, key=_series_order)}
+        out: dict[Key, list[tuple[int, float]]] = {}
+        for t in self.data.turns:
+            steps, ms = turn_field(t, "step_tokens", ()), turn_field(t, "decode_ms", ())
+            if steps and len(steps) == len(ms):
+                key = series_key(turn_field(t, "mode", "cache"), turn_field(t, "kv_dtype"))
+                out.setdefault(key, []).extend(zip(steps, ms))
+        return {k: out[k] for k in sorted(out, key=_series_order)}
 
     def compose(self) -> ComposeResult:
         yield PlotextPlot(id="latency-plot")
@@ -162,11 +183,12 @@ class LatencyPanel(Panel, Vertical):
         plt = plot.plt
         plt.clear_data()
         plt.clear_figure()
-        fits = self.fits()
+        series = self.drawn_series()
+        fits = self.fits() if not self.by_step else {k: fit_series(p) for k, p in series.items()}
         xs: list[int] = []
         ys: list[float] = []
         for key, fit in fits.items():
-            pts = self.data.series[key]
+            pts = series[key]
             if not pts:
                 continue
             colour = _colours(key)[0]
@@ -185,8 +207,12 @@ class LatencyPanel(Panel, Vertical):
             plt.ylim(lower, upper)
             plt.xticks(xt, tick_labels(xt))
             plt.yticks(yt, tick_labels(yt))
-        plt.title("decode ms per token vs context position")
-        plt.xlabel("context position")
+        if self.by_step:
+            plt.title("your ms per token vs cached tokens in the whole step")
+            plt.xlabel("cached tokens the step read, every conversation's")
+        else:
+            plt.title("decode ms per token vs context position")
+            plt.xlabel("context position")
         plot.refresh()
         self.query_one("#latency-fits", Static).update(self._fit_lines(fits))
         if table:

@@ -215,6 +215,7 @@ class PanelSwitcher(Vertical):
         """Add an EXTRA panel (in front) or take it away (the cache panel in front again)."""
         if name == "crowd":
             self.query_one(BlockMap).colour_owners(on)
+            self.query_one(LatencyPanel).plot_against_step(on)
         if on:
             self.offered.add(name)
             self.select(name)

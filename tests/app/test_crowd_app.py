@@ -188,3 +188,23 @@ def test_a_crowd_user_whose_last_turn_was_refused_reads_refused_between_turns():
     user.last = CrowdTurn(0, 2, True, 7, 1.0, 1.5, 900, 0, 4, 50.0, 90.0)
     f = Meter().figures([user], SchedulerSnapshot((view,), 0, 0, 2, 400, 10, 512, ()), None, None, now=5.0)
     assert f.rows[0].state == "thinking"
+
+
+async def test_while_a_crowd_runs_the_latency_plot_puts_the_whole_steps_tokens_on_x(fake, running_app):
+    """The user's own ms/token against the cached tokens its steps read over every
+    conversation (the turn record's step_tokens), and back to its own context after."""
+    from kvchat.engine.telemetry import TurnSummary
+    from kvchat.latency import LatencyData
+    from kvchat.widgets.latency_panel import LatencyPanel
+    async with running_app() as (app, pilot):
+        panel = app.query_one(LatencyPanel)
+        data = LatencyData()
+        data.add_turn(TurnSummary(decode_ms=(10.0, 14.0), positions=(100, 101), kv_dtype="fp32",
+                                  step_sequences=(3, 4), step_tokens=(900, 1300)))
+        panel.attach(data)
+        assert panel.drawn_series() == {("cache", "fp32"): [(100, 10.0), (101, 14.0)]}
+        await pilot.press("alt+c")
+        await wait_until(pilot, lambda: panel.by_step, what="the step axis")
+        assert panel.drawn_series() == {("cache", "fp32"): [(900, 10.0), (1300, 14.0)]}
+        await pilot.press("alt+c")
+        await wait_until(pilot, lambda: not panel.by_step, what="the own axis back")
