@@ -75,6 +75,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--nocache-tokens", type=positive_int("--nocache-tokens"), default=8,
                    help="timed steps for the cache-off baseline (default 8)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated history text (default 0)")
+    p.add_argument("--busy", type=positive_int("--busy"), default=None, metavar="N",
+                   help="instead of the table: decode at the first context alone and beside N busy processes, "
+                        "round after round, and report the slowdown (median and p90)")
     return p
 
 
@@ -316,6 +319,8 @@ def run(args) -> int:
     engine = Engine(engine_config(args))  # quietly: a bad --contexts is still refused in one line
     check_fits(engine, cfg)
     bench = Bench(cfg, engine)
+    if getattr(args, "busy", None):
+        return run_busy(bench, args)
     threads = torch.get_num_threads()
     d = engine.describe()
     print(f"kvchat bench: {d['model']} in {d['dtype']} on {d['device']}, KV {d['kv_dtype']}, {threads} thread(s); "
@@ -389,6 +394,21 @@ def run(args) -> int:
     if checks:
         print("\nTargets:\n" + bench_report.target_lines(checks))
     print("\n" + bench_report.terminal_plot(results, meta))
+    return 0
+
+
+def run_busy(bench: Bench, args) -> int:
+    """--busy N: the contention measurement (contention.py), kvchat only, at the first context."""
+    from kvchat.engine import threads
+
+    from . import contention
+    ctx, busy = bench.cfg.contexts[0], args.busy
+    load0 = _load()
+    row = contention.measure(bench, ctx, busy)
+    s = contention.summary(row)
+    print(contention.markdown(ctx, busy, s, threads.describe(), len(os.sched_getaffinity(0))
+                              if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    print(f"\n1-minute load {load0} before, {_load()} after; command: {bench.cfg.command(args)} --busy {busy}")
     return 0
 
 
