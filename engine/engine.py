@@ -68,7 +68,8 @@ def pick_dtypes(cfg: EngineConfig, device: torch.device) -> tuple[str, str]:
     # CPU default fp32: the reference tests hold it to transformers within 1e-3; bf16 on CPU is
     # opt-in (--dtype bf16) until its logits are validated (see the engine issue note).
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bf16" if device.type == "cuda" else "fp32")
-    kv = cfg.kv_dtype if cfg.kv_dtype != "auto" else dtype
+    # bf16 weights on a CPU compute in fp32 (model.Llama.act_dtype): an fp32 cache, which the C kernels read
+    kv = cfg.kv_dtype if cfg.kv_dtype != "auto" else ("fp32" if device.type == "cpu" and dtype == "bf16" else dtype)
     if kv == "fp8" and "fp8" not in TORCH_DTYPES:
         raise KvchatError("--kv-dtype fp8 needs torch with float8_e4m3fn (torch >= 2.1)")
     return dtype, kv
