@@ -127,7 +127,7 @@ def test_preemptions_during_sink_window_prefill_count_in_the_turn_stats():
     conversation, and its TurnStats says so (the window's prefill once dropped the count)."""
     from kvchat.engine import Engine, EngineConfig
     from pydoc_data.topics import topics
-    eng = Engine(EngineConfig(kv_budget=24 * 16 * 46080, block_size=16))  # 24 blocks of 16 fp32 tokens
+    eng = Engine(EngineConfig(dtype="fp32", kv_budget=24 * 16 * 46080, block_size=16))  # 24 blocks of 16 fp32 tokens
     assert eng.spec.num_blocks == 24
     text = "\n\n".join(topics[k] for k in sorted(topics))
     ids = eng.tokenizer.encode(text[:4000])
