@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from . import chat_template
 from .cuda_graph import decoder_for
 from .detokenizer import Detokenizer
 from .errors import KvchatError, TurnCancelled
@@ -165,10 +166,7 @@ class Conversation:
     def render(self, messages: list[dict[str, str]]) -> list[int]:
         tok = self.engine.tokenizer
         if getattr(tok, "chat_template", None):
-            ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-            if hasattr(ids, "keys"):  # transformers 5 returns a BatchEncoding
-                ids = ids["input_ids"]
-            return list(ids)
+            return chat_template.render(tok, messages)   # a template that raises: one line, nothing changed
         text = "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
         return list(tok.encode(text))
 

@@ -15,6 +15,7 @@ import torch
 
 from . import native
 from .block_manager import BlockManager
+from .chat_template import check_chat_template
 from .errors import KvchatError
 from .geometry import Geometry
 from .kv_cache import TORCH_DTYPES, KVPool, PoolSpec, plan_pool
@@ -279,6 +280,7 @@ def load_tokenizer(src: ModelSource):
     except Exception as err:  # transformers raises OSError, ValueError, and more
         detail = " ".join(str(err).split())[:300]
         raise KvchatError(f"{src.tokenizer_path}: cannot load the tokenizer ({type(err).__name__}: {detail})") from None
+    check_chat_template(tok, src.tokenizer_path)
     if len(tok) > src.geometry.vocab_size:
         raise KvchatError(f"{src.tokenizer_path}: the tokenizer has {len(tok):,} tokens but config.json's "
                           f"vocab_size is {src.geometry.vocab_size:,}; accepted: a tokenizer no larger than the "

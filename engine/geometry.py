@@ -18,6 +18,13 @@ from .errors import ModelLoadError
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 
+# The largest value of each size a model file may claim: several times the largest Llama
+# (3.1 405B: 126 layers, hidden 16,384, 128 heads, 53,248 intermediate, 128,256 tokens, 131,072
+# positions). A config past these is a typo or an attack, and is refused before anything is
+# sized from it (a table of 10^8 layers' weight names would take gigabytes).
+LIMITS = {"n_layers": 1024, "hidden": 1 << 17, "n_heads": 1024, "n_kv_heads": 1024, "head_dim": 1024,
+          "intermediate": 1 << 20, "vocab_size": 1 << 22, "max_position": 1 << 24}
+
 
 @dataclass(frozen=True, slots=True)
 class Geometry:
@@ -42,6 +49,10 @@ class Geometry:
         for attr in ("n_layers", "hidden", "n_heads", "n_kv_heads", "head_dim", "intermediate", "vocab_size"):
             if getattr(self, attr) <= 0:
                 raise ModelLoadError(f"model geometry {self.name}: {attr} must be positive, got {getattr(self, attr)}")
+        for attr, most in LIMITS.items():
+            if getattr(self, attr) > most:
+                raise ModelLoadError(f"model geometry {self.name}: {attr} {getattr(self, attr):,} is past the "
+                                     f"{most:,} kvchat accepts")
         if self.n_heads % self.n_kv_heads:
             raise ModelLoadError(f"model geometry {self.name}: {self.n_heads} query heads are not a multiple "
                                  f"of {self.n_kv_heads} KV heads")
@@ -104,14 +115,20 @@ ROPE_TYPES = ("default", "llama3")     # what model.rope_inv_freq implements
 _LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
 _NEEDED = ("hidden_size", "num_attention_heads", "num_hidden_layers", "intermediate_size", "vocab_size")
 _MAX_INT = 2**31 - 1                    # a size past int32 in a config is a typo, not a model
+_BOUND = {"num_hidden_layers": "n_layers", "hidden_size": "hidden", "num_attention_heads": "n_heads",
+          "num_key_value_heads": "n_kv_heads", "head_dim": "head_dim", "intermediate_size": "intermediate",
+          "vocab_size": "vocab_size", "max_position_embeddings": "max_position"}
 
 
 def _int(cfg: dict[str, Any], key: str, name: str, default: int | None = None, lo: int = 1) -> int:
     value = cfg.get(key, default)
     if value is None:
         raise ModelLoadError(f"{name}: config.json lacks {key!r}; a Llama config needs {', '.join(_NEEDED)}")
-    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= _MAX_INT:
-        raise ModelLoadError(f"{name}: config.json {key} must be a whole number >= {lo}, got {value!r}")
+    most = LIMITS[_BOUND[key]] if key in _BOUND else _MAX_INT
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= most:
+        shown = (f"{value:,}" if isinstance(value, int) and not isinstance(value, bool) and abs(value) < 10**30
+                 else f"{value:g}" if isinstance(value, float) else repr(value)[:40])
+        raise ModelLoadError(f"{name}: config.json {key} must be a whole number from {lo} to {most:,}, got {shown}")
     return value
 
 

@@ -2,10 +2,15 @@
 
 The app, the CLI and the saved Markdown say the same thing the same way: a turn's stats line,
 a duration, a plural, the prefill progress line, the sizing sentence of `kvchat info --tokens`
-and `/whatif` (the arithmetic is kvchat/engine/sizing.py; this only words it).
+and `/whatif` (the arithmetic is kvchat/engine/sizing.py; this only words it). And text that
+kvchat did not write itself (a reply, a file, a server's words, a path) is shown through
+`shown()`: inert to the terminal, with every secret kvchat knows of redacted.
 """
 from __future__ import annotations
 
+import base64
+import os
+import re
 from typing import TYPE_CHECKING
 
 from rich.cells import cell_len
@@ -21,6 +26,89 @@ RANDOM_WEIGHTS = ("random weights (--random-weights): the text is gibberish by d
 SLOW_MS = 10_000.0      # durations from here on read in seconds
 BAR = 20        # the prefill bar's cells
 NO_BUDGET = "give --kv-budget to compare it with a budget"
+
+
+# ---- text from outside -------------------------------------------------------------------------
+# C0 controls but tab and newline, DEL, the C1 controls (8-bit CSI and OSC to some terminals),
+# and the bidirectional overrides that reorder what a reader sees
+_CONTROL = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
+API_KEY_ENVS = ("KVCHAT_API_KEY", "OPENAI_API_KEY")
+_USERINFO = re.compile(r"(?i)\b([a-z][a-z0-9+.-]*://)[^/\s@?#]+@")
+_SECRETS: set[str] = set()
+SECRET_MIN = 4          # shorter values would blank out ordinary words; the URL form is still caught
+REDACTED = "***"
+
+
+def inert(text: str) -> str:
+    """`text` as it may reach a terminal: every control character but newline and tab shown as
+    a visible escape (ESC as `\\x1b`, U+202E as `\\u202e`), so no sequence in a reply, a file
+    or a server's answer can retitle the terminal, write the clipboard, clear the screen or
+    leave the alternate screen. Idempotent; CRLF line ends are plain newlines."""
+    if not _CONTROL.search(text):
+        return text
+    return _CONTROL.sub(_visible, text.replace("\r\n", "\n"))
+
+
+def _visible(m: re.Match) -> str:
+    code = ord(m.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
+def keep_secret(value: str | None) -> None:
+    """Remember a secret (an API key, a URL's password) so that `redact` hides it from every
+    line kvchat prints or writes, whatever a server sends back."""
+    if value and len(value) >= SECRET_MIN:
+        _SECRETS.add(value)
+
+
+def keep_url_secrets(username: str | None, password: str | None) -> None:
+    """A URL's credentials in every form they travel in: as given, and as the Basic
+    authorization header's base64 that a server may echo back."""
+    if not (username or password):
+        return
+    pair = f"{username or ''}:{password or ''}"
+    for value in (password, pair, base64.b64encode(pair.encode()).decode()):
+        keep_secret(value)
+
+
+def redact(text: str) -> str:
+    """`text` without the secrets kvchat knows of: the API keys in its environment, those kept
+    with `keep_secret`, and the user:password part of any URL."""
+    return _USERINFO.sub(rf"\1{REDACTED}@", _replace_secrets(text))
+
+
+class Redactor:
+    """Redacts a text that arrives in pieces (a streamed reply): the tail that could be the
+    start of a secret is held back until the next piece shows whether it is one."""
+
+    def __init__(self) -> None:
+        self._held = ""
+
+    def feed(self, piece: str) -> str:
+        text = _replace_secrets(self._held + piece)
+        keep = max((k for s in _known_secrets() for k in range(1, min(len(s), len(text) + 1))
+                    if text.endswith(s[:k])), default=0)
+        self._held = text[len(text) - keep:] if keep else ""
+        return text[:len(text) - keep]
+
+    def flush(self) -> str:
+        held, self._held = self._held, ""
+        return held
+
+
+def _known_secrets() -> set[str]:
+    return _SECRETS | {v for v in (os.environ.get(n) for n in API_KEY_ENVS) if v and len(v) >= SECRET_MIN}
+
+
+def _replace_secrets(text: str) -> str:
+    for secret in sorted(_known_secrets(), key=len, reverse=True):
+        text = text.replace(secret, REDACTED)
+    return text
+
+
+def shown(text: object) -> str:
+    """Outside text as kvchat shows it anywhere: secrets redacted, then made inert."""
+    return inert(redact(str(text)))
 
 
 def plural(n: int, word: str) -> str:
@@ -44,7 +132,9 @@ def fit_segments(text: str, room: int, sep: str = " · ") -> str:
 
 # ---- the stats line under a reply --------------------------------------------------------------
 STOP_WORDS = {None: "", "eos": "", "max_tokens": "max tokens reached", "cap": "stopped at the cap",
-              "cancelled": "stopped", "max_position": "stopped at the model's maximum context"}
+              "cancelled": "stopped", "max_position": "stopped at the model's maximum context",
+              "cut": "cut: the server's stream ended before the reply did",
+              "timeout": "cut: the server stopped sending (a --timeouts deadline passed)"}
 
 
 def stats_line(r: TurnSummary) -> str:
@@ -67,7 +157,7 @@ def stats_line(r: TurnSummary) -> str:
         line += f" · preempted {n} other conversation{'s' if n > 1 else ''}"
     if r.recomputed_tokens:
         line += f" · recomputed {r.recomputed_tokens:,} tokens lost to preemption"
-    reason = STOP_WORDS.get(r.stop_reason, r.stop_reason)
+    reason = STOP_WORDS.get(r.stop_reason, inert(r.stop_reason or ""))
     if reason:
         line += f" · {reason}"
     return line
@@ -124,6 +214,6 @@ def what_if_command(model: str, tokens: int, budget: str | None = None, kv_dtype
     (or a local folder; no weights read), each model in its serving dtype (bf16 unless
     given). Raises KvchatError naming a bad value."""
     from kvchat.engine.sources import resolve
-    src = resolve(short_alias(model), random_weights=True)        # geometry only
+    src = resolve(short_alias(model), geometry_only=True)
     w = what_if(src.geometry, kv_dtype, tokens, 1, parse_bytes(budget) if budget else None)
     return f"{src.name}: " + what_if_line(w, f"add a budget to compare, e.g. /whatif {model} {tokens} 15GB")

@@ -92,8 +92,9 @@ def test_layers_point_one_way():
     for name, deps in g.items():
         if name.startswith("kvchat.engine"):
             assert all(d.startswith("kvchat.engine") or d == "kvchat" for d in deps), (name, deps)
-        if name.startswith("kvchat.backends"):
-            assert all(d.startswith(("kvchat.engine", "kvchat.backends")) or d == "kvchat" for d in deps), (name, deps)
+        if name.startswith("kvchat.backends"):   # the words (text.py: shown, redact) sit below them too
+            assert all(d.startswith(("kvchat.engine", "kvchat.backends")) or d in ("kvchat", "kvchat.text")
+                       for d in deps), (name, deps)
         if name == "kvchat.cli.args":
             assert all(d.startswith("kvchat.engine") or d in ("kvchat", "kvchat.cli") for d in deps), (name, deps)
     for path in list(ENGINE.rglob("*.py")) + list((PKG / "backends").rglob("*.py")):

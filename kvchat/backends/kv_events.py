@@ -11,6 +11,11 @@ What this can and cannot show: the events name *full* blocks by content hash, wi
 physical block ids and nothing about a request's partial last block, so the map built here
 is "which prefix blocks are resident", not "which slot of the pool holds what". Blocks stored
 before we subscribed are unknown to us; a gap in sequence numbers is counted, not hidden.
+
+Every event is checked before it changes the map: one that is malformed is counted and the
+last one's fault kept (the cache panel names it), and the thread keeps listening. The map
+holds at most MAX_RESIDENT blocks and a message at most MAX_MESSAGE bytes, whatever a
+publisher sends.
 """
 from __future__ import annotations
 
@@ -26,6 +31,10 @@ from kvchat.engine.errors import KvchatError
 
 BlockHash = Hashable           # bytes or int, as the server sends it
 _decode = msgspec.msgpack.Decoder()
+MAX_RESIDENT = 2**19           # blocks in the map: a 70B model on eight GPUs holds about 2^17
+MAX_MESSAGE = 64 * 2**20       # bytes in one ZMQ message
+MAX_BLOCK_SIZE = 2**16
+MAX_HASH_BYTES = 256
 
 
 class KvEventsError(KvchatError):
@@ -42,8 +51,10 @@ class ResidentBlocks:
     last_seq: int | None
     gaps: int                  # sequence numbers skipped after the first
     cleared: int               # AllBlocksCleared seen
-    undecodable: int           # messages that were not a vLLM event batch
+    undecodable: int           # messages and events that were not vLLM's, skipped
     restarts: int = 0          # times the numbering started again (a restarted server)
+    last_problem: str | None = None   # what was wrong with the last one skipped
+    overflow: int = 0          # stored blocks left out of a full map (MAX_RESIDENT)
 
 
 class KvEventStore:
@@ -55,7 +66,8 @@ class KvEventStore:
         self._blocks: dict[BlockHash, tuple[BlockHash | None, tuple[int, ...]]] = {}
         self._by_content: dict[tuple[BlockHash | None, tuple[int, ...]], BlockHash] = {}
         self.block_size: int | None = None
-        self.batches = self.gaps = self.cleared = self.undecodable = self.restarts = 0
+        self.batches = self.gaps = self.cleared = self.undecodable = self.restarts = self.overflow = 0
+        self.last_problem: str | None = None
         self.first_seq: int | None = None
         self.last_seq: int | None = None
         self.changed = threading.Condition(self.lock)
@@ -65,15 +77,14 @@ class KvEventStore:
         """One ZMQ message: (topic, seq, payload)."""
         try:
             if len(frames) != 3 or len(frames[1]) != 8:
-                raise ValueError(f"{len(frames)} frames")
+                raise ValueError(f"a message of {len(frames)} frames; expected topic, sequence, payload")
             seq = int.from_bytes(frames[1], "big", signed=True)
             batch = _decode.decode(frames[2])
+            if not isinstance(batch, (list, tuple)) or len(batch) < 2 or not isinstance(batch[1], list):
+                raise ValueError("a payload that is not [timestamp, [events], ...]")
             events = batch[1]
-            if not isinstance(events, list):
-                raise ValueError("events is not a list")
-        except (ValueError, TypeError, IndexError, msgspec.DecodeError):
-            with self.lock:
-                self.undecodable += 1
+        except (ValueError, TypeError, msgspec.DecodeError, RecursionError) as err:
+            self.skip(str(err))
             return
         with self.changed:
             if self.first_seq is None:
@@ -88,30 +99,50 @@ class KvEventStore:
             self.last_seq = seq
             self.batches += 1
             for event in events:
-                self._apply(event)
+                try:
+                    self._apply(event)
+                except BadEvent as err:
+                    self.skip(str(err))
             self.changed.notify_all()
+
+    def skip(self, why: str) -> None:
+        with self.lock:
+            self.undecodable += 1
+            self.last_problem = why[:200]
 
     def _apply(self, event: object) -> None:
         fields = _fields(event)
         kind = fields.get("type")
-        if kind == "BlockStored" and fields.keys() >= {"block_hashes", "token_ids", "block_size"}:
-            parent, token_ids, block_size = fields.get("parent_block_hash"), fields["token_ids"], int(fields["block_size"])
+        if kind == "BlockStored":
+            hashes = _hashes(fields.get("block_hashes"))
+            parent = None if fields.get("parent_block_hash") is None else _hash(fields["parent_block_hash"])
+            block_size = fields.get("block_size")
+            if isinstance(block_size, bool) or not isinstance(block_size, int) or not 0 < block_size <= MAX_BLOCK_SIZE:
+                raise BadEvent(f"BlockStored block_size {block_size!r:.40}; expected a whole number from 1 to "
+                               f"{MAX_BLOCK_SIZE}")
+            token_ids = fields.get("token_ids")
+            if not isinstance(token_ids, list) or len(token_ids) < len(hashes) * block_size \
+                    or not all(isinstance(t, int) and not isinstance(t, bool) for t in token_ids):
+                raise BadEvent(f"BlockStored token_ids: expected {len(hashes)} x {block_size} token ids")
             self.block_size = block_size
-            for i, h in enumerate(fields["block_hashes"]):
-                key = (_hashable(parent), tuple(token_ids[i * block_size:(i + 1) * block_size]))
-                h = _hashable(h)
+            for i, h in enumerate(hashes):
+                if h not in self._blocks and len(self._blocks) >= MAX_RESIDENT:
+                    self.overflow += 1
+                    break
+                key = (parent, tuple(token_ids[i * block_size:(i + 1) * block_size]))
                 self._blocks[h] = key
                 self._by_content[key] = h
                 parent = h
-        elif kind == "BlockRemoved" and "block_hashes" in fields:
-            for h in map(_hashable, fields["block_hashes"]):
+        elif kind == "BlockRemoved":
+            for h in _hashes(fields.get("block_hashes")):
                 stored = self._blocks.pop(h) if h in self._blocks else None
                 if stored is not None and self._by_content.get(stored) == h:
                     del self._by_content[stored]
         elif kind == "AllBlocksCleared":
             self._clear()
         else:
-            self.undecodable += 1
+            raise BadEvent(f"an event of type {str(kind)[:40]!r}; expected BlockStored, BlockRemoved or "
+                           "AllBlocksCleared")
 
     def _clear(self) -> None:
         self._blocks.clear()
@@ -145,7 +176,8 @@ class KvEventStore:
         with self.lock:
             return ResidentBlocks(blocks=len(self._blocks), block_size=self.block_size, batches=self.batches,
                                   first_seq=self.first_seq, last_seq=self.last_seq, gaps=self.gaps,
-                                  cleared=self.cleared, undecodable=self.undecodable, restarts=self.restarts)
+                                  cleared=self.cleared, undecodable=self.undecodable, restarts=self.restarts,
+                                  last_problem=self.last_problem, overflow=self.overflow)
 
     def wait(self, predicate: Callable[[KvEventStore], bool], timeout: float) -> bool:
         """Block until predicate(self) holds after a message (for tests and the CLI)."""
@@ -168,8 +200,28 @@ def _fields(event: object) -> dict[str, Any]:
     return {}
 
 
-def _hashable(h: Any) -> BlockHash:
-    return tuple(h) if isinstance(h, list) else h
+class BadEvent(ValueError):
+    """An event that is not vLLM's; str() says which field."""
+
+
+def _hash(h: object) -> BlockHash:
+    """A block hash as vLLM sends it: an int, bytes, a string, or a list of ints."""
+    if isinstance(h, bool):
+        raise BadEvent("a block hash that is a boolean")
+    if isinstance(h, (int, str, bytes)):
+        if not isinstance(h, int) and len(h) > MAX_HASH_BYTES:
+            raise BadEvent(f"a block hash of {len(h)} bytes; expected at most {MAX_HASH_BYTES}")
+        return h
+    if isinstance(h, list) and len(h) <= MAX_HASH_BYTES and all(
+            isinstance(x, int) and not isinstance(x, bool) for x in h):
+        return tuple(h)
+    raise BadEvent(f"a block hash that is a {type(h).__name__}; expected an int, bytes or a list of ints")
+
+
+def _hashes(value: object) -> list[BlockHash]:
+    if not isinstance(value, list):
+        raise BadEvent(f"block_hashes is a {type(value).__name__}; expected a list")
+    return [_hash(h) for h in value]
 
 
 class KvEventSubscriber:
@@ -182,6 +234,7 @@ class KvEventSubscriber:
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
         self._sock.setsockopt(zmq.RCVTIMEO, 200)      # so the thread sees stop() within 0.2 s
         self._sock.setsockopt_string(zmq.SUBSCRIBE, topic)
         try:
@@ -202,7 +255,10 @@ class KvEventSubscriber:
                 continue
             except zmq.ZMQError:
                 break
-            self.store.apply_message(frames)
+            try:
+                self.store.apply_message(frames)
+            except Exception as err:   # a fault the checks above missed must not end the map: count it, go on
+                self.store.skip(f"{type(err).__name__}: {err}")
 
     def stop(self) -> None:
         self._stop.set()

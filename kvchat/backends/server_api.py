@@ -9,42 +9,59 @@ from __future__ import annotations
 
 import json
 import os
+import threading
+import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
-from urllib.parse import urlsplit
+from urllib.parse import unquote, urlsplit
 
 import httpx
 
 from kvchat.engine.errors import KvchatError
 
-API_KEY_ENVS = ("KVCHAT_API_KEY", "OPENAI_API_KEY")
-CONNECT_S, READ_S = 5.0, 300.0     # a cold 8k-token prefill on a CPU server takes tens of seconds
-Json = dict[str, Any]              # a JSON object as the server sent it
+from ..text import API_KEY_ENVS, keep_secret, keep_url_secrets, redact, shown
+from .deadlines import Deadlines
+from .sse import EventStream, StreamError
+
+MAX_BODY = 16 * 2**20      # a plain answer: /metrics of a large server is about 1 MB
+Json = dict[str, Any]      # a JSON object as the server sent it
 
 
 class ServerError(KvchatError):
-    """The server could not be reached, or answered something other than what vLLM answers."""
-    status: int | None = None      # the HTTP status, where the server answered one
+    """The server could not be reached, or answered something other than what vLLM answers.
+    str() is one line, with the server's own words made inert and every secret redacted."""
+
+    def __init__(self, line: str, status: int | None = None) -> None:
+        super().__init__(shown(line))
+        self.status = status
 
 
 def normalise_url(url: str) -> str:
-    """http(s)://HOST[:PORT][/PREFIX][/v1][/] -> http(s)://HOST[:PORT][/PREFIX], or ServerError."""
+    """http(s)://[USER:PASS@]HOST[:PORT][/PREFIX][/v1][/] -> the same without /v1 and the
+    trailing slash, or ServerError (which never shows the credentials)."""
     text = url.strip()
     parts = urlsplit(text)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ServerError(f"--server {url!r}: expected an http:// or https:// base URL such as "
+        raise ServerError(f"--server {redact(url)!r}: expected an http:// or https:// base URL such as "
                           "http://127.0.0.1:8000 (the /v1 suffix is optional)")
     try:
         parts.port
     except ValueError:
-        raise ServerError(f"--server {url!r}: the port is not a number from 1 to 65535") from None
+        raise ServerError(f"--server {redact(url)!r}: the port is not a number from 1 to 65535") from None
     if parts.query or parts.fragment:
-        raise ServerError(f"--server {url!r}: give the base URL only, without ?query or #fragment")
+        raise ServerError(f"--server {redact(url)!r}: give the base URL only, without ?query or #fragment")
     path = parts.path.rstrip("/")
     if path.endswith("/v1"):
         path = path[:-3]
     return f"{parts.scheme}://{parts.netloc}{path}"
+
+
+def public_url(url: str) -> str:
+    """The URL as kvchat shows it: without the user:password part."""
+    parts = urlsplit(url)
+    host = parts.netloc.rpartition("@")[2]
+    return f"{parts.scheme}://{host}{parts.path}"
 
 
 def api_key() -> str | None:
@@ -56,32 +73,44 @@ def api_key() -> str | None:
 
 
 class ServerApi:
-    """One httpx client for one server. Methods raise ServerError, never an httpx error."""
+    """One httpx client for one server. Methods raise ServerError, never an httpx error.
 
-    def __init__(self, url: str) -> None:
-        self.url = normalise_url(url)
+    `url` is the server as shown (no credentials); the credentials, if the URL has them, go
+    to the server as Basic authorization and are kept as secrets, never shown."""
+
+    def __init__(self, url: str, deadlines: Deadlines | None = None) -> None:
+        base = normalise_url(url)
+        parts = urlsplit(base)
+        for user, password in ((parts.username, parts.password),
+                               (unquote(parts.username or ""), unquote(parts.password or ""))):
+            keep_url_secrets(user, password)
+        self.url = public_url(base)
+        self.deadlines = deadlines or Deadlines()
         key = api_key()
-        headers = {"Authorization": f"Bearer {key}"} if key else {}
-        self._http = httpx.Client(base_url=self.url, headers=headers,
-                                  timeout=httpx.Timeout(READ_S, connect=CONNECT_S), follow_redirects=False)
+        keep_secret(key)
+        # identity: an answer is read as sent, so a compressed bomb never inflates in memory
+        headers = {"Accept-Encoding": "identity", **({"Authorization": f"Bearer {key}"} if key else {})}
+        d = self.deadlines
+        self._http = httpx.Client(base_url=base, headers=headers, follow_redirects=False,
+                                  timeout=httpx.Timeout(d.answer, connect=d.connect))
 
     def close(self) -> None:
         self._http.close()
 
     # ---- requests ------------------------------------------------------------------------------
     def get_json(self, path: str) -> Json:
-        with self._request("GET", path) as r:
-            return self._json(r, path)
+        return self._json(self._answer("GET", path), path)
 
     def post_json(self, path: str, body: Json | None = None, params: dict[str, str] | None = None) -> Json:
-        with self._request("POST", path, json=body, params=params) as r:
-            return self._json(r, path)
+        return self._json(self._answer("POST", path, json=body, params=params), path)
 
-    def get_text(self, path: str, timeout: float | None = None) -> str:
-        kw: dict[str, Any] = {"timeout": httpx.Timeout(timeout, connect=min(timeout, CONNECT_S))} if timeout else {}
-        with self._request("GET", path, **kw) as r:
-            text: str = r.text
-            return text
+    def get_text(self, path: str) -> str:
+        data = self._answer("GET", path)
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError as err:
+            raise ServerError(f"{self.url}{path} answered text that is not UTF-8 (byte {data[err.start]:#04x} "
+                              f"at offset {err.start})") from None
 
     def get_optional_json(self, path: str) -> Json | None:
         """For endpoints that exist only in dev mode: None where the server answers 404."""
@@ -93,101 +122,122 @@ class ServerApi:
             raise
 
     @contextmanager
-    def stream_events(self, path: str, body: Json) -> Iterator[Iterator[Json]]:
-        """POST and yield each server-sent event's JSON until [DONE]; leaving the with-block
-        early closes the connection, which makes vLLM abort the request."""
-        with self._request("POST", path, json=body, stream=True) as r:
-            yield self._events(r, path)
+    def stream_events(self, path: str, body: Json, cancel: threading.Event | None = None
+                      ) -> Iterator[EventStream]:
+        """POST and iterate each server-sent event's JSON until [DONE], a deadline, `cancel`,
+        or the end of the stream (the EventStream says which). Leaving the with-block early
+        closes the connection, which makes vLLM abort the request."""
+        d = self.deadlines
+        # the stream's own clock (EventStream) stops it on time; httpx's per-read timeout is a backstop
+        timeout = httpx.Timeout(max(d.first_token, d.gap) + 5, connect=d.connect)
+        with self._request("POST", path, json=body, timeout=timeout) as r:
+            if r.status_code >= 400:
+                self._check(r.status_code, self._body(r, path, time.monotonic()), path)
+            events = EventStream(r, d, cancel, self.url)
+            try:
+                yield events
+            except StreamError as err:
+                raise ServerError(str(err)) from None
+            finally:
+                events.close()
 
-    def _events(self, r: httpx.Response, path: str) -> Iterator[Json]:
+    # ---- reading answers -----------------------------------------------------------------------
+    def _answer(self, method: str, path: str, **kw: Any) -> bytes:
+        """A plain request's whole answer, within the answer deadline and MAX_BODY bytes."""
+        start = time.monotonic()
+        with self._request(method, path, **kw) as r:
+            body = self._body(r, path, start)
+        self._check(r.status_code, body, path)
+        return body
+
+    def _body(self, r: httpx.Response, path: str, start: float) -> bytes:
+        """httpx's read timeout is per read: the clock here also stops a server that trickles."""
+        encoding = r.headers.get("content-encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            raise ServerError(f"{self.url}{path} answered {encoding!r}-encoded data though kvchat asked for "
+                              "none; is a proxy in between?", r.status_code)
+        data = bytearray()
+        limit = self.deadlines.answer
         try:
-            for line in r.iter_lines():
-                if not line.startswith("data:"):
-                    continue
-                data = line[5:].strip()
-                if data == "[DONE]":
-                    return
-                try:
-                    event = json.loads(data)
-                except ValueError:
-                    raise ServerError(f"{self.url}{path} sent a stream event that is not JSON; "
-                                      "is it an OpenAI-compatible server?") from None
-                if isinstance(event, dict) and "error" in event:
-                    raise ServerError(f"the server stopped the reply: {_error_text(event)}")
-                yield event
+            for chunk in r.iter_raw():
+                data += chunk
+                if len(data) > MAX_BODY:
+                    raise ServerError(f"{self.url}{path} answered more than {MAX_BODY // 2**20} MiB; kvchat "
+                                      "reads no more than that", r.status_code)
+                if time.monotonic() - start > limit:
+                    raise httpx.ReadTimeout("trickled past the deadline")
         except httpx.TimeoutException:
-            raise ServerError(f"{self.url} sent nothing for {READ_S:.0f} s mid-reply; "
-                              "the reply so far was dropped") from None
+            raise ServerError(f"{self.url} did not finish answering {r.request.method} {path} within {limit:g} s "
+                              "(--timeouts answer=SECONDS waits longer)", r.status_code) from None
         except (httpx.TransportError, httpx.StreamError) as err:
-            raise ServerError(f"connection to {self.url} lost mid-reply ({_short(err)}); "
-                              "the conversation so far is kept, send again once the server is back") from None
+            raise ServerError(f"connection to {self.url} lost while reading {path} ({_short(err)}); try again "
+                              "once the server is back", r.status_code) from None
+        return bytes(data)
 
     @contextmanager
-    def _request(self, method: str, path: str, stream: bool = False, **kw: Any) -> Iterator[httpx.Response]:
+    def _request(self, method: str, path: str, **kw: Any) -> Iterator[httpx.Response]:
+        d = self.deadlines
         try:
-            if stream:
-                with self._http.stream(method, path, **kw) as r:
-                    if r.status_code >= 400:
-                        r.read()
-                    self._check(r, path)
-                    yield r
-            else:
-                r = self._http.request(method, path, **kw)
-                self._check(r, path)
+            with self._http.stream(method, path, **kw) as r:
                 yield r
+        except httpx.ConnectTimeout:
+            raise ServerError(f"{self.url} did not accept a connection within {d.connect:g} s; is it the right "
+                              "address? (--timeouts connect=SECONDS waits longer)") from None
         except httpx.ConnectError as err:
             raise ServerError(f"nothing answers at {self.url} ({_short(err)}); start the server or "
                               "check --server") from None
         except httpx.TimeoutException:
-            raise ServerError(f"{self.url} did not answer {method} {path} in time; is the server "
-                              "overloaded or still starting?") from None
+            raise ServerError(f"{self.url} did not answer {method} {path} within {d.answer:g} s; is the server "
+                              "overloaded or still starting? (--timeouts answer=SECONDS waits longer)") from None
         except (httpx.TransportError, httpx.StreamError) as err:
-            raise ServerError(f"connection to {self.url} lost ({_short(err)}); the conversation so far "
-                              "is kept, try again once the server is back") from None
+            raise ServerError(f"connection to {self.url} lost ({_short(err)}); try again once the server "
+                              "is back") from None
 
-    def _check(self, r: httpx.Response, path: str) -> None:
-        if r.status_code < 400:
+    def _check(self, status: int, body: bytes, path: str) -> None:
+        if status < 400:
             return
-        if r.status_code in (401, 403):
-            err = ServerError(f"{self.url} refused the request ({r.status_code}): set KVCHAT_API_KEY "
-                              "(or OPENAI_API_KEY) to the server's API key")
-        elif r.status_code == 404:
-            err = ServerError(f"{self.url}{path} does not exist (404): {_error_text(_maybe_json(r))}")
-        else:
-            err = ServerError(f"{self.url}{path} answered {r.status_code}: {_error_text(_maybe_json(r))}")
-        err.status = r.status_code
-        raise err
+        if status in (401, 403):
+            raise ServerError(f"{self.url} refused the request ({status}): set KVCHAT_API_KEY "
+                              "(or OPENAI_API_KEY) to the server's API key", status)
+        if status == 404:
+            raise ServerError(f"{self.url}{path} does not exist (404): {error_text(_maybe_json(body))}", status)
+        raise ServerError(f"{self.url}{path} answered {status}: {error_text(_maybe_json(body))}", status)
 
-    def _json(self, r: httpx.Response, path: str) -> Json:
-        data = _maybe_json(r)
+    def _json(self, body: bytes, path: str) -> Json:
+        data = _maybe_json(body)
         if not isinstance(data, dict):
-            raise ServerError(f"{self.url}{path} did not answer JSON; is --server an OpenAI-compatible "
+            raise ServerError(f"{self.url}{path} did not answer a JSON object; is --server an OpenAI-compatible "
                               "vLLM server?")
         return data
 
 
-def _maybe_json(r: httpx.Response) -> Any:
+def _maybe_json(body: bytes) -> Any:
     try:
-        return r.json()
-    except ValueError:
-        return r.text
+        return json.loads(body)
+    except (ValueError, RecursionError):
+        return body.decode("utf-8", errors="replace")
 
 
-def _error_text(body: object) -> str:
-    """The server's own message: OpenAI's {"error": {"message"}}, FastAPI's {"detail"}, or text."""
+def error_text(body: object) -> str:
+    """The server's own message: OpenAI's {"error": {"message"}}, FastAPI's {"detail"}, or text;
+    one line of at most 160 characters, secrets redacted, inert."""
     if isinstance(body, dict):
         err = body.get("error", body.get("detail", body.get("message")))
         if isinstance(err, dict):
             err = err.get("message", err)
-        text = str(err) if err is not None else json.dumps(body)
+        try:
+            text = str(err) if err is not None else json.dumps(body)
+        except (ValueError, RecursionError):
+            text = "an unreadable message"
     elif str(body).lstrip()[:1] == "<":
         return "an HTML page"
     else:
         text = str(body).strip() or "no message"
-    text = " ".join(text.split())
+    text = shown(" ".join(redact(text).split()))
     return text if len(text) <= 160 else text[:157] + "..."
 
 
+
 def _short(err: Exception) -> str:
-    text = " ".join(str(err).split()) or err.__class__.__name__
+    text = shown(" ".join(str(err).split()) or err.__class__.__name__)
     return text if len(text) <= 100 else text[:97] + "..."

@@ -18,186 +18,34 @@ from __future__ import annotations
 import argparse
 import json
 import threading
-import time
-from collections.abc import Iterator
 from typing import Any
 
 from kvchat.engine.errors import KvchatError
 from kvchat.engine.geometry import DTYPE_BYTES
-from kvchat.engine.policy import make_policy
 from kvchat.engine.sampler import SamplingParams
-from kvchat.engine.telemetry import CACHED, FREE, HELD, REUSED, PrefillEvent, TokenEvent, TurnStats
+from kvchat.engine.telemetry import CACHED, FREE, HELD, REUSED
 
 from . import metrics as prom
+from .deadlines import Deadlines
 from .kv_events import KvEventSubscriber
 from .protocol import (BLOCK_MAP, CACHE_TOGGLE, KV_DTYPE, RESET, SINK_WINDOW, BackendInfo, Capabilities, Chat,
-                       ChatState, Event, Message)
+                       Message)
 from .server_api import ServerApi, ServerError
-from .server_model import DTYPES
-from .server_model import ServerModel, match_geometry
+from .server_model import DTYPES, ServerModel, match_geometry
+from .server_shapes import ShapeError, served_model, token_count
 from .server_stats import ServerSnapshot, ServerStats
+from .vllm_chat import DEFAULT_MAX_TOKENS, VllmChat
 
-_FINISH = {"stop": "eos", "length": "max_tokens", "abort": "cancelled"}
 EVENT_WAIT_S = 0.5   # after a turn, how long the snapshot waits for the KV events of its blocks
-METRICS_TIMEOUT_S = 5.0   # a hung server must not hold the app's snapshot worker for long
-
-
-class VllmChat:
-    """One conversation: the messages live here (the server keeps none); the server's prefix
-    cache finds the shared prefix of each turn's prompt by itself."""
-
-    def __init__(self, backend: VllmBackend, system: str | None, cap: int | None, policy: str) -> None:
-        self.backend = backend
-        self.messages: list[Message] = [{"role": "system", "content": system}] if system else []
-        self.cap: int | None = None
-        self.policy = make_policy("stop")
-        self.set_cap(cap)
-        self.set_policy(policy)
-        self.turns = 0
-        self.token_ids: tuple[int, ...] = ()     # the last turn's prompt + reply, as the server saw them
-        self.reused_tokens = 0
-        self.history: list[TurnStats] = []
-
-    # ---- settings -------------------------------------------------------------------------------
-    def state(self) -> ChatState:
-        return ChatState(messages=tuple(dict(m) for m in self.messages), cap=self.cap, policy=self.policy.name,
-                         policy_description=self.policy.description, mode="cache",
-                         tokens_held=self.backend.tokens_held(self), evicted_tokens=0, preempted_pending=0,
-                         turns=self.turns)
-
-    def set_cap(self, cap: int | None) -> None:
-        if cap is not None and cap <= 0:
-            raise KvchatError(f"cap {cap}: must be a positive number of tokens")
-        limit = self.backend.model.max_model_len
-        if cap is not None and limit is not None and cap > limit:
-            raise KvchatError(f"cap {cap} is over the server's --max-model-len {limit}")
-        self.cap = cap
-
-    def set_policy(self, name: str) -> None:
-        if name not in self.backend.capabilities.policies:
-            why = self.backend.capabilities.why_not(SINK_WINDOW) if name == "sink-window" else ""
-            raise KvchatError(why or f"unknown cap policy {name!r}; accepted on a server: "
-                              f"{', '.join(self.backend.capabilities.policies)}")
-        self.policy = make_policy(name)
-
-    def set_mode(self, mode: str) -> None:
-        if mode != "cache":
-            raise KvchatError(self.backend.capabilities.why_not(CACHE_TOGGLE))
-
-    def restore(self, messages: list[Message]) -> None:
-        self.messages = [dict(m) for m in messages]
-        self.token_ids, self.reused_tokens = (), 0
-
-    def set_system(self, text: str | None) -> None:
-        """The server renders the chat itself; its prefix cache simply misses from the first
-        changed block on."""
-        if self.messages and self.messages[0]["role"] == "system":
-            del self.messages[0]
-        if text:
-            self.messages.insert(0, {"role": "system", "content": text})
-
-    def truncate(self, n_messages: int) -> None:
-        """Keep the first n messages (an edited one is resent); the server's prefix cache
-        reuses whatever still matches."""
-        if not 0 <= n_messages <= len(self.messages):
-            raise KvchatError(f"cannot keep {n_messages} messages of {len(self.messages)}")
-        self.messages = self.messages[:n_messages]
-
-    def reset_cache(self) -> int:
-        return self.backend.reset_prefix_cache()
-
-    # ---- turns ----------------------------------------------------------------------------------
-    def send(self, text: str, sampling: SamplingParams | None = None,
-             cancel: threading.Event | None = None) -> Iterator[Event]:
-        if not text.strip():
-            raise KvchatError("empty message: type something to send")
-        messages = self.messages + [{"role": "user", "content": text}]
-        if self.cap is not None:
-            messages = self.policy.fit(messages, self.backend.count_messages, self.cap)
-        return self._turn(messages, len(self.messages) + 1 - len(messages), sampling, cancel)
-
-    def regenerate(self, sampling: SamplingParams | None = None,
-                   cancel: threading.Event | None = None) -> Iterator[Event]:
-        if not self.messages or self.messages[-1]["role"] != "assistant":
-            raise KvchatError("nothing to regenerate: the conversation has no reply yet")
-        return self._turn(self.messages[:-1], 0, sampling, cancel)
-
-    def _turn(self, messages: list[Message], dropped: int, sampling: SamplingParams | None,
-              cancel: threading.Event | None) -> Iterator[Event]:
-        """The messages change only once the reply is complete (or cancelled): a failure
-        mid-reply raises ServerError and leaves the conversation as it was."""
-        b = self.backend
-        body = b.request_body(messages, sampling)
-        prompt_ids: list[int] = []
-        reply_ids: list[int] = []
-        text: list[str] = []
-        decode_ms: list[float] = []
-        positions: list[int] = []
-        usage: dict[str, Any] = {}
-        finish = None
-        ttft_ms = 0.0
-        t0 = last = time.perf_counter()
-        with b.api.stream_events("/v1/chat/completions", body) as events:
-            for chunk in events:
-                if chunk.get("prompt_token_ids"):
-                    prompt_ids = list(chunk["prompt_token_ids"])
-                if chunk.get("usage"):
-                    usage = chunk["usage"]
-                for choice in chunk.get("choices") or ():
-                    delta = (choice.get("delta") or {}).get("content") or ""
-                    ids = list(choice.get("token_ids") or ())
-                    finish = choice.get("finish_reason") or finish
-                    if not ids and not delta:
-                        continue
-                    now = time.perf_counter()
-                    if not reply_ids and not text:
-                        ttft_ms = (now - t0) * 1000
-                        n_prompt = len(prompt_ids) or usage.get("prompt_tokens") or 0
-                        yield PrefillEvent(n_prompt, None, None, None)
-                    step = (now - last) * 1000 / max(1, len(ids))
-                    for i, tid in enumerate(ids or [None]):
-                        pos = len(prompt_ids) + len(reply_ids)
-                        if reply_ids or text:              # every token after the first is a decode step
-                            decode_ms.append(step)
-                            positions.append(pos)
-                        if tid is not None:
-                            reply_ids.append(tid)
-                        yield TokenEvent(delta if i == 0 else "", tid, pos, step if decode_ms else ttft_ms)
-                        text.append(delta if i == 0 else "")
-                    last = now
-                if cancel is not None and cancel.is_set():
-                    finish = "abort"
-                    break
-        reply = "".join(text)
-        self.messages = messages + [{"role": "assistant", "content": reply}]
-        self.turns += 1
-        self.token_ids = tuple(prompt_ids + reply_ids)
-        n_prompt = int(usage.get("prompt_tokens", len(prompt_ids)))
-        details = usage.get("prompt_tokens_details") or {}
-        cached = details.get("cached_tokens")
-        self.reused_tokens = int(cached) if cached is not None else 0
-        unavailable = ["prefill_ms", "evicted_blocks", "preempted", "recomputed_tokens"]
-        if cached is None:
-            unavailable += ["reused_tokens", "computed_tokens"]
-        stats = TurnStats(
-            turn=self.turns, prompt_tokens=n_prompt, reused_tokens=cached,
-            computed_tokens=n_prompt - int(cached) if cached is not None else None,
-            generated_tokens=int(usage.get("completion_tokens", len(reply_ids))), ttft_ms=ttft_ms,
-            prefill_ms=None, decode_ms=tuple(decode_ms), positions=tuple(positions),
-            stop_reason=_FINISH.get(finish or "", finish or "cancelled"), reply=reply, mode="cache",
-            kv_dtype=b.kv_dtype, policy=self.policy.name, dropped_messages=dropped, evicted_blocks=None,
-            preempted=None, recomputed_tokens=None, cache=b.snapshot(self, wait_for_events=True),
-            unavailable=tuple(unavailable))
-        self.history.append(stats)
-        yield stats
 
 
 class VllmBackend:
     """A vLLM server at `url`; `kv_events` (tcp://HOST:PORT) adds the block map."""
 
     def __init__(self, url: str, kv_events: str | None = None, geometry: str | None = None,
-                 model_config: str | None = None, kv_dtype: str | None = None) -> None:
-        self.api = ServerApi(url)
+                 model_config: str | None = None, kv_dtype: str | None = None,
+                 deadlines: Deadlines | None = None) -> None:
+        self.api = ServerApi(url, deadlines)
         self.events: KvEventSubscriber | None = None
         try:
             self.model = self._probe()
@@ -229,37 +77,39 @@ class VllmBackend:
                               "with --server the server's own flags decide (vllm --dtype, --kv-cache-dtype, "
                               "--gpu-memory-utilization)")
         return cls(args.server, kv_events=getattr(args, "kv_events", None), geometry=getattr(args, "geometry", None),
-                   model_config=getattr(args, "model", None), kv_dtype=getattr(args, "kv_dtype", None))
+                   model_config=getattr(args, "model", None), kv_dtype=getattr(args, "kv_dtype", None),
+                   deadlines=Deadlines.parse(getattr(args, "timeouts", None)))
 
     # ---- connecting -----------------------------------------------------------------------------
     def _probe(self) -> ServerModel:
         try:
-            data = self.api.get_json("/v1/models").get("data")
+            models = self.api.get_json("/v1/models")
         except ServerError as err:
-            if getattr(err, "status", None) in (404, 405):
+            if err.status in (404, 405):
                 raise ServerError(f"{self.api.url} is not an OpenAI-compatible server (GET /v1/models answered "
                                   f"{err.status}); give --server the vLLM server's base URL") from None
             raise
-        if not isinstance(data, list) or not data or not isinstance(data[0], dict) or "id" not in data[0]:
-            raise ServerError(f"{self.api.url}/v1/models lists no model; is --server an OpenAI-compatible "
-                              "vLLM server?")
-        first = data[0]
+        try:
+            name, limit = served_model(models)
+        except ShapeError as err:
+            raise ServerError(f"{self.api.url}{err}" if str(err).startswith("/") else f"{self.api.url}: {err}") from None
         info = self.api.get_optional_json("/server_info")
         dtype = None
         if info is not None:
             cfg = info.get("vllm_config")
-            text = cfg if isinstance(cfg, str) else json.dumps(cfg)
-            for name in ("bfloat16", "float16", "float32"):
-                if f"dtype=torch.{name}" in text or f'"dtype": "{name}"' in text:
-                    dtype = DTYPES[name]
+            try:
+                text = cfg if isinstance(cfg, str) else json.dumps(cfg)
+            except (TypeError, ValueError, RecursionError):
+                text = ""
+            for dname in ("bfloat16", "float16", "float32"):
+                if f"dtype=torch.{dname}" in text or f'"dtype": "{dname}"' in text:
+                    dtype = DTYPES[dname]
                     break
-        limit = first.get("max_model_len")
-        return ServerModel(name=str(first["id"]), max_model_len=int(limit) if limit else None, dtype=dtype,
-                           dev_mode=info is not None)
+        return ServerModel(name=name, max_model_len=limit, dtype=dtype, dev_mode=info is not None)
 
     def _scrape(self) -> prom.ServerMetrics:
         try:
-            text = self.api.get_text("/metrics", timeout=METRICS_TIMEOUT_S)
+            text = self.api.get_text("/metrics")
         except ServerError as err:
             if getattr(err, "status", None) == 404:
                 raise ServerError(f"{self.api.url} has no /metrics (404); kvchat --server needs a vLLM "
@@ -354,8 +204,9 @@ class VllmBackend:
     def request_body(self, messages: list[Message], sampling: SamplingParams | None) -> dict[str, Any]:
         body: dict[str, Any] = {"model": self.model.name, "messages": messages, "stream": True,
                 "stream_options": {"include_usage": True}, "return_token_ids": True}
+        body["max_tokens"] = sampling.max_tokens if sampling is not None else DEFAULT_MAX_TOKENS
         if sampling is not None:
-            body.update(temperature=sampling.temperature, top_p=sampling.top_p, max_tokens=sampling.max_tokens)
+            body.update(temperature=sampling.temperature, top_p=sampling.top_p)
             if sampling.top_k:
                 body["top_k"] = sampling.top_k
             if sampling.seed is not None:
@@ -366,10 +217,10 @@ class VllmBackend:
         """Tokens the messages render to with the chat template and generation prompt (/tokenize)."""
         data = self.api.post_json("/tokenize", {"model": self.model.name, "messages": messages,
                                                 "add_generation_prompt": True})
-        if not isinstance(data.get("count"), int):
-            raise ServerError(f"{self.api.url}/tokenize answered without a token count")
-        count: int = data["count"]
-        return count
+        try:
+            return token_count(data)
+        except ShapeError as err:
+            raise ServerError(f"{self.api.url}{err}") from None
 
     def tokens_held(self, chat: VllmChat) -> int:
         """This conversation's tokens in resident full blocks (0 without a KV-event stream)."""
@@ -419,6 +270,10 @@ class VllmBackend:
                 notes.append(f"the server restarted {store.restarts} time(s): the map starts again from empty")
             if store.gaps:
                 notes.append(f"{store.gaps} KV-event batches were lost: the map may be stale until a reset")
+            if store.undecodable:
+                notes.append(f"{store.undecodable} malformed KV events skipped (the last: {store.last_problem})")
+            if store.overflow:
+                notes.append(f"the map is full ({store.blocks:,} blocks): {store.overflow} stored blocks left out")
         else:
             notes.append(self.capabilities.why_not(BLOCK_MAP) or "the server reports no block size")
             unavailable += ["tokens_held", "blocks_used", "bytes_used", "bytes_allocated", "pool_cached",
@@ -428,8 +283,8 @@ class VllmBackend:
         if mine is not None and resident is not None and nb and bs:
             reused = min(mine, (chat.reused_tokens // bs) if chat is not None else 0)
             others = max(0, min(nb - mine, resident - mine))
-            codes = bytes([REUSED] * reused + [HELD] * (mine - reused) + [CACHED] * others
-                          + [FREE] * max(0, nb - mine - others))
+            codes = (bytes([REUSED]) * reused + bytes([HELD]) * (mine - reused) + bytes([CACHED]) * others
+                     + bytes([FREE]) * max(0, nb - mine - others))
         cached = max(0, resident - (active or 0)) if resident is not None else None
         if nb is None:
             unavailable += ["num_blocks", "capacity_bytes", "pool_free"]

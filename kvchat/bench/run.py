@@ -55,6 +55,8 @@ METHOD = {
 
 
 # ---- arguments -----------------------------------------------------------------------------
+MAX_RUNS = 1000          # a median over more says nothing new; each run is minutes on a CPU
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("bench", help="decode latency, TTFT and KV bytes against context length, "
                                             "next to transformers and llama.cpp")
@@ -63,7 +65,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="comma-separated history lengths in tokens (default 256,1024,4096)")
     p.add_argument("--new-tokens", type=positive_int("--new-tokens"), default=32,
                    help="timed decode steps per turn (default 32)")
-    p.add_argument("--runs", type=positive_int("--runs"), default=3, help="repetitions; figures are medians (default 3)")
+    p.add_argument("--runs", type=positive_int("--runs", MAX_RUNS), default=3,
+                   help=f"repetitions; figures are medians (default 3, at most {MAX_RUNS})")
     p.add_argument("--json", default=None, metavar="FILE", help="write the full record as JSON")
     p.add_argument("--plot", default=None, metavar="FILE.png", help="write a PNG plot")
     p.add_argument("--no-peers", action="store_true", help="measure kvchat only (no transformers, no llama.cpp)")
@@ -173,14 +176,18 @@ class Bench:
         self.server: VllmPeer | None = None                 # a vLLM server (--server)
         self.probe: bench_floor.BandwidthProbe | None = None   # sampled before each context
         self.base_kv = engine.kv_dtype
-        renderer = engine.new_conversation()   # only its render() is used
-        engine.close_conversation(renderer)
-        fit = usable_history(engine, cfg)
-        self.histories = {(ctx, run): history(renderer.render, engine.tokenizer, min(ctx, fit),
-                                              cfg.seed + 1000 * run + ctx)
-                          for ctx in cfg.contexts for run in range(cfg.runs)}
+        self._renderer = engine.new_conversation()   # only its render() is used
+        engine.close_conversation(self._renderer)
+        self.fit = fit = usable_history(engine, cfg)
         self.cut = {ctx: fit for ctx in cfg.contexts if ctx > fit}  # contexts shortened to fit
+        # the first run's histories now (a context too short for the template is refused before
+        # any measurement); later runs' when they come, so many runs start at once
+        self._first = {ctx: self.history_of(ctx, 0) for ctx in cfg.contexts}
         self.t0 = time.perf_counter()
+
+    def history_of(self, ctx: int, run: int) -> tuple[str, list[int]]:
+        return history(self._renderer.render, self.engine.tokenizer, min(ctx, self.fit),
+                       self.cfg.seed + 1000 * run + ctx)
 
     def say(self, text: str) -> None:
         print(f"kvchat bench [{time.perf_counter() - self.t0:6.0f}s] {text}", file=sys.stderr, flush=True)
@@ -229,7 +236,7 @@ class Bench:
 
     def context(self, ctx: int, run: int, steps: int, row: dict[str, Series]) -> None:
         cfg, eng = self.cfg, self.engine
-        text, ids1 = self.histories[ctx, run]
+        text, ids1 = self._first.pop(ctx) if run == 0 and ctx in self._first else self.history_of(ctx, run)
         tag = f"context {ctx}, run {run + 1}/{cfg.runs}:"
         s = row.setdefault("kvchat", Series())
         if ctx in self.cut:
@@ -314,8 +321,13 @@ def run(args) -> int:
     import torch
     from kvchat.engine import Engine
 
+    from ..backends.deadlines import Deadlines
     from ..cli.args import engine_config
     cfg = BenchConfig.from_args(args)
+    if getattr(args, "timeouts", None):      # refused before the model loads, like every other flag
+        if not getattr(args, "server", None):
+            raise UsageError("--timeouts needs --server URL (it describes a vLLM server)")
+        Deadlines.parse(args.timeouts)
     engine = Engine(engine_config(args))  # quietly: a bad --contexts is still refused in one line
     check_fits(engine, cfg)
     bench = Bench(cfg, engine)

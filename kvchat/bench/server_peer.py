@@ -14,6 +14,7 @@ import time
 from kvchat.engine.errors import KvchatError
 
 from ..backends.protocol import RESET
+from ..backends.server_shapes import count
 from .report import Series, Timing
 
 
@@ -26,8 +27,10 @@ class VllmPeer:
 
     @classmethod
     def connect(cls, args, need_tokens: int) -> VllmPeer:
+        from ..backends.deadlines import Deadlines
         from ..backends.vllm import VllmBackend
-        backend = VllmBackend(args.server, geometry=getattr(args, "geometry", None))
+        backend = VllmBackend(args.server, geometry=getattr(args, "geometry", None),
+                              deadlines=Deadlines.parse(getattr(args, "timeouts", None)))
         limit = backend.model.max_model_len
         if limit is not None and need_tokens > limit:
             backend.shutdown()
@@ -55,13 +58,17 @@ class VllmPeer:
             for chunk in events:
                 if chunk.get("choices"):
                     times.append(time.perf_counter())
-                if chunk.get("usage"):
+                    if len(times) > steps + 1:      # more than was asked for: the client stops it
+                        break
+                if isinstance(chunk.get("usage"), dict):
                     usage = chunk["usage"]
         if not times:
             raise KvchatError(f"vLLM peer: no token for a {len(ids)}-token prompt")
         ttft = (times[0] - t0) * 1000
-        decode = tuple((y - x) * 1000 for x, y in zip(times, times[1:]))
-        cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens")
+        decode = tuple((y - x) * 1000 for x, y in zip(times[:steps + 1], times[1:steps + 1]))
+        details = usage.get("prompt_tokens_details")
+        cached = count(details.get("cached_tokens"), "usage.prompt_tokens_details.cached_tokens") \
+            if isinstance(details, dict) else None
         return Timing(len(ids), ttft, ttft, decode), cached
 
     def measure(self, ids1: list[int], ids2: list[int] | None, steps: int, s: Series) -> None:

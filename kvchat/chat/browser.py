@@ -22,6 +22,8 @@ from .host import Host
 from .session import Session
 from .view import ChatView
 
+SHOWN_PROBLEMS = 5       # damaged records named one by one; past that, counted
+
 
 class Browser:
     def __init__(self, host: Host, conversations: Conversations, data_root: Path | None = None) -> None:
@@ -126,32 +128,33 @@ class Browser:
         await view.show_history(list(session.state.messages), session.turns)
         view.add_notice(f"resumed {restored.path.name}: {plural(len(restored.turns), 'turn')}; the cache "
                         "is empty, so the next turn prefills the whole history")
-        if restored.skipped:
-            view.add_notice(f"{plural(restored.skipped, 'damaged record')} of {restored.path.name} skipped "
-                            "(a torn line or a hand edit); the rest is restored", error=True)
         if restored.unanswered:
             self.host.input.restore(restored.unanswered)
             view.add_notice("your last message got no reply; it is back in the input")
         await self.resumed(view, restored, history=False)
 
     async def resumed(self, view: ChatView, restored: Restored, history: bool = True) -> None:
-        """A reopened conversation's transcript, its notes, and its latency series."""
+        """A reopened conversation's transcript, its notes (a line per damaged record skipped),
+        and its latency series."""
         session = view.session
         if session is None:
             return
-        try:
-            summary = catalog.summarize(restored.path)
-        except OSError:
-            summary = None
         if history:
             await view.show_history(list(session.state.messages), session.turns)
             view.add_notice(f"reopened {restored.path.name}: {plural(len(restored.turns), 'turn')}; the cache is "
                             "empty, so the next turn prefills the whole history")
-        if summary is not None and summary.named:
-            session.given_title = summary.title
+        if restored.problems:
+            view.add_notice(f"{plural(restored.skipped, 'damaged record')} of {restored.path.name} skipped "
+                            "(a torn line or a hand edit); the rest is restored", error=True)
+        for line in restored.problems[:SHOWN_PROBLEMS]:
+            view.add_notice(f"  {line}", error=True)
+        if len(restored.problems) > SHOWN_PROBLEMS:
+            view.add_notice(f"  and {len(restored.problems) - SHOWN_PROBLEMS} more", error=True)
+        if restored.title is not None:
+            session.given_title = restored.title
         model = self.host.backend.info().model
-        saved = summary.model if summary is not None else None
-        first = summary.model_from if summary is not None else 0
+        saved = restored.model
+        first = restored.model_from
         if saved is not None and saved != model:
             session.log.event("model", value=model, previous=saved)
             first = len(session.turns)

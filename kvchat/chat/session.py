@@ -60,7 +60,7 @@ class Session:
         if restored is not None:
             chat = backend.open(cap=restored.cap, policy=restored.policy, mode=restored.mode)
             chat.restore(restored.messages)
-            log = ConversationLog(restored.path, restored.messages)
+            log = ConversationLog(restored.path, restored.messages, restored=restored)   # the log read once
             log.event("resumed")
             return cls(number, chat, log, restored.turns)
         chat = backend.open(system=options.system, cap=options.cap, policy=options.policy, mode=options.mode)

@@ -97,6 +97,10 @@ def add_server_args(p: argparse.ArgumentParser, top: bool = False) -> None:
     g.add_argument("--kv-events", metavar="tcp://HOST:PORT", **_defaults(top, default=None),
                    help="with --server: the server's KV-event stream (its --kv-events-config endpoint), "
                         "for the block map")
+    g.add_argument("--timeouts", metavar="NAME=S,...", **_defaults(top, default=None),
+                   help="with --server: how long to wait, in seconds: connect (3), answer (10: a plain request), "
+                        "first-token (300), gap (60: between a reply's events), total (1800: a whole reply); "
+                        "e.g. --timeouts first-token=600,gap=120")
     g.add_argument("--geometry", metavar="ALIAS", **_defaults(top, default=None),
                    help="with --server: the served model's geometry (llama-3.1-8b, llama-3.1-70b, ...) when "
                         "its name is not in kvchat's table; or give --model PATH to a copy of its config.json")

@@ -1,7 +1,9 @@
 """The `kvchat` command: the chat app by default, and headless `ask`, `replay`, `info`, `bench`, `plan`.
 
 Every bad input ends with one line on stderr naming the problem and what is accepted, and
-exit status 2; never a traceback.
+exit status 2; never a traceback. Text that kvchat did not write (a reply, a model's or a
+server's name, an error from a server, a path) is printed through `text.shown`: inert to the
+terminal, secrets redacted; `--json` prints it exact, escaped by the JSON encoder.
 """
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any
 
 from .args import (Parser, UsageError, add_cap_args, add_model_args, add_sampling_args, check_start, engine_config, positive_int, sampling, utf8_text)
 from ..store.files import FileRefused, read_text
+from ..text import STOP_WORDS, inert, shown
 
 EXIT_USAGE = 2
 
@@ -64,7 +67,7 @@ def load_backend(args, quiet: bool = False):
         from ..backends.vllm import VllmBackend
         backend = VllmBackend.from_flags(args)
         if not quiet:
-            print(f"attached to {backend.model.name} at {backend.api.url}", file=sys.stderr, flush=True)
+            print(shown(f"attached to {backend.model.name} at {backend.api.url}"), file=sys.stderr, flush=True)
         return backend
     from kvchat.engine import Engine
     from kvchat.engine.engine import check_memory, pick_device, pick_dtypes
@@ -78,7 +81,7 @@ def load_backend(args, quiet: bool = False):
     args.cap = check_start(args, src, device, kv_dtype)
     check_memory(src.geometry, dtype, kv_dtype, cfg.kv_budget, device)
     if not quiet:
-        print(f"loading {src.name} ...", file=sys.stderr, flush=True)
+        print(shown(f"loading {src.name} ..."), file=sys.stderr, flush=True)
     return LocalBackend(Engine(cfg, source=src))
 
 
@@ -86,10 +89,14 @@ def check_server_flags(args) -> bool:
     """True for a --server run; --kv-events and --geometry make sense only with one."""
     if getattr(args, "server", None):
         return True
-    for flag, value in (("--kv-events", getattr(args, "kv_events", None)), ("--geometry", getattr(args, "geometry", None))):
+    for flag, value in (("--kv-events", getattr(args, "kv_events", None)), ("--geometry", getattr(args, "geometry", None)),
+                        ("--timeouts", getattr(args, "timeouts", None))):
         if value:
             raise UsageError(f"{flag} needs --server URL (it describes a vLLM server)")
     return False
+
+
+CUT = ("cut", "timeout")    # stop reasons of a reply that did not arrive whole
 
 
 def run_turn(chat, text: str, sp, stream) -> dict:
@@ -97,7 +104,7 @@ def run_turn(chat, text: str, sp, stream) -> dict:
     stats = None
     for ev in chat.send(text, sp):
         if isinstance(ev, TokenEvent) and stream is not None:
-            stream.write(ev.text)
+            stream.write(inert(ev.text))
             stream.flush()
         elif isinstance(ev, TurnStats):
             stats = ev
@@ -106,6 +113,14 @@ def run_turn(chat, text: str, sp, stream) -> dict:
     if stats is None:
         raise KvchatError("the backend ended the turn without its stats")
     return stats.summary()
+
+
+def said_cut(record: dict) -> bool:
+    """Say on stderr that a reply arrived cut (the reply so far was printed and kept)."""
+    if record.get("stop_reason") not in CUT:
+        return False
+    print(f"kvchat: the reply is incomplete: {STOP_WORDS[record['stop_reason']]}", file=sys.stderr)
+    return True
 
 
 def cmd_ask(args) -> int:
@@ -117,7 +132,7 @@ def cmd_ask(args) -> int:
     record = run_turn(chat, args.message, sp, None if args.json else sys.stdout)
     if args.json:
         print(json.dumps(record))
-    return 0
+    return EXIT_USAGE if said_cut(record) else 0
 
 
 MAX_REPLAY_BYTES = 64 * 2**20
@@ -168,6 +183,7 @@ def cmd_replay(args) -> int:
     mode = "off" if args.no_cache else "cache"
     convs = [backend.open(system=args.system, cap=args.cap, policy=args.policy, mode=mode) for _ in convs_msgs]
     records = []
+    cut = False
     rounds = max(len(m) for m in convs_msgs)
     for turn in range(rounds):  # interleave: turn 1 of every conversation, then turn 2, ...
         for ci, (conv, msgs) in enumerate(zip(convs, convs_msgs)):
@@ -175,10 +191,11 @@ def cmd_replay(args) -> int:
                 continue
             if not args.json:
                 tag = f"[{ci + 1}] " if len(convs) > 1 else ""
-                print(f"{tag}> {msgs[turn]}")
+                print(f"{tag}> {inert(msgs[turn])}")
             rec = run_turn(conv, msgs[turn], sp, None if args.json else sys.stdout)
             rec["conversation"] = ci
             records.append(rec)
+            cut = said_cut(rec) or cut
             if not args.json:
                 reused, computed = (("unknown" if rec[k] is None else rec[k]) for k in ("reused_tokens",
                                                                                        "computed_tokens"))
@@ -188,7 +205,7 @@ def cmd_replay(args) -> int:
                       f"{_n(rec['kv_bytes_allocated'])} B allocated in {_n(rec['blocks_used'])} blocks")
     if args.json:
         print(json.dumps(records))
-    return 0
+    return EXIT_USAGE if cut else 0
 
 
 def _n(value) -> str:
@@ -203,7 +220,7 @@ def cmd_info(args) -> int:
     from kvchat.engine.sizing import step_reads, what_if
     from kvchat.engine.sources import resolve
     from kvchat.engine.units import human_bytes, parse_bytes
-    src = resolve(args.model or "smollm2-135m", random_weights=True)  # geometry only: no weights read
+    src = resolve(args.model or "smollm2-135m", geometry_only=True)  # config.json or a GGUF header: nothing else read
     g = src.geometry
     dtype = args.dtype if args.dtype != "auto" else "bf16"  # the native dtype of every Llama in the table
     kv = args.kv_dtype if args.kv_dtype != "auto" else dtype
@@ -228,7 +245,7 @@ def cmd_info(args) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"{out['model']}: {g.n_layers} layers, {g.n_heads} query / {g.n_kv_heads} KV heads of {g.head_dim}, "
+    print(f"{inert(out['model'])}: {g.n_layers} layers, {g.n_heads} query / {g.n_kv_heads} KV heads of {g.head_dim}, "
           f"hidden {g.hidden}, {out['params'] / 1e9:.2f} B parameters ({human_bytes(out['weight_bytes'])} in {dtype})")
     print(f"KV bytes per token ({kv}): {out['formula']} -> {per_token:,} B ({human_bytes(per_token)})")
     others = ", ".join(f"{d} {g.kv_bytes_per_token(d):,} B" for d in ("fp32", "bf16", "fp8") if d != kv)
@@ -271,13 +288,13 @@ def server_info(args) -> int:
     if args.json:
         print(json.dumps(out))
         return 0
-    print(f"{info.model} on {info.device}: vLLM, context {_n(info.max_position)} tokens, weights {info.dtype}, "
-          f"cache {info.kv_dtype}")
+    print(shown(f"{info.model} on {info.device}: vLLM, context {_n(info.max_position)} tokens, weights {info.dtype}, "
+                f"cache {info.kv_dtype}"))
     if info.bytes_per_token is None:
-        print(f"KV bytes per token: unknown ({backend.geometry_source if g is None else 'cache element size unknown; give --kv-dtype'})")
+        print(shown(f"KV bytes per token: unknown ({backend.geometry_source if g is None else 'cache element size unknown; give --kv-dtype'})"))
     else:
-        print(f"KV bytes per token ({info.kv_dtype}): {out['formula']} -> {info.bytes_per_token:,} B "
-              f"({human_bytes(info.bytes_per_token)}); geometry from {backend.geometry_source}")
+        print(shown(f"KV bytes per token ({info.kv_dtype}): {out['formula']} -> {info.bytes_per_token:,} B "
+                    f"({human_bytes(info.bytes_per_token)}); geometry from {backend.geometry_source}"))
     print(f"pool: {_n(cache.num_blocks)} blocks of {_n(cache.block_size)} tokens = {_n(cache.size_tokens)} tokens"
           + (f" = {human_bytes(snap.capacity_bytes)}" if snap.capacity_bytes else "")
           + (f", {snap.server.usage:.0%} in use" if snap.server.usage is not None else ""))
@@ -318,7 +335,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()
         return code
     except (UsageError, KvchatError, StoreError) as err:
-        line = " ".join(str(err).split())
+        line = shown(" ".join(str(err).split()))
         print(line if line.startswith("kvchat") else f"kvchat: {line}", file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:
@@ -334,8 +351,8 @@ def main(argv: list[str] | None = None) -> int:
     except Exception as err:   # a bug: one line here, the traceback in the error log
         from ..store.errors import log_error
         where = log_error(err)
-        print(f"kvchat: internal error ({type(err).__name__}: {' '.join(str(err).split())[:200]}); "
-              f"details in {where}", file=sys.stderr)
+        print(f"kvchat: internal error ({type(err).__name__}: {shown(' '.join(str(err).split()))[:200]}); "
+              f"details in {shown(where)}", file=sys.stderr)
         return 1
 
 

@@ -18,6 +18,7 @@ from ..store.catalog import resume_paths
 from ..chat.session import ChatOptions
 from ..store.settings import SettingsError
 from ..store.log import Restored, StoreError, lock_holder, restore
+from ..text import shown
 
 
 class LaunchError(Exception):
@@ -30,7 +31,7 @@ def run_chat(args) -> int:
     try:
         app = prepare(args)
     except LaunchError as err:
-        print(f"kvchat: {err}", file=sys.stderr)
+        print(f"kvchat: {shown(err)}", file=sys.stderr)
         return 2
     if not all(f is not None and not f.closed and f.isatty() for f in (sys.stdin, sys.stdout)):
         print("kvchat: kvchat needs a terminal; use kvchat ask \"...\" (or kvchat replay FILE)", file=sys.stderr)
@@ -39,7 +40,7 @@ def run_chat(args) -> int:
     if app.backend is not None:
         app.backend.shutdown()
     if app.failure:
-        print(f"kvchat: {app.failure}", file=sys.stderr)
+        print(f"kvchat: {shown(app.failure)}", file=sys.stderr)
         return 2
     return app.return_code or 0
 
@@ -72,8 +73,8 @@ def _prepare(args) -> KvChatApp:
     make_policy(args.policy)
     if getattr(args, "server", None):
         return _prepare_server(args, settings, path, theme)
-    if getattr(args, "kv_events", None) or getattr(args, "geometry", None):
-        raise KvchatError("--kv-events and --geometry need --server URL (they describe a vLLM server)")
+    if getattr(args, "kv_events", None) or getattr(args, "geometry", None) or getattr(args, "timeouts", None):
+        raise KvchatError("--kv-events, --geometry and --timeouts need --server URL (they describe a vLLM server)")
     cfg = engine_config(args)
     sp = sampling(args, default_max=512)
     device = pick_device(cfg.device)
@@ -86,7 +87,7 @@ def _prepare(args) -> KvChatApp:
 
 
 def _prepare_server(args, settings, path, theme) -> KvChatApp:
-    """`kvchat --server URL`: connect (a second at most) before the UI, so a bad URL, a server
+    """`kvchat --server URL`: connect (within --timeouts connect and answer) before the UI, so a bad URL, a server
     that is not vLLM or a refused key is one line on stderr; the app then gets the backend."""
     from .args import sampling
     from ..backends.vllm import VllmBackend

@@ -10,13 +10,16 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
+from rich.text import Text
 from textual.app import ComposeResult
 from textual.binding import Binding
 from textual.containers import Vertical
+from textual.markup import escape
 from textual.screen import ModalScreen
 from textual.widgets import DataTable, Input, Static
 
 from ..store.catalog import Summary
+from ..text import inert
 
 
 class Confirm(ModalScreen[bool]):
@@ -95,7 +98,8 @@ class ChatBrowser(ModalScreen[Path | None]):
         table.clear()
         opened = self._open_paths()
         for s in self.shown:
-            table.add_row(s.title, s.model or "(not recorded)", s.when(), f"{s.tokens:,}", str(s.turns),
+            table.add_row(Text(inert(s.title)), Text(inert(s.model or "(not recorded)")), s.when(), f"{s.tokens:,}",
+                          str(s.turns),
                           "open" if s.path in opened else "", key=str(s.path))
         if table.row_count:
             table.move_cursor(row=min(max(row, 0), table.row_count - 1))
@@ -103,7 +107,8 @@ class ChatBrowser(ModalScreen[Path | None]):
         self.note(f"{found} conversations" + (f" matching {self.query_text!r}" if self.query_text else ""))
 
     def note(self, text: str) -> None:
-        self.query_one("#browser-note", Static).update(text)
+        """A line under the table; titles and file names in it come from the logs."""
+        self.query_one("#browser-note", Static).update(Text(inert(text)))
 
     @property
     def selected(self) -> Summary | None:
@@ -169,8 +174,8 @@ class ChatBrowser(ModalScreen[Path | None]):
             error = self._delete(chosen)
             self.reload()
             self.note(error or f"deleted {chosen.title!r} ({chosen.path.name})")
-        self.app.push_screen(Confirm(f"Delete {chosen.title!r} ({plural_turns(chosen.turns)}, "
-                                     f"{chosen.path.name})? This cannot be undone."), answered)
+        self.app.push_screen(Confirm(escape(inert(f"Delete {chosen.title!r} ({plural_turns(chosen.turns)}, "
+                                                  f"{chosen.path.name})? This cannot be undone."))), answered)
 
     def action_back(self) -> None:
         """Escape: leave the rename or search box first, then the browser."""

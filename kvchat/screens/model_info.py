@@ -15,6 +15,7 @@ from kvchat.engine.telemetry import CacheSnapshot
 from kvchat.engine.units import human_bytes
 
 from ..backends.protocol import BackendInfo
+from ..text import inert
 
 
 def rows(info: BackendInfo, snap: CacheSnapshot | None) -> list[tuple[str, str]]:
@@ -73,7 +74,7 @@ class ModelInfoScreen(ModalScreen[None]):
         table.add_column("", style="bold", no_wrap=True)
         table.add_column("")
         for what, value in rows(self.info, self.snap):
-            table.add_row(what, value)
+            table.add_row(what, Text(inert(value)))   # a served model's name is the server's words
         with VerticalScroll():
             yield Static(table)
             yield Static(Text("Press escape to close.", style="dim"))

@@ -1,23 +1,27 @@
 """The saved conversations as a list: what the chat browser shows and `--resume` opens.
 
 Each conversation is its log (store/log.py). `summarize` reads one log into a `Summary`
-(title, model, dates, turns, tokens, the text to search); a damaged line is skipped, as
-`store.restore` does. A rename and a model change are log events, so the log stays the one
-record of a conversation:
+(title, model, dates, turns, tokens, the text to search) through the same reader and fold as
+`--resume` (log.restore), so a damaged line is skipped the same way. A rename and a model
+change are log events, so the log stays the one record of a conversation:
     {"type": "event", "event": "title", "value": "my title"}      the browser's rename
     {"type": "event", "event": "model", "value": M, "previous": P}  resumed under model M
 Which conversations were open when the app last quit is kept in <data dir>/open.json
-(`remember_open`, `open_at_quit`); `--resume` reopens them all.
+(`remember_open`, `open_at_quit`); `--resume` reopens them all, if each is still one of
+kvchat's own logs: a name there pointing elsewhere (notes.txt, a link, a FIFO) is left alone.
 """
 from __future__ import annotations
 
 import json
 import os
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from .log import ConversationLog, conversations_dir, data_dir, last_conversation
+from .files import FileRefused, cannot_write, read_text
+from .log import ConversationLog, Restored, data_dir, is_saved_log, last_conversation, restore, saved_logs
+from .log_records import StoreError
 
 TITLE_CHARS = 48
 OPEN_FILE = "open.json"
@@ -47,50 +51,31 @@ class Summary:
 
 
 def summarize(path: Path) -> Summary:
-    """Read a log; OSError if it cannot be read. Damaged lines are skipped."""
-    raw = path.read_bytes().decode("utf-8", errors="replace")
-    model: str | None = None
-    name: str | None = None
-    started = 0.0
-    messages: list[dict[str, str]] = []
-    turns = model_from = tokens = 0
-    for line in raw.splitlines():
-        try:
-            rec = json.loads(line)
-            kind = rec.get("type")
-            if kind == "start":
-                model, started = rec.get("model"), float(rec.get("time") or 0.0)
-                messages = [{"role": "system", "content": str(rec["system"])}] if rec.get("system") else []
-            elif kind == "message":
-                messages.append({"role": str(rec["role"]), "content": str(rec["content"])})
-            elif kind == "messages":
-                messages = [{"role": str(m["role"]), "content": str(m["content"])} for m in rec["messages"]]
-            elif kind == "turn":
-                turns += 1
-                tokens = int(rec.get("prompt_tokens") or 0) + int(rec.get("generated_tokens") or 0)
-            elif kind == "event" and rec.get("event") == "title":
-                name = str(rec.get("value") or "").strip() or None
-            elif kind == "event" and rec.get("event") == "model":
-                model, model_from = rec.get("value"), turns
-        except (ValueError, KeyError, TypeError, AttributeError):
-            continue
+    """Read a log; StoreError if it cannot be read. Damaged lines are skipped."""
+    return summary_of(restore(path))
+
+
+def summary_of(r: Restored) -> Summary:
+    """A restored conversation as the browser lists it."""
+    messages = r.messages + ([{"role": "user", "content": r.unanswered}] if r.unanswered is not None else [])
     first = next((m["content"] for m in messages if m["role"] == "user"), "")
     words = " ".join(first.split())
-    title = name or (words[:TITLE_CHARS - 1] + "…" if len(words) > TITLE_CHARS else words) or "(no message yet)"
+    title = r.title or (words[:TITLE_CHARS - 1] + "…" if len(words) > TITLE_CHARS else words) or "(no message yet)"
     text = "\n".join([title] + [m["content"] for m in messages]).lower()
-    chat = sum(m["role"] != "system" for m in messages)
-    return Summary(path, title, name is not None, model, model_from, started or path.stat().st_mtime,
-                   path.stat().st_mtime, turns, tokens, chat, text)
+    last = r.turns[-1] if r.turns else None
+    tokens = (last.prompt_tokens or 0) + (last.generated_tokens or 0) if last is not None else 0
+    modified = r.path.stat().st_mtime
+    return Summary(r.path, title, r.title is not None, r.model, r.model_from, r.started or modified, modified,
+                   len(r.turns), tokens, sum(m["role"] != "system" for m in messages), text)
 
 
 def list_conversations(root: Path | None = None) -> list[Summary]:
     """Every saved conversation, the most recently used first; unreadable files left out."""
-    folder = conversations_dir(root)
     out = []
-    for path in folder.glob("*.jsonl") if folder.is_dir() else ():
+    for path in saved_logs(root):
         try:
             out.append(summarize(path))
-        except OSError:
+        except (StoreError, OSError):
             continue
     return sorted(out, key=lambda s: s.modified, reverse=True)
 
@@ -119,11 +104,13 @@ def remember_open(paths: list[Path], root: Path | None = None) -> str | None:
     target = (root or data_dir()) / OPEN_FILE
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f"{OPEN_FILE}.{os.getpid()}.tmp")
-        tmp.write_text(json.dumps({"open": [str(p) for p in paths]}), encoding="utf-8")
+        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{OPEN_FILE}.", suffix=".tmp")   # a new file, 0600
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(json.dumps({"open": [str(p) for p in paths]}))
         os.replace(tmp, target)
     except OSError as err:
-        return f"cannot record the open conversations in {target} ({err.strerror or err}); --resume reopens the last"
+        return (f"cannot record the open conversations: {cannot_write(target, err, 'KVCHAT_DATA_DIR')}; --resume "
+                "reopens the last")
     return None
 
 
@@ -139,9 +126,11 @@ def resume_paths(root: Path | None = None) -> tuple[Path | None, list[Path]]:
 
 def open_at_quit(root: Path | None = None) -> list[Path]:
     """The conversations that were open when the app last quit and are still on disk (a
-    conversation never sent a message has no file)."""
+    conversation never sent a message has no file), each one of kvchat's own logs."""
     try:
-        paths = json.loads(((root or data_dir()) / OPEN_FILE).read_text(encoding="utf-8"))["open"]
-    except (OSError, ValueError, KeyError, TypeError):
+        paths = json.loads(read_text((root or data_dir()) / OPEN_FILE, 2**20))["open"]
+    except (FileRefused, ValueError, KeyError, TypeError, RecursionError):
         return []
-    return [Path(p) for p in paths if isinstance(p, str) and Path(p).is_file()]
+    if not isinstance(paths, list):
+        return []
+    return [Path(p) for p in paths if isinstance(p, str) and is_saved_log(Path(p), root)]

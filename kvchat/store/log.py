@@ -7,7 +7,9 @@ fsynced as it happens, so a crash or a quit loses nothing.
     {"type": "messages", "messages": [...]}        the whole list, when it changed otherwise
     {"type": "turn", ...TurnStats.summary()}       one reply's telemetry
     {"type": "event", "event": "cap" | "policy" | "mode" | "reset_cache" | ..., ...}
-`--resume` replays the newest file; `/save FILE` exports Markdown and telemetry.
+`--resume` replays the newest file; `/save FILE` exports Markdown and telemetry. Reading a log
+back is log_records.py's (one typed reader, every record checked); this file writes them, and
+only ever to a regular file it created under its own folder (never through a link).
 """
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ import errno
 import fcntl
 import json
 import os
+import stat
 import tempfile
 import threading
 import time
@@ -25,17 +28,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvchat.engine.policy import POLICIES
-
+from .files import cannot_write
+from .log_records import SETTINGS, Appended, Event, Replaced, Start, read_log
+from .log_records import StoreError  # noqa: F401  (the store's error, where callers have always found it)
 from .records import TurnRecord
 from ..text import stats_line
 
 DATA_ENV = "KVCHAT_DATA_DIR"
 Messages = list[dict[str, str]]
-
-
-class StoreError(Exception):
-    """A conversation file that cannot be read back; str() is one line."""
 
 
 class ConversationBusy(OSError):
@@ -65,7 +65,15 @@ class Restored:
     policy: str = "stop"
     mode: str = "cache"
     unanswered: str | None = None   # a last user message whose reply never finished
-    skipped: int = 0                # damaged records left out (a torn line, a hand edit)
+    problems: list[str] = field(default_factory=list)   # "FILE line N: why" per damaged record left out
+    title: str | None = None        # the name a rename gave it
+    model: str | None = None        # the model it last ran with (None: not recorded)
+    model_from: int = 0             # turns before this index ran under another model
+    started: float = 0.0            # seconds since the epoch, from its start record
+
+    @property
+    def skipped(self) -> int:
+        return len(self.problems)
 
 
 def lock_holder(path: Path) -> int | None:
@@ -122,7 +130,11 @@ class _LogFile:
 
     def __init__(self, path: Path) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, 0o600)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):          # a FIFO named *.jsonl: never written to
+            os.close(fd)
+            raise OSError(errno.EINVAL, "is not a regular file; kvchat writes its logs to regular files only",
+                          str(path))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -162,7 +174,7 @@ class ConversationLog:
     with that line once, and every later write tries the file again, oldest record first.
     Only a file locked by another process raises (ConversationBusy), when it is opened."""
 
-    def __init__(self, path: Path, messages: Messages | None = None) -> None:
+    def __init__(self, path: Path, messages: Messages | None = None, restored: Restored | None = None) -> None:
         self.path = path
         self.messages: Messages = [dict(m) for m in messages or []]  # what the log says so far
         self._file: _LogFile | None = None
@@ -171,10 +183,10 @@ class ConversationLog:
         self.error: str | None = None
         self.on_error: Callable[[str], None] | None = None
         self._lock = threading.Lock()
-        if path.exists():
+        if os.path.lexists(path):
             # the file's own view: a restored unanswered message is in it (restore() popped it
             # for the input), so sending that message again appends nothing twice
-            on_file = restore(path)
+            on_file = restored if restored is not None and restored.path == path else restore(path)
             orphan = [{"role": "user", "content": on_file.unanswered}] if on_file.unanswered else []
             self.messages = on_file.messages + orphan
             try:
@@ -209,8 +221,8 @@ class ConversationLog:
     def _failure(self, err: OSError) -> str:
         if isinstance(err, ConversationBusy):
             return str(err)
-        return (f"cannot write the conversation log {self.path} ({err.strerror or err}); the conversation is "
-                "kept in memory: /save FILE elsewhere to keep it")
+        return (f"cannot write the conversation log {self.path.name}: {cannot_write(self.path, err, DATA_ENV)}; "
+                "the conversation is kept in memory: /save FILE elsewhere to keep it")
 
     @classmethod
     def create(cls, root: Path | None = None, **start: Any) -> ConversationLog:
@@ -254,61 +266,59 @@ class ConversationLog:
                 self._file = None
 
 
-def last_conversation(root: Path | None = None) -> Path | None:
+def saved_logs(root: Path | None = None) -> list[Path]:
+    """The conversation logs in kvchat's own folder: regular *.jsonl files there, never a link
+    (which could point anywhere) nor a FIFO (which would hang the reader)."""
     folder = conversations_dir(root)
-    files = sorted(folder.glob("*.jsonl"), key=lambda p: p.stat().st_mtime) if folder.is_dir() else []
+    if not folder.is_dir():
+        return []
+    out = []
+    for p in folder.glob("*.jsonl"):
+        try:
+            if stat.S_ISREG(p.lstat().st_mode):
+                out.append(p)
+        except OSError:
+            continue
+    return out
+
+
+def is_saved_log(path: Path, root: Path | None = None) -> bool:
+    """Whether `path` names one of kvchat's own logs (what --resume may reopen and append to)."""
+    try:
+        return (path.suffix == ".jsonl" and path.parent.resolve() == conversations_dir(root).resolve()
+                and stat.S_ISREG(path.lstat().st_mode))
+    except OSError:
+        return False
+
+
+def last_conversation(root: Path | None = None) -> Path | None:
+    files = sorted(saved_logs(root), key=lambda p: p.stat().st_mtime)
     return files[-1] if files else None
 
 
-def _message(m: Any) -> dict[str, str]:
-    if not (isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
-            and m["role"] in ("system", "user", "assistant")):
-        raise ValueError("a message needs a role (system, user, assistant) and a string content")
-    return {"role": m["role"], "content": m["content"]}
-
-
-SETTINGS = {  # the settings a log's events restore, each with what a valid value is
-    "cap": lambda v: v is None or (isinstance(v, int) and not isinstance(v, bool) and v > 0),
-    "policy": lambda v: v in POLICIES,
-    "mode": lambda v: v in ("cache", "off"),
-}
-
-
 def restore(path: Path) -> Restored:
-    """Replay a conversation log. A damaged record (a torn line after a crash, a hand edit)
-    is skipped and counted in `skipped`; the rest of the conversation is kept."""
-    out = Restored(path)
-    try:
-        lines = path.read_text(encoding="utf-8", errors="replace").splitlines()
-    except OSError as err:
-        raise StoreError(f"cannot read saved conversation {path}: {err.strerror or err}") from None
-    for line in lines:
-        if not line.strip():
-            continue
-        try:
-            rec = json.loads(line)
-            kind = rec.get("type")
-            if kind == "start":
-                system = rec.get("system")
-                out.messages = [_message({"role": "system", "content": system})] if system else []
-                for key, default in (("cap", None), ("policy", "stop"), ("mode", "cache")):
-                    value = rec.get(key, default)
-                    setattr(out, key, value if SETTINGS[key](value) else default)
-            elif kind == "message":
-                out.messages.append(_message(rec))
-            elif kind == "messages":
-                out.messages = [_message(m) for m in rec["messages"]]
-            elif kind == "turn":
-                out.turns.append(TurnRecord.from_dict(rec))
-            elif kind == "event" and rec.get("event") in SETTINGS:
-                value = rec.get("value")
-                if not SETTINGS[rec["event"]](value):
-                    raise ValueError(f"bad {rec['event']} {value!r}")
-                setattr(out, rec["event"], value)
-            elif kind != "event":
-                raise ValueError(f"unknown record type {kind!r}")
-        except (ValueError, KeyError, TypeError, AttributeError, RecursionError):
-            out.skipped += 1
+    """Replay a conversation log (read once, by log_records.read_log). A damaged record (a
+    torn line after a crash, a hand edit) is skipped and named in `problems`; the rest of the
+    conversation is kept."""
+    log = read_log(path)
+    out = Restored(path, problems=log.problems)
+    for rec in log.records:
+        if isinstance(rec, Start):
+            out.messages = [{"role": "system", "content": rec.system}] if rec.system else []
+            out.cap, out.policy, out.mode = rec.cap, rec.policy, rec.mode
+            out.model, out.started = rec.model, rec.time
+        elif isinstance(rec, Appended):
+            out.messages.append({"role": rec.role, "content": rec.content})
+        elif isinstance(rec, Replaced):
+            out.messages = [dict(m) for m in rec.messages]
+        elif isinstance(rec, TurnRecord):
+            out.turns.append(rec)
+        elif isinstance(rec, Event) and rec.name in SETTINGS:
+            setattr(out, rec.name, rec.value)
+        elif isinstance(rec, Event) and rec.name == "title":
+            out.title = rec.value.strip()
+        elif isinstance(rec, Event) and rec.name == "model":
+            out.model, out.model_from = rec.value, len(out.turns)
     if out.messages and out.messages[-1]["role"] == "user":
         out.unanswered = out.messages.pop()["content"]
     return out

@@ -18,6 +18,9 @@ from pathlib import Path
 from textual.keys import Keys
 
 from ..keys import KEY_IDS, KEYS
+from .files import FileRefused, cannot_write, read_text
+
+MAX_SETTINGS_BYTES = 2**20
 
 CONFIG_ENV = "KVCHAT_CONFIG_DIR"
 
@@ -83,12 +86,15 @@ class Settings:
 
 def load(path: Path | None = None) -> Settings:
     path = path or config_path()
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
+    if not os.path.lexists(path):
         return Settings()
-    except (OSError, UnicodeDecodeError) as err:
-        raise SettingsError(f"settings file {path}: cannot read ({err})") from None
+    try:
+        data = json.loads(read_text(path, MAX_SETTINGS_BYTES))
+    except FileRefused as err:
+        raise SettingsError(f"settings file {path}: {err}") from None
+    except RecursionError:
+        raise SettingsError(f"settings file {path}: nested too deeply; expected a JSON object like "
+                            "{\"theme\": \"dark\"}") from None
     except ValueError as err:
         raise SettingsError(f"settings file {path}: not valid JSON ({err})") from None
     if not isinstance(data, dict):
@@ -113,8 +119,11 @@ def save(settings: Settings, path: Path | None = None) -> None:
     except SettingsError as err:
         raise OSError(errno.EINVAL, f"not saved, the file is not valid now ({err})", str(path)) from None
     merged = Settings(theme=settings.theme, keys={**settings.keys, **on_disk.keys})
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    except OSError as err:     # say which folder to fix, not only "File exists"
+        raise OSError(err.errno, cannot_write(path, err, CONFIG_ENV), str(path)) from None
     try:
         with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(json.dumps(asdict(merged), indent=2) + "\n")

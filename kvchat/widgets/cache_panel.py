@@ -20,6 +20,7 @@ from kvchat.engine.units import human_bytes
 
 from ..backends.server_stats import ServerSnapshot, ServerStats
 from .panel import Panel
+from ..text import inert
 
 COMPARE = (("3.1 8B", "llama-3.1-8b"), ("3.1 70B", "llama-3.1-70b"), ("2 7B", "llama-2-7b"))   # Llama ...
 SERVING = (("bf16", "bf16"), ("fp8", "fp8 + scales"))     # the other models in the dtypes they are served in
@@ -66,7 +67,7 @@ def server_lines(v: ServerStats) -> Text:
     """A serving engine's own figures (ServerSnapshot.server), and what this mode cannot show."""
     pct = lambda x: f"{100 * x:.0f}%" if x is not None else "unknown"   # noqa: E731
     ms = lambda x: f"{x:,.1f} ms" if x is not None else "unknown"       # noqa: E731
-    out = Text(f"server {v.url}\n", style="bold")
+    out = Text(f"server {inert(v.url)}\n", style="bold")
     out.append(f"pool in use {pct(v.usage)} · prefix hits {pct(v.prefix_hit_rate)} · "
                f"{_count(v.running)} running, {_count(v.waiting)} waiting\n")
     out.append(f"its histograms: inter-token {ms(v.inter_token_ms)} · TTFT {ms(v.ttft_ms)} (means)\n")
@@ -74,7 +75,7 @@ def server_lines(v: ServerStats) -> Text:
         out.append(f"resident prefix blocks {v.resident_blocks:,} (KV events: {_count(v.event_batches)} batches, "
                    f"{_count(v.event_gaps)} lost)\n")
     for note in v.notes:
-        out.append(f"{note}\n", style="dim italic")
+        out.append(f"{inert(note)}\n", style="dim italic")     # a server's label values may be in it
     out.rstrip()
     return out
 

@@ -8,6 +8,8 @@ from textual.content import Content
 from textual.markup import escape
 from textual.widgets import Static
 
+from ..text import inert
+
 
 @dataclass(frozen=True, slots=True)
 class Entry:
@@ -45,7 +47,7 @@ class ConversationBar(Static):
     def _draw(self) -> None:
         parts = []
         for e in self.entries:
-            label = f" {e.number} {escape(e.title)} "
+            label = f" {e.number} {escape(inert(e.title))} "
             if e.state:
                 label += f"[i]{e.state}[/i] "
             style = "reverse b" if e.number == self.focused else ("$warning" if e.state == "preempted" else "")

@@ -7,7 +7,7 @@ from rich.text import Text
 from textual.reactive import reactive
 from textual.widget import Widget
 
-from ..text import fit_segments
+from ..text import fit_segments, inert
 
 
 RANDOM_WEIGHTS_SHORT = "random weights: gibberish by design"
@@ -36,13 +36,14 @@ class StatusBar(Widget):
 
     def render(self) -> Text:
         """One line laid out by hand: the warning, the settings (whole segments only), the
-        note if there is room for it, and the state on the right."""
+        note if there is room for it, and the state on the right. A served model's name and
+        a server's URL are in the settings: all of it is drawn inert."""
         width = self.content_size.width or 200
-        state = fit_segments(self.state, max(width - 12, 8))
+        state = fit_segments(inert(self.state), max(width - 12, 8))
         warning = f"{self.warning} " if self.warning else ""
         room = width - cell_len(warning) - cell_len(state) - 1
-        info = fit_segments(self.info, room)
-        note = fit_segments(self.note, room - cell_len(info) - 3) if self.note else ""
+        info = fit_segments(inert(self.info), room)
+        note = fit_segments(inert(self.note), room - cell_len(info) - 3) if self.note else ""
         if note and cell_len(note) > room - cell_len(info) - 3:
             note = ""                      # no room even for its first segment: the log keeps it
         line = Text(no_wrap=True, overflow="crop")

@@ -3,7 +3,9 @@ and one-line notices (command results and errors).
 
 Replies keep their line breaks: a poem or a list without bullets is drawn as the model wrote
 it (each newline inside a paragraph is a hard break), while the text itself, and the saved
-Markdown, stay as written."""
+Markdown, stay as written. Everything drawn here came from outside kvchat (a model, a server,
+a file, a saved log), so it is drawn through `text.inert`: an escape sequence in a reply shows
+as `\\x1b[2J`, it never reaches the terminal. The text kept (`.text`) stays as written."""
 from __future__ import annotations
 
 from markdown_it import MarkdownIt
@@ -15,7 +17,7 @@ from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
 from ..store.records import TurnRecord
-from ..text import stats_line
+from ..text import inert, stats_line
 
 
 def _keep_line_breaks(state: StateCore) -> None:
@@ -40,14 +42,14 @@ class UserMessage(Static):
     DEFAULT_CSS = "UserMessage { margin: 1 0 0 0; padding: 0 1; }"
 
     def __init__(self, text: str) -> None:
-        super().__init__(Text(text))
+        super().__init__(Text(inert(text)))
         self.text = text
 
     def refuse(self, reason: str) -> None:
         """The turn was refused: nothing of it entered the conversation."""
         self.add_class("refused")
         self.border_subtitle = "not sent"
-        self.tooltip = reason
+        self.tooltip = Text(inert(reason))
 
 
 class Reply(Vertical):
@@ -67,8 +69,8 @@ class Reply(Vertical):
         self._stream: MarkdownStream | None = None
 
     def compose(self):
-        yield Markdown(self.text, parser_factory=markdown_parser)
-        yield Static(stats_line(self.record) if self.record else "…", classes="stats")
+        yield Markdown(inert(self.text), parser_factory=markdown_parser)
+        yield Static(Text(stats_line(self.record)) if self.record else "…", classes="stats")
 
     @property
     def markdown(self) -> Markdown:
@@ -80,7 +82,7 @@ class Reply(Vertical):
         self.text += fragment
         if self._stream is None:
             self._stream = Markdown.get_stream(self.markdown)
-        await self._stream.write(fragment)
+        await self._stream.write(inert(fragment))
 
     async def finish(self, record: TurnRecord | None, error: str | None = None) -> None:
         if self._stream is not None:
@@ -89,13 +91,13 @@ class Reply(Vertical):
         self.record = record
         stats = self.query_one(".stats", Static)
         if error:
-            stats.update(Text(f"stopped by an error: {error}"))
+            stats.update(Text(inert(f"stopped by an error: {error}")))
             stats.add_class("error")
         elif record is not None:
-            stats.update(stats_line(record))
+            stats.update(Text(stats_line(record)))
             if record.reply is not None and record.reply != self.text:
                 self.text = record.reply   # the detokenizer's final text wins
-                await self.markdown.update(self.text)
+                await self.markdown.update(inert(self.text))
         else:
             stats.update("")
 
@@ -110,7 +112,7 @@ class Notice(Static):
     """
 
     def __init__(self, text: str, error: bool = False) -> None:
-        super().__init__(Text(text), classes="error" if error else "")
+        super().__init__(Text(inert(text)), classes="error" if error else "")
         self.text = text
 
 
