@@ -134,6 +134,8 @@ class Engine:
         self.model = load_model(self.source, self.device, self.dtype, cfg.seed)
         if self.device.type == "cpu":
             native.lib()   # the C kernels compile (once per machine, about 4 s) while the model loads, not at the first reply
+            if self.dtype == torch.bfloat16 and native.lib() is not None:
+                self.model.fp32_rows()
         self.lock = threading.RLock()  # one turn at a time touches the pool
         self.conversations: list = []
         self.preemptions = 0

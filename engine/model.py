@@ -117,19 +117,22 @@ class Llama:
         self.geom = geom
         self.embed, self.layers, self.norm, self.lm_head = embed, layers, norm, lm_head
         self.device, self.dtype = embed.device, embed.dtype
-        # bf16 weights on a CPU with the C kernels: only the matrices stay bf16 (half the bytes
-        # a decode step reads, native.gemv's bf16 path); the rows, norms, RoPE and K/V are fp32,
-        # so the fp32 cache kernels serve and nothing is rounded to bf16 between the products.
-        self.act_dtype = (torch.float32 if self.device.type == "cpu" and self.dtype == torch.bfloat16
-                          and native.lib() is not None else self.dtype)
-        if self.act_dtype != self.dtype:
-            self.norm = norm.float()
-            for layer in layers:
-                layer.attn_norm, layer.mlp_norm = layer.attn_norm.float(), layer.mlp_norm.float()
+        self.act_dtype = self.dtype     # the rows' dtype: see fp32_rows()
         self.scale = geom.head_dim ** -0.5
         self.inv_freq = rope_inv_freq(geom).to(self.device)
         self._cos = self._sin = torch.empty(0)
         self._extend_rope(min(geom.max_position, 8192))
+
+    def fp32_rows(self) -> None:
+        """bf16 weights on a CPU with the C kernels (the engine asks for this): only the
+        matrices stay bf16 (half the bytes a decode step reads, native.gemv's bf16 path); the
+        rows, norms, RoPE and K/V are fp32, so the fp32 cache kernels serve and nothing is
+        rounded to bf16 between the products. A prefill's GEMM runs in bf16 (AMX where present)."""
+        self.act_dtype = torch.float32
+        self.norm = self.norm.float()
+        for layer in self.layers:
+            layer.attn_norm, layer.mlp_norm = layer.attn_norm.float(), layer.mlp_norm.float()
+        self._extend_rope(self._cos.shape[0])
 
     # ---- rotary tables -----------------------------------------------------------------------
     def _extend_rope(self, n: int) -> None:

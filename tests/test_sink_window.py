@@ -105,7 +105,7 @@ def test_a_cap_too_small_for_sinks_and_a_window_is_refused(engine):
 
 def test_sink_window_over_an_fp8_cache_re_rotates_quantized_keys():
     from kvchat.engine import Engine, EngineConfig
-    eng = Engine(EngineConfig(kv_dtype="fp8", kv_budget="8MiB"))
+    eng = Engine(EngineConfig(dtype="fp32", kv_dtype="fp8", kv_budget="8MiB"))
     conv = eng.new_conversation(cap=64, policy="sink-window")
     stats = turn(conv, "Write a long story about a lighthouse keeper and a storm.", 60)
     assert stats.kv_dtype == "fp8" and conv.evicted_tokens > 0 and conv.tokens_held <= 64
