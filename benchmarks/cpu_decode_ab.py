@@ -8,6 +8,11 @@ changing load touches both alike.
 
 Prints, per context and KV dtype, the median over rounds of each round's median ms/step for
 both, their ratio, and the 1-minute load before and after.
+
+With --loop, the whole turn loop instead of the model's forward: a conversation of each
+engine replies to the same prompt (a history of about `context` tokens) and the time between
+its TokenEvents, as a reader sees them, is the figure: the scheduler, runner and sampling
+of one step included (the batching issue's "B = 1 within 2%" check).
 """
 from __future__ import annotations
 
@@ -54,8 +59,11 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--loop", action="store_true", help="time the engines' turn loops, not the forward")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
+    if args.loop:
+        return loop_ab(args)
     load0 = os.getloadavg()[0]
     eng = Engine(EngineConfig(kv_budget="16MiB"))
     m, g = eng.model, eng.geometry
@@ -99,6 +107,49 @@ def main() -> int:
     return 0
 
 
+
+def loop_ab(args) -> int:
+    """Token-to-token time of a reply through each engine's own Conversation.send."""
+    load0 = os.getloadavg()[0]
+    before_pkg = load_engine_package(args.before.resolve())
+    from importlib import import_module
+    engines = {"before": import_module("before_engine.engine").Engine(
+        import_module("before_engine.engine").EngineConfig(kv_budget="256MiB")),
+        "after": Engine(EngineConfig(kv_budget="256MiB"))}
+    sampling = {"before": import_module("before_engine.sampler").SamplingParams,
+                "after": import_module("kvchat.engine.sampler").SamplingParams}
+    del before_pkg
+    from pydoc_data.topics import topics
+    text = "\n\n".join(topics[k] for k in sorted(topics))
+    tok = engines["after"].tokenizer
+    print(f"# token-to-token ms of a reply, before ({args.before}) and after ({ROOT}), {args.threads} threads",
+          flush=True)
+    rows = []
+    for c in [int(x) for x in args.contexts.split(",")]:
+        history = tok.decode(tok.encode(text[: 6 * c])[:c]) + "\n\nSummarise the text above at length."
+        times = {"before": [], "after": []}
+        for _ in range(args.rounds):
+            for name, eng in engines.items():
+                conv = eng.new_conversation()
+                try:
+                    stamps = []
+                    for ev in conv.send(history, sampling[name](max_tokens=args.steps + 2)):
+                        if type(ev).__name__ == "TokenEvent" and ev.token_id >= 0:
+                            stamps.append(time.perf_counter())
+                finally:
+                    conv.reset_cache()
+                    eng.close_conversation(conv)
+                gaps = [(b - a) * 1000 for a, b in zip(stamps[1:], stamps[2:])]
+                times[name].append(statistics.median(gaps) if gaps else float("nan"))
+        b, a = statistics.median(times["before"]), statistics.median(times["after"])
+        rows.append(("loop", c, b, a))
+        print(f"context ~{c}: before {b:.1f} ms, after {a:.1f} ms", flush=True)
+    print(f"\n1-minute load {load0:.1f} before, {os.getloadavg()[0]:.1f} after\n\n"
+          "| turn loop | context | before ms/token | after ms/token | after ÷ before |\n|---|---:|---:|---:|---:|")
+    for kind, c, b, a in rows:
+        print(f"| {kind} | {c} | {b:.1f} | {a:.1f} | {a / b:.3f} |")
+    return 0
+
+
 if __name__ == "__main__":
     raise SystemExit(main())
-

@@ -6,8 +6,10 @@
 
 Prints one table, a row at a time, then the targets of the kernels issue:
 1. correctness: each kernel against its torch reference on CUDA (write_kv bit for bit,
-   paged_decode max abs error, the SDPA prefill in bf16 against fp32, and the graph-captured
-   decode step against the eager torch reference path);
+   paged_decode max abs error, the SDPA prefill in bf16 against fp32, the graph-captured
+   decode step against the eager torch reference path, and batches of 3 and 5 sequences
+   replayed from the graphs of buckets 4 and 8 (padded rows writing nothing) against each
+   sequence decoded alone);
 2. ceiling: device-to-device copy bandwidth (bytes read + written per second);
 3. paged decode kernel: achieved bandwidth (K and V bytes read per second) at 1k, 8k, 32k
    and 128k context for Llama 3.1 8B's attention (8 KV heads, 32 query heads, head_dim 128,
@@ -20,7 +22,9 @@ Prints one table, a row at a time, then the targets of the kernels issue:
 5. end to end: decode ms/token with random Llama 3.1 8B weights in bf16 through the engine
    (CUDA graph + kernels) at 1k, 8k, 32k context, beside a contiguous-cache torch SDPA decode
    loop on the same weights (eager, and graph-captured at a fixed context) and transformers'
-   own LlamaForCausalLM.generate on the same geometry; with the weight-read roofline.
+   own LlamaForCausalLM.generate on the same geometry; with the weight-read roofline; then
+   the step time and aggregate tokens/s of 1, 4 and 16 sequences decoding together through
+   the engine's scheduler at 1k.
 
 Every section runs in its own try/except: a failure prints its error in that row and the rest
 still run. Without CUDA it prints "no CUDA device: nothing to check" and exits 0.

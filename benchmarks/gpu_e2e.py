@@ -29,44 +29,36 @@ def make_engine(s: Setup, budget_tokens: int):
         engine_mod.load_tokenizer = real
 
 
-def drain(chunks):
-    """Run a generator to its end; its return value."""
-    while True:
-        try:
-            next(chunks)
-        except StopIteration as done:
-            return done.value
-
-
-def engine_decode_ms(s: Setup, engine, ctx: int, fused: bool = True) -> float:
-    """Fill a conversation's cache with ctx random tokens (prefill), then time decode steps
-    the way Conversation's turn loop runs them: make room, decode, read the greedy token.
-    fused=False installs a decoder that captures Llama.forward itself instead."""
+def engine_decode_ms(s: Setup, engine, ctx: int, fused: bool = True, batch: int = 1) -> float:
+    """Median decode step time through the engine's own loop (scheduler, runner, CUDA graph
+    of the batch's bucket): `batch` prompts of ctx random tokens, each then decoding
+    s.decode_steps + 3 tokens in the same steps. fused=False installs a decoder that captures
+    Llama.forward itself instead."""
     import torch
-    from kvchat.engine import cuda_graph
+    from kvchat.engine import SamplingParams, cuda_graph
     if s.device.type == "cuda":
         dec = cuda_graph.decoder_for(engine.model, engine.pool)
         if dec.fused != fused and dec.fallback is None:
             cuda_graph._DECODERS[engine.model] = cuda_graph.GraphDecoder(engine.model, engine.pool, fused=fused)
-    conv = engine.new_conversation()
-    try:
-        ids = torch.randint(0, s.geom.vocab_size, (ctx,)).tolist()
-        conv.reserve(ctx)
-        logits = drain(conv._prefill(ids, 0))      # it yields tokens done per chunk, returns the logits
-        token, pos = int(logits.argmax()), ctx
-        times = []
-        for i in range(s.decode_steps + 3):
-            t0 = time.perf_counter()
-            conv.reserve(pos + 1)
-            with kernels_on_cpu(s):
-                logits = conv._decode(token, pos)
-            token = int(logits.argmax())
-            times.append(time.perf_counter() - t0)
-            pos += 1
-        times = sorted(times[3:])  # the first steps capture the graph
-        return 1000 * times[len(times) // 2]
-    finally:
-        engine.close_conversation(conv)
+    prompts = [torch.randint(0, s.geom.vocab_size, (ctx,)).tolist() for _ in range(batch)]
+    with kernels_on_cpu(s):
+        _, steps = engine.generate(prompts, SamplingParams(max_tokens=s.decode_steps + 4), ignore_eos=True)
+    times = sorted(st.step_ms for st in steps if st.decode_rows == batch and not st.prefill_tokens)[:-3 or None]
+    return times[len(times) // 2]
+
+
+def check_batched(r: Report, s: Setup, engine) -> None:
+    """Aggregate decode tokens/s against the batch size at the first context: the weights are
+    read once per step for all B sequences, so the step time grows far slower than B."""
+    ctx = s.e2e_contexts[0]
+    one = None
+    for b in (1, 4, 16) if not s.dry else (1, 3):
+        with r.guard("e2e", f"engine batch {b} at {ctx}"):
+            ms = engine_decode_ms(s, engine, ctx, batch=b)
+            one = one or ms
+            r.row("e2e", f"engine decode, batch {b} at {ctx} (graph bucket)", f"{ms:.2f} ms/step",
+                  f"{1000 * b / ms:,.0f} tok/s aggregate", f"step {ms / one:.2f}x batch 1's, "
+                                                           f"{b * one / ms:.2f}x its tokens/s")
 
 
 class ContiguousSDPA:
@@ -207,6 +199,7 @@ def check_end_to_end(r: Report, s: Setup) -> None:
                 r.row("e2e", f"engine decode {label}, graph of Llama.forward", f"{plain:.2f} ms/token",
                       "unfused: norms, RoPE, silu in torch", f"fusion saves {plain - ms:.2f} ms/token")
     r.facts["engine_ms"] = ms_engine
+    check_batched(r, s, engine)
 
     with r.guard("e2e", "torch SDPA contiguous cache"):
         sdpa = ContiguousSDPA(engine.model, max(s.e2e_contexts) + s.decode_steps + 8)

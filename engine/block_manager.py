@@ -18,6 +18,14 @@ the same chain. A hit is verified against the tokens kept with the block and aga
 recorded parent (the chain id of the block just matched), so by induction the whole matched
 prefix is the text asked for: a hash collision can cost a reuse but never returns a block
 computed after other tokens.
+
+A match walks a chain from its head, so a block is worth caching only while every block
+before it is indexed too. Two rules keep it so (vLLM's block pool does the first):
+a sequence's blocks are released deepest first, so within a chain the least recently used
+end is its tail, and eviction eats chains from the tail; and a block that leaves the index
+takes every indexed block after it along (cached ones go to the free list), unless a held
+copy of the same prefix (a "twin": the same text computed twice, e.g. by two requests in one
+step) takes its place. So every cached block can still match (`reachable`).
 """
 from __future__ import annotations
 
@@ -28,6 +36,7 @@ from dataclasses import dataclass
 
 from .errors import PoolExhausted
 from .sequence import Sequence
+from .telemetry import CACHED, HELD, OTHER, PARTIAL, REUSED, SHARED
 
 ROOT = 0  # the chain id before the first block
 HashFn = Callable[[int, tuple[int, ...]], int]
@@ -62,8 +71,12 @@ class BlockManager:
         self._free: list[int] = list(range(num_blocks))  # a heap
         self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced, indexed; oldest first
         self._index: dict[int, int] = {}  # key -> block id
+        self._by_chain: dict[int, int] = {}          # chain id -> its indexed block
+        self._children: dict[int, set[int]] = {}     # chain id -> indexed blocks whose parent it is
+        self._twins: dict[int, set[int]] = {}        # chain id -> held, unindexed copies of its block
         self._next_chain = ROOT + 1
         self.evictions = 0  # cached blocks reclaimed for new content, since start
+        self.stranded = 0   # cached blocks dropped because a block before them left the index
 
     # ---- queries -------------------------------------------------------------------
     @property
@@ -94,6 +107,40 @@ class BlockManager:
     def cached_prefix(self, token_ids: Tokens[int]) -> int:
         """How many leading full blocks of `token_ids` a match would reuse; takes nothing."""
         return len(self._longest_match(token_ids))
+
+    def reachable(self, block_id: int) -> bool:
+        """Whether a match from a chain head can still reach this indexed block: every chain
+        before it has an indexed block."""
+        b = self.blocks[block_id]
+        if b.key is None or self._index.get(b.key) != block_id:
+            return False
+        parent = b.parent
+        while parent != ROOT:
+            up = self._by_chain.get(parent)
+            if up is None:
+                return False
+            parent = self.blocks[up].parent
+        return True
+
+    def block_map(self, tables, focus: Sequence | None = None) -> bytearray:
+        """One state code per pool block (telemetry's FREE, CACHED, SHARED, OTHER, and for
+        `focus`'s own blocks REUSED, PARTIAL, HELD): the block map the panels draw.
+        `tables`: the block tables of every sequence holding blocks. O(cached + held), not
+        O(pool): a GPU pool can have 100k blocks."""
+        codes = bytearray(self.num_blocks)  # all FREE
+        for block_id in self._cached:
+            codes[block_id] = CACHED
+        for table in tables:
+            for block_id in table:
+                codes[block_id] = SHARED if self.blocks[block_id].ref_count > 1 else OTHER
+        if focus is not None:
+            bs, held = self.block_size, len(focus.tokens)
+            for i, block_id in enumerate(focus.block_table):
+                if codes[block_id] == SHARED:
+                    continue
+                codes[block_id] = (REUSED if i < focus.reused_blocks else PARTIAL if (i + 1) * bs > held
+                                   else HELD)
+        return codes
 
     # ---- acting on sequences ----------------------------------------------------------
     def match_prefix(self, seq: Sequence, token_ids: Tokens[int]) -> int:
@@ -154,10 +201,11 @@ class BlockManager:
         With keep_index, its full blocks stay cached for prefix reuse; without, they leave
         the index too (a reset)."""
         n = len(seq.block_table)
+        deepest_first = seq.block_table[::-1]   # the chain's tail becomes least recently used
         if keep_index:
-            self._release(seq.block_table)
+            self._release(deepest_first)
         else:
-            self._forget(seq.block_table)
+            self._forget(deepest_first)
         seq.block_table, seq.chains, seq.tokens, seq.logical = [], [], [], []
         seq.reused_blocks = 0
         seq.private = False
@@ -225,14 +273,24 @@ class BlockManager:
             raise ValueError(f"block {block_id}: only a held, full block is committed")
         if b.key is not None:
             self._unindex(block_id)
+        if parent != ROOT and parent not in self._by_chain:
+            # the prefix before it left the index: no match can reach this block, so it is
+            # not indexed (its release frees it); it still names its prefix for the next block
+            chain, self._next_chain = self._next_chain, self._next_chain + 1
+            b.chain, b.parent = chain, parent
+            return chain
         key = self.hash_fn(parent, chunk)
         same = self._index.get(key)
         if same is not None and self._holds(same, parent, chunk):
             chain = self.blocks[same].chain
+            self._twins.setdefault(chain, set()).add(block_id)
         else:
             chain, self._next_chain = self._next_chain, self._next_chain + 1
         b.key, b.chain, b.parent, b.token_ids = key, chain, parent, chunk
-        self._index.setdefault(key, block_id)
+        if same is None:
+            self._index[key] = block_id
+            self._by_chain[chain] = block_id
+            self._children.setdefault(parent, set()).add(block_id)
         return chain
 
     def _release(self, block_ids: Tokens[int]) -> None:
@@ -244,7 +302,7 @@ class BlockManager:
                 raise ValueError(f"block {block_id} released more often than it was referenced")
             b.ref_count -= 1
             if b.ref_count == 0:
-                if b.key is not None and self._index.get(b.key) == block_id:
+                if self._indexed(block_id):
                     self._cached[block_id] = None
                 else:
                     self._clear(block_id)
@@ -265,12 +323,60 @@ class BlockManager:
             self._cached.pop(block_id, None)
         b.ref_count += 1
 
-    def _unindex(self, block_id: int) -> None:
+    def _indexed(self, block_id: int) -> bool:
         b = self.blocks[block_id]
-        if b.key is not None and self._index.get(b.key) == block_id:
-            del self._index[b.key]
-        self._clear(block_id)
+        return b.key is not None and self._index.get(b.key) == block_id
+
+    def _unindex(self, block_id: int) -> None:
+        """Take a block out of the index. A held twin takes its place; without one, every
+        indexed block after it can no longer match and leaves the index too (cached ones to
+        the free list, held ones when their sequence releases them). A held block keeps its
+        tokens (it is still a sequence's); an unreferenced one is cleared."""
+        b, key = self.blocks[block_id], self.blocks[block_id].key
+        if key is not None and self._index.get(key) == block_id:
+            twins = self._twins.get(b.chain)
+            if twins and (b.parent == ROOT or b.parent in self._by_chain):
+                heir = twins.pop()
+                if not twins:
+                    del self._twins[b.chain]
+                self._index[key] = self._by_chain[b.chain] = heir
+                siblings = self._children[b.parent]
+                siblings.discard(block_id)
+                siblings.add(heir)
+            else:
+                self._twins.pop(b.chain, None)   # copies after a gone prefix cannot match either
+                del self._index[key]
+                del self._by_chain[b.chain]
+                others = self._children.get(b.parent)
+                if others is not None:
+                    others.discard(block_id)
+                    if not others:
+                        del self._children[b.parent]
+                for child in sorted(self._children.pop(b.chain, ())):
+                    self._strand(child)
+        if b.ref_count > 0:
+            self._untwin(block_id)
+            b.key = None
+        else:
+            self._clear(block_id)
+
+    def _strand(self, block_id: int) -> None:
+        """A block after one that left the index: it can no longer match."""
+        self._unindex(block_id)
+        if block_id in self._cached:
+            del self._cached[block_id]
+            heapq.heappush(self._free, block_id)
+            self.stranded += 1
+
+    def _untwin(self, block_id: int) -> None:
+        chain = self.blocks[block_id].chain
+        twins = self._twins.get(chain)
+        if twins is not None and block_id in twins:
+            twins.discard(block_id)
+            if not twins:
+                del self._twins[chain]
 
     def _clear(self, block_id: int) -> None:
+        self._untwin(block_id)
         b = self.blocks[block_id]
         b.key, b.chain, b.parent, b.token_ids = None, ROOT, ROOT, ()

@@ -1,24 +1,28 @@
-"""The CUDA decode step: one token through the model, captured once in a CUDA graph and
-replayed with new inputs.
+"""The CUDA decode step: B tokens (one per sequence) through the model, captured in a CUDA
+graph per batch-size bucket and replayed with new inputs.
 
-A batch-1 decode step launches hundreds of small kernels; launched one by one from Python
-they cost more host time than the GPU needs to run them. Captured in a graph, the whole step
-is one launch (gpt-fast's `torch.compile(mode="reduce-overhead")` and vLLM's CUDA graphs do
-the same). Inside the graph each small kernel still costs a few microseconds, so the step
-captured here (`decode_step`) is `Llama.forward` for one token with its norms, rotations and
-activation fused (`engine/kernels/fused.py`): about 10 kernels per layer instead of about 35.
-`decode_step` with `TorchOps` is the same step in plain torch, operation for operation the
-arithmetic of `Llama.forward`, and the reference the fused kernels are tested against.
+A decode step launches hundreds of small kernels; launched one by one from Python they cost
+more host time than the GPU needs to run them. Captured in a graph, the whole step is one
+launch (gpt-fast's `torch.compile(mode="reduce-overhead")` and vLLM's CUDA graphs do the
+same). Inside the graph each small kernel still costs a few microseconds, so the step
+captured here (`decode_step`) is `Llama.forward` over B decode rows with its norms,
+rotations and activation fused (`engine/kernels/fused.py`): about 10 kernels per layer
+instead of about 35. `decode_step` with `TorchOps` is the same step in plain torch,
+operation for operation the arithmetic of `Llama.forward`, and the reference the fused
+kernels are tested against.
 
 A graph replays fixed addresses with fixed shapes, so everything a step varies lives in
-static device buffers refilled before each replay: the token, its position, its slot, the
-context length, and the block table. Nothing inside the step reads a value back to the host:
-the attention kernels take the context length from the device and their grid does not depend
-on it (see `engine/kernels/decode.py`). The RoPE table is extended before capture, since the
-graph keeps reading the table it was captured with.
+static device buffers refilled before each replay: each row's token, position, slot and
+context length, and its block table. Nothing inside the step reads a value back to the host:
+the attention kernels take the context lengths from the device and their grid does not
+depend on them (see `engine/kernels/decode.py`). One graph is captured per batch-size
+bucket (1, 2, 4, 8, 16, 32, 64, as nano-vllm does) on first use; a batch of B rows replays
+the smallest bucket that holds it, the rows past B padded: slot -1 (the write kernels skip
+it), context length 1. The RoPE table is extended before capture, since a graph keeps
+reading the table it was captured with.
 
-On CPU (or with use_graph=False) the same buffers drive an eager step, which is how the tests
-exercise this file without a GPU.
+On CPU (or with use_graph=False) the same buffers drive an eager step of exactly B rows,
+which is how the tests exercise this file without a GPU.
 """
 from __future__ import annotations
 
@@ -31,9 +35,10 @@ import torch.nn.functional as F
 from . import attention
 from .attention import paged_decode, write_kv_ref
 from .kv_cache import KVPool
-from .model import Llama, Step, apply_rope, rms_norm
+from .model import Batch, Llama, Step, apply_rope, rms_norm
 
 ROPE_MARGIN = 4096  # positions added beyond the one asked for when the RoPE table must grow
+BUCKETS = (1, 2, 4, 8, 16, 32, 64)   # batch sizes with a graph each; a batch replays the next one up
 
 
 class TorchOps:
@@ -72,32 +77,34 @@ def ops_for(t: torch.Tensor):
 
 
 @torch.inference_mode()
-def decode_step(model: Llama, pool: KVPool, ids: torch.Tensor, positions: torch.Tensor, step: Step,
+def decode_step(model: Llama, pool: KVPool, ids: torch.Tensor, positions: torch.Tensor, step: Step | Batch,
                 ops=None) -> torch.Tensor:
-    """One decode token, the arithmetic of `Llama.forward` with fused elementwise work.
-    ids, positions: (1,); step.context_lens: (1,) on the device; the RoPE table must cover
-    positions. Returns logits (1, vocab) fp32."""
+    """B decode tokens, one per sequence, with the arithmetic of `Llama.forward` and fused
+    elementwise work. ids, positions: (B,); step: a Step (B = 1) or a decode-only Batch with
+    context_lens on the device; the RoPE table must cover positions. Returns logits (B, vocab) fp32."""
     ops = ops or ops_for(ids)
+    batch = step.batch(ids.shape[0]) if isinstance(step, Step) else step
     g = model.geom
     hq, d = g.n_heads, g.head_dim
+    b = ids.shape[0]
     layers = model.layers
     cos, sin = model.rope_tables()                                             # (max_pos, 1, d) each
-    x = model.embed[ids]                                                       # (1, hidden) residual stream
+    x = model.embed[ids]                                                       # (B, hidden) residual stream
     h = ops.add_rms_norm(x, None, layers[0].attn_norm, g.norm_eps)
     for i, layer in enumerate(layers):
         k_cache, v_cache, k_scale, v_scale = pool.layer(i)
         q = ops.rope_write(h @ layer.wqkv.T, cos, sin, positions, k_cache, v_cache,
-                           step.slots, k_scale, v_scale, hq)                    # (1, hq, d)
-        o = paged_decode(q, k_cache, v_cache, step.block_table[None], step.context_lens, model.scale,
-                         k_scale, v_scale)                                      # (1, hq, d)
-        h = ops.add_rms_norm(x, o.reshape(1, hq * d) @ layer.wo.T, layer.mlp_norm, g.norm_eps)
+                           batch.slots, k_scale, v_scale, hq)                   # (B, hq, d)
+        o = paged_decode(q, k_cache, v_cache, batch.block_tables, batch.context_lens, model.scale,
+                         k_scale, v_scale)                                      # (B, hq, d)
+        h = ops.add_rms_norm(x, o.reshape(b, hq * d) @ layer.wo.T, layer.mlp_norm, g.norm_eps)
         after = layers[i + 1].attn_norm if i + 1 < len(layers) else model.norm
         h = ops.add_rms_norm(x, ops.silu_mul(h @ layer.w_gate_up.T) @ layer.w_down.T, after, g.norm_eps)
-    return (h @ model.lm_head.T).float()                                       # (1, vocab)
+    return (h @ model.lm_head.T).float()                                       # (B, vocab)
 
 
 class GraphDecoder:
-    """Decode steps of one model over one pool, replayed from a CUDA graph.
+    """Decode steps of one model over one pool, replayed from one CUDA graph per bucket.
 
     fused=True captures `decode_step`; fused=False captures `Llama.forward` itself. If the
     fused step fails to run (a kernel that does not compile on this GPU, say), the decoder
@@ -106,89 +113,118 @@ class GraphDecoder:
     Holds only weak references to the model and the pool, so an engine that rebuilds its
     pool frees the old one at once; `decoder_for` then makes a new decoder."""
 
-    def __init__(self, model: Llama, pool: KVPool, use_graph: bool | None = None, fused: bool = True) -> None:
+    def __init__(self, model: Llama, pool: KVPool, use_graph: bool | None = None, fused: bool = True,
+                 max_batch: int = BUCKETS[-1], pad: bool | None = None) -> None:
         self._model = weakref.ref(model)
         self._pool = weakref.ref(pool)
         dev = model.device
-        self.inputs = torch.zeros(4, dtype=torch.int64, device=dev)  # token, position, slot, context length
+        self.max_batch = max_batch
+        # rows: token, position, slot, context length; one column per batch row
+        self.inputs = torch.zeros(4, max_batch, dtype=torch.int64, device=dev)
         if use_graph is None:  # the torch paths read context lengths back to the host: no graph
             use_graph = dev.type == "cuda" and attention.triton_kernels(self.inputs) is not None
         self.use_graph = use_graph
+        self.pad = use_graph if pad is None else pad   # run whole buckets (graphs must; eager tests may)
         self.fused = fused
         self.fallback: str | None = None
-        self._staging = torch.zeros(4, dtype=torch.int64, pin_memory=dev.type == "cuda")  # host side of inputs
+        self._staging = torch.zeros(4, max_batch, dtype=torch.int64, pin_memory=dev.type == "cuda")  # host side
         self._host = self._staging.numpy()
-        self.table = torch.zeros(pool.spec.num_blocks, dtype=torch.int32, device=dev)  # (max_blocks,)
-        self.step = Step(self.table, self.inputs[2:3], prefix_len=0, decode=True,
-                         context_lens=self.inputs[3:4])  # prefix_len unused: the length comes from context_lens
-        self.graph: torch.cuda.CUDAGraph | None = None
-        self.logits: torch.Tensor | None = None  # (1, vocab) fp32, the graph's output buffer
-        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # the tables the graph reads
+        self.tables = torch.zeros(max_batch, pool.spec.num_blocks, dtype=torch.int32, device=dev)  # (max_B, max_blocks)
+        self.graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}  # bucket -> graph, its logits
+        self._rope: tuple[torch.Tensor, torch.Tensor] | None = None  # the tables the graphs read
         self._copied = torch.cuda.Event() if dev.type == "cuda" else None
 
     def serves(self, model: Llama, pool: KVPool) -> bool:
         return self._model() is model and self._pool() is pool
 
+    def bucket(self, b: int) -> int:
+        """The rows a step of b rows runs: its graph's bucket, or b itself when eager."""
+        if not self.pad:
+            return b
+        return next(size for size in BUCKETS if size >= b)
+
     def __call__(self, token: int, pos: int, slot: int, block_table: torch.Tensor, n_blocks: int,
                  context_len: int | None = None) -> torch.Tensor:
-        """Logits (vocab,) fp32 of `token` at RoPE position `pos`, whose K/V go to flat `slot`;
-        block_table: (>= n_blocks,) int32 on the device, its first n_blocks entries in use;
-        context_len: cached rows to attend to, this one included (pos + 1 unless given)."""
+        """One sequence's step: logits (vocab,) fp32 of `token` at RoPE position `pos`, whose
+        K/V go to flat `slot`; block_table: (>= n_blocks,) int32 on the device, its first
+        n_blocks entries in use; context_len: cached rows to attend to (pos + 1 unless given)."""
+        return self.decode([token], [pos], [slot], [block_table[:n_blocks]],
+                           [pos + 1 if context_len is None else context_len])[0]
+
+    def decode(self, tokens: list[int], positions: list[int], slots: list[int], tables: list[torch.Tensor],
+               context_lens: list[int]) -> torch.Tensor:
+        """B rows, one per sequence: logits (B, vocab) fp32. tables: B int32 device tensors,
+        each the first blocks of its sequence's table (a graph row reads only its own length)."""
         model, pool = self._model(), self._pool()
         if model is None or pool is None:
             raise RuntimeError("GraphDecoder: its model or pool is gone; make a new one with decoder_for")
-        if pos >= model.rope_tables()[0].shape[0]:
-            model.rope_tables(pos + 1 + ROPE_MARGIN)
-        if self._rope is not None and pos >= self._rope[0].shape[0]:
-            self.graph = None  # captured with a table too short for this position
+        b = len(tokens)
+        if not 0 < b <= self.max_batch:
+            raise ValueError(f"GraphDecoder takes 1 to {self.max_batch} rows, got {b}")
+        top = max(positions)
+        if top >= model.rope_tables()[0].shape[0]:
+            model.rope_tables(top + 1 + ROPE_MARGIN)
+        if self._rope is not None and top >= self._rope[0].shape[0]:
+            self.graphs.clear()  # captured with a table too short for this position
+        size = self.bucket(b)
         if self._copied is not None:
             self._copied.synchronize()  # the last step's copy out of the staging buffer is done
-        self._host[:] = (token, pos, slot, pos + 1 if context_len is None else context_len)
-        self.inputs.copy_(self._staging, non_blocking=True)
+        host = self._host
+        host[:, :b] = (tokens, positions, slots, context_lens)
+        host[:, b:size] = ((0,), (0,), (-1,), (1,))   # padded rows: no write, one row read
+        self.inputs[:, :size].copy_(self._staging[:, :size], non_blocking=True)
         if self._copied is not None:
             self._copied.record()
-        self.table[:n_blocks].copy_(block_table[:n_blocks])
+        width = max(t.shape[0] for t in tables)
+        if b == 1:
+            self.tables[0, :width].copy_(tables[0])
+        else:
+            self.tables[:b, :width].copy_(torch.stack([torch.nn.functional.pad(t, (0, width - t.shape[0]))
+                                                       for t in tables]))
         if not self.use_graph:
-            return self._forward(model, pool)[0]
-        graph, logits = self.graph, self.logits
-        if graph is None or logits is None:
-            graph, logits = self._capture(model, pool)
+            return self._forward(model, pool, size)[:b]
+        entry = self.graphs.get(size)
+        if entry is None:
+            entry = self.graphs[size] = self._capture(model, pool, size)
+        graph, logits = entry
         graph.replay()
-        return logits[0].clone()  # the next replay overwrites the buffer
+        return logits[:b].clone()  # the next replay overwrites the buffer
 
-    def _forward(self, model: Llama, pool: KVPool) -> torch.Tensor:
-        ids, positions = self.inputs[0:1], self.inputs[1:2]
+    def _forward(self, model: Llama, pool: KVPool, size: int) -> torch.Tensor:
+        ids, positions = self.inputs[0, :size], self.inputs[1, :size]
+        batch = Batch(self.inputs[2, :size], model.rope_tables()[0].shape[0] - 1, decode=size,
+                      block_tables=self.tables[:size], context_lens=self.inputs[3, :size])
         if self.fused:
-            return decode_step(model, pool, ids, positions, self.step)        # (1, vocab)
-        return model.forward(ids, positions, self.step, pool)                  # (1, vocab)
+            return decode_step(model, pool, ids, positions, batch)             # (size, vocab)
+        return model.forward(ids, positions, batch, pool)                      # (size, vocab)
 
-    def _capture(self, model: Llama, pool: KVPool) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    def _capture(self, model: Llama, pool: KVPool, size: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         # Every position the pool can hold, up to the model's trained context, so that a
         # conversation rarely outgrows the captured table (its tensors are kept alive in
         # self._rope: the graph reads their memory even after the model replaces them).
         model.rope_tables(min(model.geom.max_position, pool.spec.capacity_tokens))
         # Warm up on a side stream first (Triton compiles, cuBLAS picks its kernels and
         # workspace), as torch.cuda.graphs asks. The warm-up runs this very step: writing
-        # the same K/V row twice is harmless.
+        # the same K/V rows twice is harmless.
         side = torch.cuda.Stream(device=model.device)
         side.wait_stream(torch.cuda.current_stream(model.device))
         with torch.cuda.stream(side):
             try:
-                self._forward(model, pool)
+                self._forward(model, pool, size)
             except Exception as err:  # noqa: BLE001  (any kernel failure: fall back, loudly)
                 if not self.fused:
                     raise
                 self.fused = False
+                self.graphs.clear()   # every bucket captures the same step
                 self.fallback = f"{type(err).__name__}: {err}"
                 warnings.warn(f"fused CUDA decode step failed ({self.fallback}); capturing Llama.forward instead",
                               RuntimeWarning, stacklevel=3)
-                self._forward(model, pool)
+                self._forward(model, pool, size)
         torch.cuda.current_stream(model.device).wait_stream(side)
         graph = torch.cuda.CUDAGraph()
         # thread_local: the app's UI thread may query the device (memory telemetry) meanwhile
         with torch.cuda.graph(graph, capture_error_mode="thread_local"):
-            self.logits = logits = self._forward(model, pool)
-        self.graph = graph
+            logits = self._forward(model, pool, size)
         self._rope = model.rope_tables()
         return graph, logits
 

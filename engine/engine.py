@@ -1,14 +1,23 @@
-"""The engine: one model, one KV pool, one block manager, and the conversations using them.
+"""The engine: one model, one KV pool, one scheduler, and the conversations using them.
 
     engine = Engine(EngineConfig(model="smollm2-135m"))
     chat = engine.new_conversation()
     for event in chat.send("Hello"):      # TokenEvent ..., then TurnStats
         ...
     engine.snapshot(chat)                  # CacheSnapshot for panels
+
+`step()` is the only loop (nano-vllm's LLMEngine.step): the scheduler picks the rows, the
+runner computes them in one forward, the scheduler samples and hands each request its
+tokens. Steps are driven by whoever waits: a conversation whose request has nothing new to
+read runs the next step under the lock, for every request at once; the others, finding
+their tokens queued when they get the lock, read them and go on. So several threads sending
+on different conversations share every step, one thread alone runs as before batching, and
+no engine thread has to be started, stopped, or outlive its caller.
 """
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 
 import torch
@@ -17,15 +26,23 @@ from . import native
 from .block_manager import BlockManager
 from .chat_template import check_chat_template
 from .errors import KvchatError
-from .geometry import Geometry
+from .geometry import KV_DTYPES, MODEL_DTYPES, Geometry
 from .kv_cache import TORCH_DTYPES, KVPool, PoolSpec, plan_pool
-from .telemetry import CACHED, HELD, OTHER, PARTIAL, REUSED, SHARED, CacheSnapshot
-from .units import parse_bytes
+from .request import Request
+from .runner import Runner
+from .sampler import Sampler, SamplingParams
+from .scheduler import Scheduler
+from .sequence import Sequence
 from .sources import ModelSource, resolve
+from .telemetry import SHARED, CacheSnapshot, SchedulerSnapshot, StepRecord
+from .template import render_chat, stop_ids
+from .units import parse_bytes
 from .weights import load_model
 
-MODEL_DTYPES = ("auto", "fp32", "bf16", "fp16")
-KV_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp8")
+__all__ = ["KV_DTYPES", "MODEL_DTYPES", "Engine", "EngineConfig", "Generation", "Preflight", "preflight"]
+
+PREFILL_CHUNK = 8192     # CUDA: a cold prefill in one causal call takes the flash kernel; a masked chunk does not
+CPU_PREFILL_CHUNK = 512  # CPU: an 8k prompt takes minutes; chunks this size report progress and can stop
 
 
 @dataclass(slots=True)
@@ -38,6 +55,7 @@ class EngineConfig:
     kv_budget: int | str | None = None   # bytes, or a string like "512MiB"; None: from free memory
     block_size: int = 16
     seed: int = 0
+    step_tokens: int | None = None       # most prompt + decode tokens in one step; None: one prefill chunk
 
     def __post_init__(self) -> None:
         if self.dtype not in MODEL_DTYPES:
@@ -50,6 +68,8 @@ class EngineConfig:
             self.kv_budget = parse_bytes(self.kv_budget)
         if self.device not in ("auto", "cpu") and not self.device.startswith("cuda"):
             raise KvchatError(f"unknown --device {self.device!r}; accepted: auto, cpu, cuda, cuda:N")
+        if self.step_tokens is not None and (not isinstance(self.step_tokens, int) or self.step_tokens <= 0):
+            raise KvchatError(f"step tokens must be a positive number, got {self.step_tokens!r}")
 
     @property
     def budget_bytes(self) -> int | None:
@@ -121,27 +141,60 @@ def check_memory(geom: Geometry, dtype: str, kv_dtype: str, kv_budget: int | Non
         raise KvchatError(plan.refusal(smaller))
 
 
+@dataclass(frozen=True, slots=True)
+class Generation:
+    """One prompt's result from Engine.generate."""
+    prompt_tokens: int
+    tokens: tuple[int, ...]           # the tokens generated
+    ttft_ms: float
+    decode_ms: tuple[float, ...]      # the time of each step that fed one of its tokens
+    stop_reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Preflight:
+    """What is settled before any weight is read."""
+    source: ModelSource
+    device: torch.device
+    dtype: str
+    kv_dtype: str
+
+
+def preflight(cfg: EngineConfig, source: ModelSource | None = None) -> Preflight:
+    """The model resolved (its geometry read), the device and dtypes chosen, and the weights
+    and pool checked against free memory: every refusal that needs no weights, in one line.
+    The CLI, the app's launcher and the Engine itself all start here."""
+    src = source or resolve(cfg.model, cfg.random_weights)
+    device = pick_device(cfg.device)
+    dtype, kv_dtype = pick_dtypes(cfg, device)
+    check_memory(src.geometry, dtype, kv_dtype, cfg.budget_bytes, device)
+    return Preflight(src, device, dtype, kv_dtype)
+
+
 class Engine:
-    def __init__(self, config: EngineConfig | None = None, source: ModelSource | None = None) -> None:
+    def __init__(self, config: EngineConfig | None = None, source: ModelSource | None = None,
+                 checked: Preflight | None = None) -> None:
         self.config = cfg = config or EngineConfig()
-        self.source = source or resolve(cfg.model, cfg.random_weights)
+        pre = checked or preflight(cfg, source)
+        self.source, self.device = pre.source, pre.device
         self.geometry = self.source.geometry
-        self.device = pick_device(cfg.device)
-        self.dtype_name, kv_dtype = pick_dtypes(cfg, self.device)
+        self.dtype_name = pre.dtype
         self.dtype = TORCH_DTYPES[self.dtype_name]
-        check_memory(self.geometry, self.dtype_name, kv_dtype, cfg.budget_bytes, self.device)
         self.tokenizer = load_tokenizer(self.source)
         self.model = load_model(self.source, self.device, self.dtype, cfg.seed)
         if self.device.type == "cpu":
             native.lib()   # the C kernels compile (once per machine, about 4 s) while the model loads, not at the first reply
             if self.dtype == torch.bfloat16 and native.lib() is not None:
                 self.model.fp32_rows()
-        self.lock = threading.RLock()  # one turn at a time touches the pool
+        self.lock = threading.RLock()  # held for one step, or one change to the pool
         self.conversations: list = []
-        self.preemptions = 0
+        self.prefill_chunk = PREFILL_CHUNK if self.device.type == "cuda" else CPU_PREFILL_CHUNK
+        self._next_conversation = 0
+        self.scheduler: Scheduler
         self.pool: KVPool
         self.blocks: BlockManager
-        self._build_pool(kv_dtype)
+        self.runner: Runner
+        self._build_pool(pre.kv_dtype)
 
     # ---- the pool ------------------------------------------------------------------------
     def _build_pool(self, kv_dtype: str) -> None:
@@ -149,12 +202,17 @@ class Engine:
         # that fit, never the bytes (fp32 -> bf16 doubles the blocks, -> fp8 about quadruples)
         if getattr(self, "kv_budget_bytes", None) is None:
             self.kv_budget_bytes = self.config.budget_bytes or default_budget(self.geometry, kv_dtype, self.device)
-        budget = self.kv_budget_bytes
-        spec = plan_pool(self.geometry, kv_dtype, budget, self.config.block_size)
+        spec = plan_pool(self.geometry, kv_dtype, self.kv_budget_bytes, self.config.block_size)
         if hasattr(self, "pool"):
             del self.pool  # free the old tensors before allocating new ones
         self.pool = KVPool(self.geometry, spec, self.device)
         self.blocks = BlockManager(spec.num_blocks, spec.block_size)
+        if not hasattr(self, "scheduler"):    # the first build; a rebuild keeps the scheduler
+            self.scheduler = Scheduler(self.blocks, self.config.step_tokens or self.prefill_chunk,
+                                       self.model.step_weight_bytes)
+        self.scheduler.blocks = self.blocks     # the scheduler outlives a rebuild: its queues and counts stay
+        self.scheduler.cache_bytes_per_token = spec.bytes_per_token + spec.scale_bytes_per_token
+        self.runner = Runner(self.model, self.pool)
 
     @property
     def spec(self) -> PoolSpec:
@@ -166,17 +224,25 @@ class Engine:
 
     @property
     def bytes_per_token(self) -> int:
-        return self.spec.bytes_per_token
+        """What one token holds in the pool, fp8's scales included (PoolSpec.stored_bytes_per_token)."""
+        return self.spec.stored_bytes_per_token
+
+    @property
+    def preemptions(self) -> int:
+        """Conversations preempted since start, pool-wide (counted by the scheduler)."""
+        return self.scheduler.preemptions
 
     def set_kv_dtype(self, kv_dtype: str) -> None:
         """Rebuild the pool in another storage dtype, keeping the same byte budget. Every
-        conversation's cache is dropped; each recomputes its history on its next turn."""
+        conversation's cache is dropped; each recomputes its history on its next turn (a
+        reply running now goes back to the queue and recomputes its text in the new pool)."""
         if kv_dtype not in KV_DTYPES:
             raise KvchatError(f"unknown KV dtype {kv_dtype!r}; accepted: {', '.join(KV_DTYPES)}")
         kv_dtype = self.dtype_name if kv_dtype == "auto" else kv_dtype
         with self.lock:
+            self.scheduler.requeue_running()
             for conv in self.conversations:
-                conv.drop_cache()
+                self.blocks.free(conv.seq, keep_index=False)
             self._build_pool(kv_dtype)
             for conv in self.conversations:
                 conv.resize_table()
@@ -185,79 +251,141 @@ class Engine:
     def new_conversation(self, system_prompt: str | None = None, cap: int | None = None,
                          policy: str = "stop"):
         from .conversation import Conversation
-        conv = Conversation(self, system_prompt=system_prompt, cap=cap, policy=policy)
-        self.conversations.append(conv)
+        with self.lock:
+            self._next_conversation += 1
+            conv = Conversation(self, system_prompt=system_prompt, cap=cap, policy=policy,
+                                conversation_id=self._next_conversation)
+            self.conversations.append(conv)
+            self.scheduler.attach(conv.seq)
         return conv
 
     def close_conversation(self, conv) -> None:
+        """Stop its reply if one runs, and release its blocks (full ones stay cached)."""
         with self.lock:
-            conv.drop_cache(keep_index=True)
+            self.scheduler.detach(conv.seq)
+            self.blocks.free(conv.seq, keep_index=True)
             if conv in self.conversations:
                 self.conversations.remove(conv)
 
-    def make_room(self, n_blocks: int, requester) -> None:
-        """Ensure n_blocks can be allocated: cached blocks go first (LRU, inside allocate);
-        then whole idle conversations are preempted, the most recently started first, as
-        vLLM does, each counted in self.preemptions."""
-        others = [c for c in self.conversations if c is not requester]
-        if not self.blocks.can_allocate(n_blocks) and n_blocks > (
-                self.blocks.num_free + self.blocks.num_cached + sum(len(c.block_table) for c in others)):
-            raise KvchatError(
-                f"KV pool full: this turn needs {n_blocks} more blocks of {self.spec.block_size} tokens, more than "
-                f"the pool can free even by preempting every other conversation; raise --kv-budget, set a cap, "
-                f"or /reset")
-        while not self.blocks.can_allocate(n_blocks):
-            victims = [c for c in reversed(self.conversations) if c is not requester and c.block_table]
-            if not victims:
-                need, have = n_blocks, self.blocks.num_free + self.blocks.num_cached
-                raise KvchatError(
-                    f"KV pool full: this turn needs {need} more blocks of {self.spec.block_size} tokens and "
-                    f"only {have} can be freed; raise --kv-budget, lower the cap, or /reset")
-            victims[0].preempt()
-            self.preemptions += 1  # counted as it happens: a later failure does not lose it
+    # ---- steps -------------------------------------------------------------------------------
+    def submit(self, req: Request) -> None:
+        with self.lock:
+            self.scheduler.add(req)
+
+    def abort(self, req: Request) -> None:
+        with self.lock:
+            self.scheduler.abort(req)
+
+    def cut(self, req: Request, kept: int) -> None:
+        with self.lock:
+            self.scheduler.cut(req, kept)
+
+    def step(self) -> StepRecord | None:
+        """One step for every running request: schedule, run, postprocess. None when there
+        was nothing to run."""
+        with self.lock:
+            t0 = time.perf_counter()
+            plan = self.scheduler.schedule()
+            if plan is None:
+                return None
+            try:
+                logits, context, forwards = self.runner.run(plan)
+            except Exception as err:  # noqa: BLE001  (the requests in the step carry it to their readers)
+                self.scheduler.fail(plan, err)
+                return None
+            return self.scheduler.postprocess(plan, logits, t0, context, forwards)
+
+    def drive(self, req: Request) -> None:
+        """Give req something new to read: run a step unless another thread's step already did.
+        The one way a reader waits, so whoever waits runs the step for everyone."""
+        with self.lock:
+            if req.events or req.finished:
+                return
+            if self.step() is None and not (req.events or req.finished):
+                # nothing could run and req was not refused: a bug, not a wait
+                req.error = KvchatError("the scheduler found nothing to run for a waiting request")
+                self.scheduler.abort(req, "error")
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None,
+                 ignore_eos: bool = False) -> tuple[list[Generation], tuple[StepRecord, ...]]:
+        """Token ids in, token ids out, every prompt at once through the scheduler (nano-vllm's
+        LLM.generate): for benches and tests that want raw prompts without a conversation's
+        chat template. Each runs on a sequence of its own, dropped from the cache at the end
+        (nothing is left for a later call to reuse). Returns the generations in prompt order
+        and the StepRecords of the steps they took."""
+        sp = sampling or SamplingParams()
+        stops = frozenset() if ignore_eos else stop_ids(self.tokenizer, self.geometry.eos_token_ids)
+        reqs = []
+        with self.lock:
+            first = self.scheduler.steps
+            for ids in prompts:
+                seq = Sequence(self.spec.block_size, torch.zeros(self.spec.num_blocks, dtype=torch.int32,
+                                                                 device=self.device))
+                self.scheduler.attach(seq)
+                vocab = len(self.tokenizer) if self.tokenizer is not None else None
+                reqs.append(Request(self.scheduler.next_id(), seq, list(ids), Sampler(sp, self.device, vocab),
+                                    sp.max_tokens, stops, self.geometry.max_position, "max_position",
+                                    time.perf_counter(), chunk_size=self.prefill_chunk))
+                self.scheduler.add(reqs[-1])
+            try:
+                while not all(r.finished for r in reqs):
+                    if self.step() is None:
+                        break
+            finally:
+                for r in reqs:
+                    self.scheduler.detach(r.seq)
+                    self.blocks.free(r.seq, keep_index=False)
+            errors = [r.error for r in reqs if r.error is not None]
+            if errors:
+                raise errors[0]
+            taken = self.scheduler.steps - first
+            records = tuple(self.scheduler.recent)[-taken:] if taken else ()
+        return [Generation(len(r.prompt), tuple(r.tokens[len(r.prompt):]), r.ttft_ms or 0.0, tuple(r.decode_ms),
+                           r.stop_reason or "") for r in reqs], records
+
+    def steps(self) -> tuple[StepRecord, ...]:
+        """The latest steps, oldest first."""
+        with self.lock:
+            return tuple(self.scheduler.recent)
+
+    def scheduler_snapshot(self) -> SchedulerSnapshot:
+        with self.lock:
+            return self.scheduler.snapshot()
 
     # ---- telemetry ---------------------------------------------------------------------------
     def snapshot(self, focus=None) -> CacheSnapshot:
         with self.lock:
             spec, bm = self.spec, self.blocks
-            # O(cached + held) rather than O(pool): a GPU pool can have 100k blocks
-            codes = bytearray(spec.num_blocks)  # all FREE
-            for block_id in bm.cached_ids():
-                codes[block_id] = CACHED
-            shared = set()
-            for conv in self.conversations:
-                for block_id in conv.block_table:
-                    if bm.blocks[block_id].ref_count > 1:
-                        codes[block_id] = SHARED
-                        shared.add(block_id)
-                    else:
-                        codes[block_id] = OTHER
+            tables = [c.seq.block_table for c in self.conversations]
+            codes = bm.block_map(tables, focus.seq if focus is not None else None)
+            owner = bytearray(spec.num_blocks)
+            for i, table in enumerate(tables):
+                mark = min(i + 1, 255)
+                for block_id in table:
+                    if not owner[block_id]:
+                        owner[block_id] = mark
+            shared = len({b for t in tables for b in t if codes[b] == SHARED})
             held = blocks = wasted = 0
             if focus is not None:
-                seq = focus.seq
-                held = len(seq)
-                blocks = seq.num_blocks
+                held, blocks = len(focus.seq), focus.seq.num_blocks
                 wasted = blocks * spec.block_size - held
-                for i, block_id in enumerate(seq.block_table):
-                    if codes[block_id] == SHARED:
-                        continue
-                    if i < seq.reused_blocks:
-                        codes[block_id] = REUSED
-                    elif (i + 1) * spec.block_size > held:
-                        codes[block_id] = PARTIAL
-                    else:
-                        codes[block_id] = HELD
             return CacheSnapshot(
                 model=self.source.name, kv_dtype=spec.kv_dtype, block_size=spec.block_size,
-                num_blocks=spec.num_blocks, bytes_per_token=spec.bytes_per_token,
-                capacity_bytes=self.pool.nbytes, tokens_held=held, bytes_used=held * spec.bytes_per_token,
-                bytes_allocated=blocks * spec.block_size * spec.bytes_per_token, blocks_used=blocks,
+                num_blocks=spec.num_blocks, bytes_per_token=self.bytes_per_token,
+                scale_bytes_per_token=spec.scale_bytes_per_token, capacity_bytes=self.pool.nbytes,
+                tokens_held=held, bytes_used=held * self.bytes_per_token,
+                bytes_allocated=blocks * spec.block_size * self.bytes_per_token, blocks_used=blocks,
                 wasted_slots=wasted, pool_free=bm.num_free, pool_active=bm.num_active,
-                pool_cached=bm.num_cached, pool_shared=len(shared), block_map=bytes(codes),
+                pool_cached=bm.num_cached, pool_shared=shared, block_map=bytes(codes),
                 cap=focus.cap if focus is not None else None,
                 policy=focus.policy.name if focus is not None else "",
                 mode=focus.mode if focus is not None else "cache",
-                evictions=bm.evictions, preemptions=self.preemptions)
+                evictions=bm.evictions, preemptions=self.preemptions,
+                owners=tuple(c.id for c in self.conversations), block_owner=bytes(owner))
+
+    def render(self, messages: list[dict[str, str]]) -> list[int]:
+        """The chat template applied to `messages`, with the generation prompt: token ids."""
+        return render_chat(self.tokenizer, messages)
 
     def describe(self) -> dict:
         g, spec = self.geometry, self.spec
@@ -265,9 +393,11 @@ class Engine:
             "model": self.source.name, "device": str(self.device), "dtype": self.dtype_name,
             "kv_dtype": spec.kv_dtype, "random_weights": self.source.random_weights,
             "n_layers": g.n_layers, "n_heads": g.n_heads, "n_kv_heads": g.n_kv_heads, "head_dim": g.head_dim,
-            "kv_bytes_per_token": spec.bytes_per_token, "block_size": spec.block_size,
+            "kv_bytes_per_token": self.bytes_per_token, "kv_scale_bytes_per_token": spec.scale_bytes_per_token,
+            "block_size": spec.block_size,
             "num_blocks": spec.num_blocks, "capacity_tokens": spec.capacity_tokens,
             "capacity_bytes": self.pool.nbytes, "weight_bytes": self.model.weight_bytes,
+            "step_tokens": self.scheduler.token_budget,
         }
 
 

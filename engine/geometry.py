@@ -17,6 +17,9 @@ from typing import Any
 from .errors import ModelLoadError
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
+SCALE_BYTES = 4   # an fp8 cache keeps one fp32 scale per token, layer, K/V and KV head
+MODEL_DTYPES = ("auto", "fp32", "bf16", "fp16")          # --dtype's choices (auto: bf16 on CUDA, fp32 on CPU)
+KV_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp8")      # --kv-dtype's (auto: the model's dtype)
 
 # The largest value of each size a model file may claim: several times the largest Llama
 # (3.1 405B: 126 layers, hidden 16,384, 128 heads, 53,248 intermediate, 128,256 tokens, 131,072
@@ -60,6 +63,10 @@ class Geometry:
     def kv_bytes_per_token(self, kv_dtype: str) -> int:
         """2 (K and V) x layers x KV heads x head_dim x bytes per element."""
         return 2 * self.n_layers * self.n_kv_heads * self.head_dim * DTYPE_BYTES[kv_dtype]
+
+    def kv_scale_bytes_per_token(self, kv_dtype: str) -> int:
+        """fp8: 2 (K and V) x layers x KV heads fp32 scales per token; other dtypes store none."""
+        return 2 * self.n_layers * self.n_kv_heads * SCALE_BYTES if kv_dtype == "fp8" else 0
 
     def formula(self, kv_dtype: str) -> str:
         b = DTYPE_BYTES[kv_dtype]

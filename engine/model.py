@@ -6,7 +6,10 @@ frequency scaling. The layout follows transformers' LlamaForCausalLM weights (ro
 RoPE), so the same safetensors load into both and their logits can be compared.
 
 Q, K and V share one fused projection and gate/up another: fewer, larger matmuls per
-layer, which is what a batch-1 decode step on a CPU is bound by.
+layer, which is what a batch-1 decode step on a CPU is bound by. One forward takes a
+`Batch`: one decode row from each of several sequences and prompt chunks of others, so
+every weight is read once per step for all of them (what continuous batching is for);
+attention alone is per sequence, each reading its own cache through its own block table.
 """
 from __future__ import annotations
 
@@ -22,9 +25,12 @@ from .geometry import Geometry
 from .kv_cache import KVPool
 
 
+Runs = tuple[tuple[int, int], ...]   # a block table as ((first id, blocks), ...): see Sequence.runs
+
+
 @dataclass(slots=True)
 class Step:
-    """Where one forward pass reads and writes the cache (one sequence)."""
+    """Where one forward pass over one sequence reads and writes the cache."""
     block_table: torch.Tensor  # (max_blocks,) int32 on the model's device
     slots: torch.Tensor        # (T,) int64: flat pool slots of the new tokens
     prefix_len: int            # tokens already cached before this pass
@@ -35,7 +41,50 @@ class Step:
     context_lens: torch.Tensor | None = None
     # The table as runs of consecutive block ids, ((first id, blocks), ...), when the caller
     # knows them (Sequence.runs): the CPU path reads each run as a view without reading the table.
-    runs: tuple[tuple[int, int], ...] | None = None
+    runs: Runs | None = None
+
+    def batch(self, t: int) -> Batch:
+        """The same pass as a Batch of t rows."""
+        if self.decode:
+            lens = self.context_lens
+            known = None
+            if lens is None:
+                known = self.prefix_len + 1
+                lens = torch.tensor([known], dtype=torch.int32, device=self.block_table.device)
+            return Batch(self.slots, self.prefix_len + t, decode=1, block_tables=self.block_table[None],
+                         context_lens=lens, max_context=known, runs=self.runs)
+        return Batch(self.slots, self.prefix_len + t,
+                     prefills=(Chunk(t, self.block_table, self.prefix_len, self.runs),))
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    """A run of consecutive prompt rows of one sequence in a Batch: its tokens at cache
+    positions prefix_len .. prefix_len + length - 1, attending to the prefix and themselves."""
+    length: int
+    block_table: torch.Tensor   # (max_blocks,) int32 on the device
+    prefix_len: int
+    runs: Runs | None = None
+
+
+@dataclass(slots=True)
+class Batch:
+    """Where one forward pass over several sequences reads and writes the cache: the weights
+    are read once for every row. Rows 0 .. decode-1 are one token each of `decode` different
+    sequences (each attends to its own cache through its own table and length); the rows
+    after them are the `prefills` chunks, in order."""
+    slots: torch.Tensor                       # (T,) int64: flat pool slots of every row
+    max_position: int                         # 1 + the largest row position (the RoPE table covers it)
+    decode: int = 0                           # B: the number of one-token decode rows, first
+    block_tables: torch.Tensor | None = None  # (B, max_blocks) int32: the decode rows' tables
+    context_lens: torch.Tensor | None = None  # (B,) int32: rows each attends to, itself included
+    max_context: int | None = None            # max of context_lens when the host knows it (spares a read)
+    runs: Runs | None = None                  # B = 1: its table as runs of consecutive ids
+    prefills: tuple[Chunk, ...] = ()
+
+    @property
+    def rows(self) -> int:
+        return self.decode + sum(c.length for c in self.prefills)
 
 
 def rope_inv_freq(geom: Geometry) -> torch.Tensor:
@@ -156,18 +205,16 @@ class Llama:
 
     # ---- forward -----------------------------------------------------------------------------
     @torch.inference_mode()
-    def forward(self, ids: torch.Tensor, positions: torch.Tensor, step: Step, pool: KVPool,
+    def forward(self, ids: torch.Tensor, positions: torch.Tensor, step: Step | Batch, pool: KVPool,
                 last_only: bool = True) -> torch.Tensor:
-        """ids, positions: (T,). Writes the T new K/V rows, returns logits (T or 1, vocab) in fp32."""
+        """ids, positions: (T,). Writes the T new K/V rows and returns fp32 logits: with
+        last_only, one row per decode row and one per prefill chunk (its last token), in
+        order; else (T, vocab)."""
         g = self.geom
         t = ids.shape[0]
+        batch = step.batch(t) if isinstance(step, Step) else step
         hq, hk, d = g.n_heads, g.n_kv_heads, g.head_dim
-        cos, sin = self.rope(positions, step.prefix_len + t)
-        context = step.prefix_len + t
-        context_lens, max_context = step.context_lens, None
-        if step.decode and context_lens is None:
-            context_lens = torch.tensor([context], dtype=torch.int32, device=self.device)
-            max_context = context
+        cos, sin = self.rope(positions, batch.max_position)
         x = self.embed[ids].to(self.act_dtype)                            # (T, hidden)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
@@ -177,22 +224,47 @@ class Llama:
             qk = apply_rope(qkv[:, :(hq + hk) * d].view(t, hq + hk, d), cos, sin)  # (T, hq+hk, d)
             q, k = qk[:, :hq], qk[:, hq:]                                 # (T, hq, d), (T, hk, d)
             v = qkv[:, (hq + hk) * d:].view(t, hk, d)                     # (T, hk, d)
-            write_kv(k_cache, v_cache, k, v, step.slots, k_scale, v_scale)
-            if step.decode:
-                o = paged_decode(q, k_cache, v_cache, step.block_table[None], context_lens, self.scale,
-                                 k_scale, v_scale, max_context=max_context,
-                                 runs=step.runs)           # (1, hq, d)
-            elif i == last and last_only and t > 1:
-                # the last layer's K/V are written; only the last row's output reaches the logits
-                x, q = x[-1:], q[-1:]                                     # (1, hidden), (1, hq, d)
-                o = paged_prefill(q, k_cache, v_cache, step.block_table, step.prefix_len + t - 1, self.scale,
-                                  k_scale, v_scale, runs=step.runs)  # (1, hq, d)
-            else:
-                o = paged_prefill(q, k_cache, v_cache, step.block_table, step.prefix_len, self.scale,
-                                  k_scale, v_scale, runs=step.runs)  # (T, hq, d)
+            write_kv(k_cache, v_cache, k, v, batch.slots, k_scale, v_scale)
+            keep = last_only and i == last and t > batch.decode + len(batch.prefills)
+            if keep:  # the last layer's K/V are written; only the rows with logits go on
+                x, q = self._last_rows(x, batch), self._last_rows(q, batch)  # (R, hidden), (R, hq, d)
+            o = self._attend(q, batch, (k_cache, v_cache, k_scale, v_scale), keep)  # (T or R, hq, d)
             x = x + linear(o.reshape(x.shape[0], hq * d), layer.wo)
             x = x + self._mlp(x, layer)
-        return self._logits(x[-1:] if last_only else x)
+        return self._logits(x)
+
+    def _attend(self, q: torch.Tensor, batch: Batch, cache, last_rows: bool) -> torch.Tensor:
+        """q: (T, hq, d), or with last_rows (decode + chunks, hq, d): the decode rows, then
+        each chunk's rows (its last row alone with last_rows). Returns the same shape."""
+        k_cache, v_cache, k_scale, v_scale = cache
+        b = batch.decode
+        out = []
+        if b:
+            out.append(paged_decode(q[:b], k_cache, v_cache, batch.block_tables, batch.context_lens, self.scale,
+                                    k_scale, v_scale, max_context=batch.max_context,
+                                    runs=batch.runs))                     # (B, hq, d)
+        row = b
+        for c in batch.prefills:
+            if last_rows:   # its last row against the whole chunk's cached rows
+                out.append(paged_prefill(q[row:row + 1], k_cache, v_cache, c.block_table, c.prefix_len + c.length - 1,
+                                         self.scale, k_scale, v_scale, runs=c.runs))  # (1, hq, d)
+                row += 1
+            else:
+                out.append(paged_prefill(q[row:row + c.length], k_cache, v_cache, c.block_table, c.prefix_len,
+                                         self.scale, k_scale, v_scale, runs=c.runs))  # (T_c, hq, d)
+                row += c.length
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+    @staticmethod
+    def _last_rows(x: torch.Tensor, batch: Batch) -> torch.Tensor:
+        """The decode rows and each chunk's last row: the rows whose logits are wanted."""
+        if batch.decode == 0 and len(batch.prefills) == 1:
+            return x[-1:]
+        ends, row = list(range(batch.decode)), batch.decode
+        for c in batch.prefills:
+            row += c.length
+            ends.append(row - 1)
+        return x[torch.tensor(ends, device=x.device)]
 
     @torch.inference_mode()
     def forward_dense(self, ids: torch.Tensor, last_only: bool = True) -> torch.Tensor:
@@ -222,6 +294,15 @@ class Llama:
 
     def _logits(self, x: torch.Tensor) -> torch.Tensor:
         return linear(rms_norm(x, self.norm, self.geom.norm_eps), self.lm_head).float()  # (T, vocab)
+
+    @property
+    def step_weight_bytes(self) -> int:
+        """Bytes of weights one forward pass reads: every matrix and norm, but of an
+        embedding table not shared with the output head only the rows it looks up (one)."""
+        total = self.weight_bytes
+        if self.lm_head is not self.embed:
+            total -= self.embed.nbytes - self.embed[0].nbytes
+        return total
 
     @property
     def weight_bytes(self) -> int:

@@ -21,8 +21,14 @@ class PoolSpec:
     scale_bytes_per_token: int  # fp8 only: 2 x L x H_kv x 4
 
     @property
+    def stored_bytes_per_token(self) -> int:
+        """What one token takes in the pool: its elements and (fp8) their scales. Every figure
+        kvchat shows or writes counts bytes this way, with the scales' share beside it."""
+        return self.bytes_per_token + self.scale_bytes_per_token
+
+    @property
     def block_bytes(self) -> int:
-        return self.block_size * (self.bytes_per_token + self.scale_bytes_per_token)
+        return self.block_size * self.stored_bytes_per_token
 
     @property
     def capacity_bytes(self) -> int:
@@ -40,7 +46,7 @@ def plan_pool(geom: Geometry, kv_dtype: str, budget_bytes: int, block_size: int)
     if kv_dtype not in DTYPE_BYTES:
         raise KvchatError(f"unknown KV dtype {kv_dtype!r}; accepted: {', '.join(DTYPE_BYTES)}")
     per_token = geom.kv_bytes_per_token(kv_dtype)
-    scale_per_token = 2 * geom.n_layers * geom.n_kv_heads * 4 if kv_dtype == "fp8" else 0
+    scale_per_token = geom.kv_scale_bytes_per_token(kv_dtype)
     block_bytes = block_size * (per_token + scale_per_token)
     num_blocks = budget_bytes // block_bytes
     if num_blocks < 1:

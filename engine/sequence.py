@@ -25,8 +25,9 @@ def block_runs(table: list[int]) -> tuple[tuple[int, int], ...]:
 
 
 class Sequence:
-    def __init__(self, block_size: int, table=None) -> None:
+    def __init__(self, block_size: int, table=None, owner: int = 0) -> None:
         self.block_size = block_size
+        self.owner = owner               # the id of the conversation whose cache this is
         self.block_table: list[int] = []
         self.tokens: list[int] = []      # tokens whose K/V the blocks hold, in cache order
         self.logical: list[int] = []     # every token written since the cache was last empty, in
@@ -35,6 +36,11 @@ class Sequence:
         self.reused_blocks = 0           # leading blocks that came from the prefix index
         self.private = False             # never indexed (sink-window shifts its blocks' positions)
         self.table = table               # (max_blocks,) int32 on the device, or None: the kernels' copy
+        # counters the block manager's free() keeps:
+        self.evicted_tokens = 0          # cut out by sink-window, since start
+        self.lost_tokens = 0             # dropped by preemption since its last turn began: recomputed next
+        self.preemptions = 0             # times preempted, since start
+        self.recomputed_tokens = 0       # tokens computed again after preemptions, since start
 
     def __len__(self) -> int:
         return len(self.tokens)

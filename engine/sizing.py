@@ -39,7 +39,7 @@ class WhatIf:
 def what_if(geom: Geometry, kv_dtype: str, tokens: int, users: int = 1, budget: int | None = None,
             block_size: int = 16) -> WhatIf:
     per_token = geom.kv_bytes_per_token(kv_dtype)
-    scales = 2 * geom.n_layers * geom.n_kv_heads * 4 if kv_dtype == "fp8" else 0
+    scales = geom.kv_scale_bytes_per_token(kv_dtype)
     fit = None
     if budget is not None:
         blocks = budget // (block_size * (per_token + scales))
@@ -71,7 +71,7 @@ class StepReads:
 
 
 def step_reads(geom: Geometry, dtype: str, kv_dtype: str, tokens: int) -> StepReads:
-    per_token = geom.kv_bytes_per_token(kv_dtype) + (2 * geom.n_layers * geom.n_kv_heads * 4 if kv_dtype == "fp8" else 0)
+    per_token = geom.kv_bytes_per_token(kv_dtype) + geom.kv_scale_bytes_per_token(kv_dtype)
     return StepReads(geom.param_count() * DTYPE_BYTES[dtype], per_token, tokens)
 
 

@@ -62,28 +62,30 @@ def rerotate_keys(model, pool, block_ids: list[int], delta: int) -> None:
             k_cache.index_copy_(0, ids, rotated.to(k_cache.dtype))
 
 
-def evict_middle(conv, n_blocks: int) -> int:
-    """Evict the n oldest blocks after the sinks from `conv`, re-rotating the rest. Returns
-    the number of tokens evicted."""
-    eng, seq = conv.engine, conv.seq
+Shift = tuple[list[int], int]   # (block ids, delta): keys to re-rotate by delta positions
+
+
+def evict_middle(blocks, seq, sink_tokens: int, n_blocks: int) -> Shift | None:
+    """Cut the n oldest blocks after the sinks out of `seq` (a block manager's sequence).
+    Returns the re-rotation the kept blocks after them need, (block ids, -evicted tokens),
+    which must run (`rerotate_keys`) before the next forward reads or writes them; None
+    when nothing was cut."""
     bs = seq.block_size
-    first = sink_blocks(conv.sink_tokens, bs)
+    first = sink_blocks(sink_tokens, bs)
     n_blocks = min(n_blocks, max(len(seq) // bs - first, 0))
     if n_blocks <= 0:
-        return 0
-    # re-rotate first: if it fails, nothing is freed
-    rerotate_keys(eng.model, eng.pool, seq.block_table[first + n_blocks:], -n_blocks * bs)
-    eng.blocks.evict(seq, first, n_blocks)
-    conv.evicted_tokens += n_blocks * bs
-    return n_blocks * bs
+        return None
+    moved = seq.block_table[first + n_blocks:]
+    blocks.evict(seq, first, n_blocks)
+    seq.evicted_tokens += n_blocks * bs
+    return list(moved), -n_blocks * bs
 
 
-def claim_window(conv, ids: list[int]) -> int:
+def claim_window(blocks, seq, ids: list[int], sink_tokens: int) -> int:
     """Start a sink-window turn: keep what the cache holds of the text `ids` still begins
     with, drop any tail the new rendering changed, and return how many tokens are kept."""
-    seq, bm = conv.seq, conv.engine.blocks
     if not seq.private:  # start from private, unindexed blocks: their keys will be rewritten
-        bm.free(seq)
+        blocks.free(seq)
         seq.private = True
     common = 0
     for x, y in zip(seq.logical, ids[:-1]):
@@ -91,42 +93,48 @@ def claim_window(conv, ids: list[int]) -> int:
             break
         common += 1
     drop = len(seq.logical) - common
-    if drop > len(seq) - sink_blocks(conv.sink_tokens, seq.block_size) * seq.block_size:
-        bm.free(seq, keep_index=False)  # the change reaches evicted text: start over
+    if drop > len(seq) - sink_blocks(sink_tokens, seq.block_size) * seq.block_size:
+        blocks.free(seq, keep_index=False)  # the change reaches evicted text: start over
         seq.private, common = True, 0
     elif drop:
-        bm.truncate(seq, drop)
+        blocks.truncate(seq, drop)
     return common
 
 
-def prefill_window(conv, new_ids: list[int], chunk_size: int = CHUNK, all_logits: bool = False,
-                   steps: bool = False):
-    """Prefill in chunks that fit the window (conv.limit: the cap, or the model's maximum),
-    evicting middle blocks before each. Returns the last token's logits (vocab,), or every
-    token's (T, vocab). With steps, a generator instead: yields the tokens done after each
-    chunk and returns the logits."""
-    chunks = _window_chunks(conv, new_ids, chunk_size, all_logits)
-    if steps:
-        return chunks
-    while True:
-        try:
-            next(chunks)
-        except StopIteration as end:
-            return end.value
+def window_chunk(limit: int, sink_tokens: int, block_size: int, chunk_size: int = CHUNK) -> int:
+    """The most prompt tokens one window chunk may take: the window (the cap, or the model's
+    maximum) less the sink blocks and one block, so a chunk always fits after an eviction."""
+    return min(limit - (sink_blocks(sink_tokens, block_size) + 1) * block_size, chunk_size)
 
 
-def _window_chunks(conv, new_ids: list[int], chunk_size: int, all_logits: bool):
-    seq = conv.seq
-    bs = seq.block_size
-    size = min(conv.limit - (sink_blocks(conv.sink_tokens, bs) + 1) * bs, chunk_size)
+def make_window_room(blocks, seq, sink_tokens: int, limit: int, n_tokens: int) -> Shift | None:
+    """Evict middle blocks so that n_tokens more fit under `limit`."""
+    over = len(seq) + n_tokens - limit
+    if over <= 0:
+        return None
+    return evict_middle(blocks, seq, sink_tokens, -(-over // seq.block_size))
+
+
+@torch.inference_mode()
+def prefill_window(model, pool, blocks, seq, ids: list[int], limit: int, sink_tokens: int,
+                   chunk_size: int = CHUNK, all_logits: bool = False) -> torch.Tensor:
+    """Feed `ids` to an empty private `seq` directly (no scheduler: an experiment's loop, e.g.
+    perplexity under a window) in window chunks, evicting before each. Returns the last
+    token's logits (vocab,), or every token's (T, vocab)."""
+    from .model import Step
+    size = window_chunk(limit, sink_tokens, seq.block_size, chunk_size)
+    dev = pool.data.device
     outs = []
-    for c0 in range(0, len(new_ids), size):
-        chunk = new_ids[c0:c0 + size]
-        over = len(seq) + len(chunk) - conv.limit
-        if over > 0:
-            evict_middle(conv, -(-over // bs))
+    for c0 in range(0, len(ids), size):
+        chunk = ids[c0:c0 + size]
+        shift = make_window_room(blocks, seq, sink_tokens, limit, len(chunk))
+        if shift is not None:
+            rerotate_keys(model, pool, *shift)
         p0 = len(seq)
-        conv.reserve(p0 + len(chunk))
-        outs.append(conv.prefill_chunk(chunk, p0, last_only=not all_logits))
-        yield min(c0 + size, len(new_ids))
+        blocks.allocate(seq, seq.blocks_needed(p0 + len(chunk)))
+        step = Step(seq.table, torch.tensor(seq.slots(p0, p0 + len(chunk)), device=dev), p0, decode=False,
+                    runs=seq.runs)
+        outs.append(model.forward(torch.tensor(chunk, device=dev), torch.arange(p0, p0 + len(chunk), device=dev),
+                                  step, pool, last_only=not all_logits))
+        blocks.append(seq, chunk)
     return torch.cat(outs) if all_logits else outs[-1][0]

@@ -73,11 +73,11 @@ class CacheSnapshot:
     kv_dtype: str
     block_size: int
     num_blocks: int
-    bytes_per_token: int | None     # 2 x L x H_kv x d_h x element bytes
+    bytes_per_token: int | None     # 2 x L x H_kv x d_h x element bytes, + fp8's scales (scale_bytes_per_token)
     capacity_bytes: int | None      # the whole pool, scales included
     tokens_held: int | None         # this conversation's cached tokens
-    bytes_used: int | None          # tokens_held x bytes_per_token
-    bytes_allocated: int | None     # blocks_used x block_size x bytes_per_token
+    bytes_used: int | None          # tokens_held x bytes_per_token (scales included)
+    bytes_allocated: int | None     # blocks_used x block_size x bytes_per_token (scales included)
     blocks_used: int | None
     wasted_slots: int | None        # empty slots in this conversation's partial last block
     pool_free: int | None           # blocks by state, whole pool
@@ -94,6 +94,17 @@ class CacheSnapshot:
     # came from, and the fields it left None because the server cannot tell them
     source: str = "local"
     unavailable: tuple[str, ...] = ()
+    scale_bytes_per_token: int | None = 0   # of bytes_per_token, fp8's scales: 2 x L x H_kv x 4 (0 otherwise)
+    # who holds each block, for a map coloured by conversation: block_owner has one byte per
+    # block, 0 for none (free or cached), else 1 + the index in `owners` of the conversation
+    # id that holds it (the oldest holder of a shared block; 255: the 255th owner or later)
+    owners: tuple[int, ...] = ()
+    block_owner: bytes = b""
+
+    def owner_of(self, block_id: int) -> int | None:
+        """The id of the conversation holding this block (None: free, cached, or not known)."""
+        code = self.block_owner[block_id] if block_id < len(self.block_owner) else 0
+        return self.owners[code - 1] if code else None
 
     @property
     def occupancy(self) -> float | None:
@@ -101,6 +112,73 @@ class CacheSnapshot:
         if self.pool_free is None:
             return None
         return (self.num_blocks - self.pool_free) / self.num_blocks if self.num_blocks else 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class StepRecord:
+    """One engine step: which rows shared it and what it read. The scheduler keeps the last
+    few hundred (`Engine.steps()`); the crowd panel and the bench read them."""
+    index: int                 # steps since the engine started
+    rows: int                  # forward rows: decode rows + prefill tokens (+ cache-off rows)
+    decode_rows: int           # sequences that each decoded one token
+    prefill_tokens: int        # prompt tokens computed, over every chunk in the step
+    prefill_chunks: int
+    dense_rows: int            # cache-off conversations, each recomputing its whole text
+    sequences: int             # sequences in the step (decode rows + chunks + cache-off)
+    context_tokens: int        # cached tokens read by attention, over every sequence
+    tokens_out: int            # tokens sampled (each decode row, each finished prefill)
+    step_ms: float             # wall time from scheduling to sampled tokens
+    weight_bytes: int          # weights read (once per forward pass)
+    cache_bytes: int           # K/V (and fp8 scale) bytes attention read
+    preemptions: int           # requests preempted while scheduling this step
+    time: float                # time.monotonic() at the step's end
+
+    @property
+    def tokens_per_s(self) -> float:
+        return 1000.0 * self.tokens_out / self.step_ms if self.step_ms > 0 else 0.0
+
+
+REQUEST_STATES = ("running", "prefill", "waiting", "preempted", "idle")
+
+
+@dataclass(frozen=True, slots=True)
+class RequestView:
+    """One conversation as the scheduler sees it: its request's state (idle between turns)
+    and its figures."""
+    conversation: int          # Conversation.id
+    request: int | None        # the current request's id (None: idle)
+    state: str                 # one of REQUEST_STATES: running decodes, prefill computes its
+                               # prompt, waiting has not started, preempted waits to recompute
+    context_tokens: int        # tokens its cache holds now
+    blocks_held: int
+    prompt_tokens: int         # the current (or last) request's prompt
+    generated_tokens: int      # tokens of the current (or last) reply so far
+    ttft_ms: float | None      # time to first token of the latest request that got one
+    ms_per_token: float | None # mean decode step time over its latest request's steps
+    preemptions: int           # times its requests were preempted, since start
+    recomputed_tokens: int     # tokens it had to compute again after preemptions, since start
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerSnapshot:
+    """The scheduler at one moment between steps: every conversation, the queues, the
+    pool-wide preemption totals, and the recent steps."""
+    conversations: tuple[RequestView, ...]
+    running: int               # requests in the running set (decoding or prefilling)
+    waiting: int               # requests not yet started or waiting after a preemption
+    preemptions: int           # since start, pool-wide
+    recomputed_tokens: int     # tokens computed again after preemptions, since start
+    steps: int                 # steps since start
+    token_budget: int          # most prompt and decode tokens one step takes
+    recent: tuple[StepRecord, ...]   # the latest steps, oldest first
+
+    @property
+    def last_step(self) -> StepRecord | None:
+        return self.recent[-1] if self.recent else None
+
+
+# TurnSummary's fields that are tuples in Python and lists in JSON
+TUPLE_FIELDS = ("decode_ms", "positions", "unavailable", "step_sequences", "step_tokens")
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,7 +197,8 @@ class TurnSummary:
     decode_ms: tuple[float, ...] = ()        # one per generated token
     positions: tuple[int, ...] = ()          # the context position each token was fed at
     stop_reason: str | None = None           # eos, max_tokens, cap, cancelled
-    kv_bytes_per_token: int | None = 0
+    kv_bytes_per_token: int | None = 0       # elements and (fp8) scales; the scales' share next
+    kv_scale_bytes_per_token: int | None = 0
     kv_bytes_used: int | None = 0
     kv_bytes_allocated: int | None = 0
     kv_capacity_bytes: int | None = 0
@@ -135,11 +214,15 @@ class TurnSummary:
     preempted: int | None = 0
     recomputed_tokens: int | None = 0
     unavailable: tuple[str, ...] = ()        # the keys above the backend could not tell (they are None)
+    # aligned with decode_ms, each token's step: the sequences in it (1 alone; more when
+    # conversations shared it) and the cached tokens it read over all of them
+    step_sequences: tuple[int, ...] = ()
+    step_tokens: tuple[int, ...] = ()
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object: the fields in order, the tuples as lists."""
         out = {f.name: getattr(self, f.name) for f in fields(TurnSummary)}
-        for k in ("decode_ms", "positions", "unavailable"):
+        for k in TUPLE_FIELDS:
             out[k] = list(out[k])
         return out
 
@@ -176,6 +259,10 @@ class TurnStats:
     recomputed_tokens: int | None
     cache: CacheSnapshot
     unavailable: tuple[str, ...] = ()   # summary() keys the backend cannot tell (they are None)
+    # aligned with decode_ms, each token's step: the sequences in it (1 alone; more when
+    # conversations shared it) and the cached tokens it read over all of them
+    step_sequences: tuple[int, ...] = ()
+    step_tokens: tuple[int, ...] = ()
 
     @property
     def tokens_per_s(self) -> float:
@@ -191,13 +278,15 @@ class TurnStats:
             generated_tokens=self.generated_tokens, ttft_ms=round(self.ttft_ms, 3),
             prefill_ms=_round(self.prefill_ms), decode_ms=tuple(round(x, 3) for x in self.decode_ms),
             positions=tuple(self.positions), stop_reason=self.stop_reason,
-            kv_bytes_per_token=c.bytes_per_token, kv_bytes_used=c.bytes_used,
+            kv_bytes_per_token=c.bytes_per_token, kv_scale_bytes_per_token=c.scale_bytes_per_token,
+            kv_bytes_used=c.bytes_used,
             kv_bytes_allocated=c.bytes_allocated, kv_capacity_bytes=c.capacity_bytes,
             block_size=c.block_size, blocks_used=c.blocks_used, tokens_held=c.tokens_held,
             mode=self.mode, kv_dtype=self.kv_dtype, policy=self.policy, cap=c.cap,
             dropped_messages=self.dropped_messages, evicted_blocks=self.evicted_blocks,
             preempted=self.preempted, recomputed_tokens=self.recomputed_tokens,
-            unavailable=tuple(sorted(set(self.unavailable) | {_SUMMARY_KEYS.get(k, k) for k in c.unavailable})))
+            unavailable=tuple(sorted(set(self.unavailable) | {_SUMMARY_KEYS.get(k, k) for k in c.unavailable})),
+            step_sequences=tuple(self.step_sequences), step_tokens=tuple(self.step_tokens))
 
     def summary(self) -> dict[str, Any]:
         """The flat record `kvchat ask --json` prints and the JSON Lines log keeps."""
@@ -209,7 +298,8 @@ def _round(ms: float | None) -> float | None:
 
 
 # CacheSnapshot field -> the summary() key that carries it
-_SUMMARY_KEYS = {"bytes_per_token": "kv_bytes_per_token", "bytes_used": "kv_bytes_used",
+_SUMMARY_KEYS = {"bytes_per_token": "kv_bytes_per_token", "scale_bytes_per_token": "kv_scale_bytes_per_token",
+                 "bytes_used": "kv_bytes_used",
                  "bytes_allocated": "kv_bytes_allocated", "capacity_bytes": "kv_capacity_bytes"}
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvchat.engine.engine import KV_DTYPES
+from kvchat.engine.geometry import KV_DTYPES
 from kvchat.engine.policy import POLICIES
 
 from .keys import PANELS

@@ -116,6 +116,12 @@ def plural(n: int, word: str) -> str:
     return f"{n:,} {word}{'' if n == 1 else 's'}"
 
 
+def per_token(total: int, scales: int | None = 0) -> str:
+    """A token's bytes as kvchat counts them everywhere, the data and (fp8) its scales, with
+    the split: '46,080 B', or '12,240 B (11,520 B data + 720 B scales)'."""
+    return f"{total:,} B ({total - scales:,} B data + {scales:,} B scales)" if scales else f"{total:,} B"
+
+
 def duration(ms: float) -> str:
     """212 ms, 9,870 ms, then 10.2 s and 212.2 s: no one reads '212234 ms'."""
     return f"{ms / 1000:,.1f} s" if ms >= SLOW_MS else f"{ms:,.0f} ms"

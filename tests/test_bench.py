@@ -124,7 +124,7 @@ def test_floor_is_the_bytes_a_step_reads_over_the_bandwidth():
     mean length (tokens held minus half the steps) take 6 ms + that many ms."""
     kv = {"tokens_held": 1040, "bytes_per_token": 1000, "scale_bytes": 0}
     ours = Series(decode_ms=[24.0], kv=kv)
-    fp8 = Series(decode_ms=[30.0], kv={"tokens_held": 1040, "bytes_per_token": 250, "scale_bytes": 1040 * 10})
+    fp8 = Series(decode_ms=[30.0], kv={"tokens_held": 1040, "bytes_per_token": 260, "scale_bytes": 1040 * 10})
     floor = {"gb_s": 1.0, "weight_bytes": 6_000_000, "new_tokens": 32}
     rows = floors({1024: {"kvchat": ours, "kvchat_fp8": fp8}}, floor)
     assert rows[0]["cache_bytes"] == 1024 * 1000 and rows[0]["floor_ms"] == pytest.approx(7.024)

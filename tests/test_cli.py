@@ -55,6 +55,18 @@ def test_replay_reuses_more_each_turn_while_computing_about_the_new_message(tmp_
         assert t["computed_tokens"] <= new_part + 2 * t["block_size"]
 
 
+def test_replay_runs_several_conversations_at_once_and_says_how_many_shared_each_step(tmp_path, capsys):
+    f = tmp_path / "chats.json"
+    f.write_text(json.dumps([["Name a colour.", "And another?"], ["Name a fruit."], ["Name a river."]]))
+    assert main(["replay", str(f), "--json", "--max-tokens", "6", "--kv-budget", "32MiB"]) == 0
+    turns = json.loads(capsys.readouterr().out)
+    assert [(t["turn"], t["conversation"]) for t in turns] == [(1, 0), (1, 1), (1, 2), (2, 0)]
+    for t in turns:
+        assert len(t["step_sequences"]) == len(t["step_tokens"]) == len(t["decode_ms"])
+    assert max(max(t["step_sequences"]) for t in turns if t["turn"] == 1) >= 2, "no step was shared"
+    assert all(max(s, default=1) <= 3 for s in (t["step_sequences"] for t in turns))
+
+
 @pytest.mark.parametrize("model,per_token", [("llama-3.1-8b", 131072), ("llama-3.1-70b", 327680),
                                              ("llama-2-7b", 524288)])
 def test_info_gives_the_known_bytes_per_token_without_weights(capsys, model, per_token):

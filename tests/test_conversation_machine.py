@@ -1,8 +1,10 @@
 """Several conversations in one tiny pool on the bundled model, driven in random order by
-hypothesis: sending (some cancelled mid-reply), resetting, closing, changing cap, policy,
-cache mode and the KV dtype. After every step the pool's bookkeeping must add up, every
-reply must be what a fresh recomputation of its history gives, and when all conversations
-close no block stays held."""
+hypothesis: sending (some cancelled mid-reply), sending on several at once (their replies
+read in turn, so they share steps, start and finish mid-batch, and preempt each other when
+the pool runs out), resetting, closing, changing cap, policy, cache mode and the KV dtype.
+After every rule, and after every event of a shared send, the pool's bookkeeping must add
+up; every reply must be what a fresh recomputation of its history gives, and when all
+conversations close no block stays held."""
 from __future__ import annotations
 
 import threading
@@ -18,6 +20,11 @@ from kvchat.engine import CapExceeded, Engine, EngineConfig, KvchatError, Sampli
 
 POOL_BLOCKS = 12      # fp32, 16 tokens a block: two or three short conversations fill it
 MESSAGES = ("Hi there.", "Name a fruit.", "Why is the sky blue?", "Count to five.", "Say yes.")
+# about 70 tokens: two of these and their replies do not fit the pool together, so sent at
+# once one is preempted and recomputed
+LONG = ("Here are my notes from the trip: we left at dawn, crossed two rivers and a long ridge, "
+        "camped by a lake under the pines, cooked beans, watched the stars, and walked back the "
+        "next day through rain and mud. Tell me what to pack next time.")
 # The most a reply token's dense logit may sit below the dense maximum: a near-tie the cache's
 # rounding may flip. A cache read wrongly (another text's block, a stale table) misses by far more.
 NEAR_TIE = {"fp32": 0.05, "bf16": 0.5, "fp8": 1.5}
@@ -94,6 +101,56 @@ class Chats(RuleBasedStateMachine):
             raise AssertionError(f"cancelled after {cancel_after} tokens, generated {stats.generated_tokens}")
         self.check_reply(conv, stats, [e.token_id for e in events if isinstance(e, TokenEvent) and e.token_id >= 0])
 
+    @precondition(lambda self: len(self.convs) >= 2)
+    @rule(data=st.data(), texts=st.lists(st.sampled_from(MESSAGES + (LONG, LONG)), min_size=2, max_size=3),
+          max_tokens=st.integers(2, 6), cancel_one=st.booleans())
+    def send_together(self, data, texts, max_tokens, cancel_one):
+        """Replies on up to three conversations, started one event apart and read in turn."""
+        convs = data.draw(st.permutations(self.convs))[:len(texts)]
+        pending = list(zip(convs, texts))
+        live: list[list] = []    # [conv, generator, events, cancel, before, cancel after]
+        while pending or live:
+            if pending:
+                conv, text = pending.pop(0)
+                cancel = threading.Event()
+                before = [dict(m) for m in conv.messages]
+                try:
+                    gen = conv.send(text, SamplingParams(max_tokens=max_tokens), cancel=cancel)
+                except KvchatError as err:    # CapExceeded: refused before anything starts
+                    assert isinstance(err, CapExceeded) and conv.messages == before
+                    continue
+                live.append([conv, gen, [], cancel, before, 1 if cancel_one and not live else None])
+            for entry in list(live):
+                conv, gen, events, cancel, before, cancel_after = entry
+                try:
+                    ev = next(gen)
+                except StopIteration:
+                    live.remove(entry)
+                    self.finish(conv, events, before, cancel_after)
+                    continue
+                except KvchatError as err:
+                    live.remove(entry)
+                    assert "KV pool full" in str(err) or isinstance(err, CapExceeded), err
+                    if not any(isinstance(e, TokenEvent) for e in events):
+                        assert conv.messages == before, "a refused turn leaves the conversation as it was"
+                    continue
+                events.append(ev)
+                if cancel_after is not None and sum(isinstance(e, TokenEvent) for e in events) == cancel_after:
+                    cancel.set()
+                self.blocks_add_up()
+        event(f"sent together: {len(texts)}")
+
+    def finish(self, conv, events, before, cancel_after) -> None:
+        stats = events[-1]
+        assert isinstance(stats, TurnStats) and stats.reply == conv.messages[-1]["content"]
+        if stats.preempted:
+            event("a shared send: preempted")
+        if stats.recomputed_tokens:
+            event("a shared send: recomputed")
+        if cancel_after is not None:
+            assert stats.generated_tokens <= cancel_after
+        self.check_reply(conv, stats, [e.token_id for e in events if isinstance(e, TokenEvent) and e.token_id >= 0])
+
     def check_reply(self, conv, stats: TurnStats, reply: list[int]) -> None:
         """Each reply token is the one a dense recomputation of the whole history (no cache)
         picks, up to a near-tie; teacher-forced, so one forward pass checks them all."""
@@ -150,6 +207,10 @@ class Chats(RuleBasedStateMachine):
 
     @invariant()
     def blocks_add_up(self):
+        with self.eng.lock:
+            self._blocks_add_up()
+
+    def _blocks_add_up(self):
         bm = self.eng.blocks
         states = [bm.state(b) for b in range(bm.num_blocks)]
         free, active, cached = (states.count(s) for s in ("free", "active", "cached"))
@@ -160,6 +221,7 @@ class Chats(RuleBasedStateMachine):
             for b in conv.block_table:
                 held[b] += 1
         assert [b.ref_count for b in bm.blocks] == held, "every reference is a conversation's"
+        assert all(bm.reachable(b) for b in bm.cached_ids()), "a cached block that can no longer match"
 
     @invariant()
     def each_cache_fits_its_tokens(self):
@@ -181,4 +243,4 @@ class Chats(RuleBasedStateMachine):
 
 def test_conversations_in_a_tiny_pool_keep_the_books_and_their_replies(tiny_engine):
     run_state_machine_as_test(lambda: Chats(tiny_engine), settings=settings(
-        max_examples=5, stateful_step_count=16, deadline=None, suppress_health_check=list(HealthCheck)))
+        max_examples=6, stateful_step_count=16, deadline=None, suppress_health_check=list(HealthCheck)))

@@ -19,6 +19,7 @@ import pytest
 
 from cli_helpers import ROOT
 from kvchat.cli.command import main
+from kvchat.store.history import History
 from kvchat.store.records import TurnRecord
 from kvchat.store.log import ConversationBusy, ConversationLog, export, restore
 
@@ -68,7 +69,7 @@ def test_a_read_only_data_dir_keeps_the_conversation_in_memory_and_says_so_once(
     assert [r["type"] for r in log.unsaved] == ["start", "message", "message", "turn"]
     assert log.messages == msgs + [{"role": "assistant", "content": "hi"}]
     with pytest.raises(OSError):                            # /save there fails too, as one OSError
-        export(read_only_dir / "chat", log.messages, [], "m")
+        export(read_only_dir / "chat", log.history, [], "m")
 
 
 def test_a_conversation_resumed_on_a_disk_gone_read_only_opens_and_keeps_new_turns_in_memory(tmp_path):
@@ -122,11 +123,11 @@ def test_a_full_disk_leaves_no_half_record_and_everything_is_written_once_space_
 def test_save_to_a_full_disk_fails_in_one_error_and_leaves_no_partial_file(small_disk):
     (small_disk / "filler").write_bytes(b"x" * 60_000)
     with pytest.raises(OSError):
-        export(small_disk / "chat", [{"role": "user", "content": "z" * 20_000}], [], "m")
+        export(small_disk / "chat", History([{"role": "user", "content": "z" * 20_000}]), [], "m")
     assert sorted(p.name for p in small_disk.iterdir()) == ["filler"]
     (small_disk / "chat.md").write_text("precious")
     with pytest.raises(OSError):
-        export(small_disk / "chat", [{"role": "user", "content": "z" * 20_000}], [], "m", overwrite=True)
+        export(small_disk / "chat", History([{"role": "user", "content": "z" * 20_000}]), [], "m", overwrite=True)
     assert (small_disk / "chat.md").read_text() == "precious"   # /save! over a full disk keeps the old file
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvchat.cli.command import main
+from kvchat.plan.options import NO_SEQ_LIMIT
 
 ROOT = Path(__file__).resolve().parents[1]
 SMALL = ["--users", "4", "--turns", "2", "--think", "1s"]
@@ -194,5 +195,5 @@ def test_the_cpu_row_is_this_machine_measured_and_kvchats_engine_as_it_is(tmp_pa
     rec = json.loads(path.read_text())
     assert rec["hardware"] == "cpu" and rec["dtype"] == "fp32"
     assert rec["constants"]["bandwidth"]["source"].startswith("measured: this machine, now")
-    assert (rec["scheduler"]["max_seqs"], rec["scheduler"]["max_batched_tokens"]) == (1, 512)
+    assert (rec["scheduler"]["max_seqs"], rec["scheduler"]["max_batched_tokens"]) == (NO_SEQ_LIMIT, 512)
     assert rec["kv_bytes_per_token"] == 46_080                     # 2 x 30 x 3 x 64 x 4 B

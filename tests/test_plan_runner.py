@@ -7,7 +7,8 @@ import pytest
 
 from kvchat.plan.request import SchedulerConfig
 from kvchat.plan.simulator import Simulator
-from kvchat.plan.trace_runner import points_from_run, run_trace, text_of
+from kvchat.plan.run_points import first_token_points, step_points
+from kvchat.plan.trace_runner import run_trace, text_of
 from kvchat.plan.workload import Trace, Turn, UserTrace
 
 pytestmark = pytest.mark.slow
@@ -21,12 +22,23 @@ class Linear:
         return 1e-3 + 1e-5 * tokens
 
 
+RECORDS: list = []
+
+
 @pytest.fixture(scope="module")
 def run(engine):
     from kvchat.backends.local import LocalBackend
     trace = Trace(12, (UserTrace(0, 0.0, (40,), (Turn(30, 5, 0.0), Turn(20, 4, 0.05))),
                        UserTrace(1, 0.02, (), (Turn(25, 6, 0.0), Turn(15, 3, 0.0), Turn(10, 3, 0.01)))))
-    return trace, run_trace(trace, LocalBackend(engine), timeout_s=300)
+    from collections import deque
+    sched = engine.scheduler
+    kept, sched.recent = sched.recent, deque()
+    try:
+        r = run_trace(trace, LocalBackend(engine), timeout_s=300)
+        RECORDS[:] = sched.recent                 # every engine step of the run
+    finally:
+        sched.recent = kept
+    return trace, r
 
 
 def test_every_turn_runs_and_its_tokens_are_timed_on_one_clock(run):
@@ -50,17 +62,27 @@ def test_a_later_turn_reuses_the_cache_of_the_earlier_ones(run):
 
 def test_the_replayed_trace_gives_the_simulator_the_prompts_the_engine_counted(run):
     _, r = run
-    sim = Simulator(r.replayed, SchedulerConfig(num_blocks=4096, max_len=8192, max_seqs=1), Linear()).run()
+    sim = Simulator(r.replayed, SchedulerConfig(num_blocks=4096, max_len=8192, max_batched_tokens=512,
+                                                decode_first=True), Linear()).run()
     measured = {(m.user, m.turn): (m.prompt_tokens, m.output) for m in r.measured}
     assert {(x.user, x.turn): (x.prompt, x.output) for x in sim.records} == measured
 
 
-def test_calibration_points_hold_every_measured_step(run):
+def test_calibration_points_are_the_engines_own_steps(run):
+    """Every step of the run is kept (more than the scheduler's ring would hold in a longer
+    run); binned with at least one step a bin, the points hold every step the binning keeps,
+    each at the median of its steps; the first tokens that waited alone give request points."""
     _, r = run
-    points = points_from_run(r, "fp32", 512)
-    decode = [p for p in points if "decode" in p.what]
-    assert sum(len(p.steps) for p in decode) == sum(len(m.step_ms) for m in r.measured)
-    assert all(p.requests == 1 for p in points if "prefill" in p.what)
+    records = RECORDS
+    assert sum(s.tokens_out for s in records) == sum(m.output for m in r.measured)
+    points = step_points(records, "fp32", least=1)
+    kept = [s for s in records if not s.dense_rows and not s.preemptions]
+    assert sum(int(p.what.split()[0]) for p in points) == len(kept)
+    assert all(min(s.step_ms for s in kept) <= p.ms <= max(s.step_ms for s in kept) for p in points)
+    assert any(p.steps[0][2] > 1 for p in points)            # the two users shared steps
+    alone = first_token_points(r, records, r.t0, "fp32", 512)
+    assert all(p.requests == 1 and p.ms > 0 for p in alone)
+    assert len(alone) >= 1
 
 
 def test_text_of_hits_the_token_count_it_is_asked_for(engine):

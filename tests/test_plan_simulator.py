@@ -191,3 +191,25 @@ def test_decode_stretches_give_the_same_run_as_single_steps(users, blocks, syste
     assert fast.end == slow.end
     expand = lambda itl: sorted(v for v, n in itl for _ in range(n))   # noqa: E731
     assert expand(fast.itl) == expand(slow.itl)
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_kvchats_engine_order_admits_a_prompt_only_when_its_whole_prompt_fits(fast):
+    # kvchat's engine (decode_first): 4 blocks of 4 tokens, a budget of 4. A (t=0) sends 4
+    # tokens and wants 6 back; B (t=0.1 ms) sends 12 and wants 1.
+    #  step 1     A prefills 4 (1 block)                     1.4 ms   A's token 1
+    #  steps 2-6  A decodes (its 2nd block at step 2, its 3rd at step 6); B needs 3 blocks for
+    #             its whole prompt and at most 2 are free: it waits. 1.1 ms a step: A's 6th
+    #             token at 6.9 ms, A finishes and its 3 blocks go back
+    #  steps 7-9  B alone, chunks of 4: 1.4 ms each, its first token at 11.1 ms (TTFT 11.0)
+    # vLLM's order admits B's first chunk at step 2 instead, and B, short of a block, yields.
+    users = [user(0, 0.0, [(4, 6, 0.0)]), user(1, 0.1 * MS, [(12, 1, 0.0)])]
+    kw = dict(num_blocks=4, block_size=4, max_len=16, max_batched_tokens=4, prefix_caching=False, fast_forward=fast)
+    res, _ = simulate(users, decode_first=True, **kw)
+    a, b = by_user(res)[0, 0], by_user(res)[1, 0]
+    assert (a.ttft, a.e2e) == (pytest.approx(1.4 * MS), pytest.approx(6.9 * MS))
+    assert (b.ttft, b.e2e) == (pytest.approx(11.0 * MS), pytest.approx(11.0 * MS))
+    assert (res.preemptions, res.steps) == (0, 9)
+    vllm, _ = simulate(users, **kw)
+    assert vllm.preemptions >= 1
+

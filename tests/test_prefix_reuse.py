@@ -14,6 +14,19 @@ def run_turn(conv, text, max_tokens=20):
     return [e for e in conv.send(text, SamplingParams(max_tokens=max_tokens)) if isinstance(e, TurnStats)][0]
 
 
+def decode_one(engine, seq, token: int) -> torch.Tensor:
+    """One decode step of `token` after what `seq` holds, straight through the model (no
+    scheduler): logits (vocab,)."""
+    from kvchat.engine.model import Step
+    with engine.lock:
+        pos = len(seq)
+        engine.blocks.allocate(seq, seq.blocks_needed(pos + 1))
+        step = Step(seq.table, torch.tensor([seq.slot(pos)]), pos, decode=True, runs=seq.runs)
+        logits = engine.model.forward(torch.tensor([token]), torch.tensor([pos]), step, engine.pool)[0]
+        engine.blocks.append(seq, [token])
+    return logits
+
+
 def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b):
@@ -99,11 +112,8 @@ def test_cancelling_mid_reply_keeps_the_cache_consistent(engine):
         # every held token has its K/V in the cache: one more decode step over it gives the
         # logits of a dense recomputation of the same tokens
         probe = engine.tokenizer.encode(" Then", add_special_tokens=False)[0]
-        pos = conv.tokens_held
         cold = engine.model.forward_dense(torch.tensor(conv.seq.tokens + [probe]))[0]
-        with engine.lock:
-            conv.reserve(pos + 1)
-            warm = conv._decode(probe, pos)
+        warm = decode_one(engine, conv.seq, probe)
         assert float((warm - cold).abs().max() / cold.abs().max()) < 1e-3
     finally:
         engine.close_conversation(conv)

@@ -70,7 +70,8 @@ def stream_perplexity(engine, ids, cap, sink_tokens):
     try:
         with engine.lock:
             conv.seq.private = True
-            logits = prefill_window(conv, ids, chunk_size=32, all_logits=True)
+            logits = prefill_window(engine.model, engine.pool, engine.blocks, conv.seq, ids, cap, sink_tokens,
+                                    chunk_size=32, all_logits=True)
             assert conv.tokens_held <= cap
     finally:
         engine.close_conversation(conv)

@@ -25,15 +25,16 @@ def _write_kv_kernel(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, k_scale_ptr, v_scal
     slot = tl.load(slots_ptr + t * stride_slot).to(tl.int64)
     offs_h = tl.arange(0, BLOCK_H)
     offs_d = tl.arange(0, D)
-    mask = (offs_h < HK)[:, None]                                          # (BLOCK_H, 1)
+    heads = (offs_h < HK) & (offs_h * 0 + slot >= 0)                      # (BLOCK_H,); slot -1: a padded row
+    mask = heads[:, None]                                                  # (BLOCK_H, 1)
     k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)  # (BLOCK_H, D)
     v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)  # (BLOCK_H, D)
     dst = slot * (HK * D) + offs_h[:, None] * D + offs_d[None, :]          # (BLOCK_H, D) flat cache offsets
     if FP8:
         k, k_scale = quantize_fp8(k)
         v, v_scale = quantize_fp8(v)
-        tl.store(k_scale_ptr + slot * HK + offs_h, k_scale, mask=offs_h < HK)
-        tl.store(v_scale_ptr + slot * HK + offs_h, v_scale, mask=offs_h < HK)
+        tl.store(k_scale_ptr + slot * HK + offs_h, k_scale, mask=heads)
+        tl.store(v_scale_ptr + slot * HK + offs_h, v_scale, mask=heads)
     tl.store(k_cache_ptr + dst, cast(k, k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, cast(v, v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -43,8 +44,9 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: t
              v_scale: torch.Tensor | None = None) -> None:
     """Store k, v: (T, n_kv_heads, head_dim) at flat slots (T,) of the caches
     (num_blocks, block_size, n_kv_heads, head_dim); fp8 caches also fill k_scale, v_scale
-    (num_blocks, block_size, n_kv_heads). Slot ids are not range-checked (that would read
-    them back to the host); an out-of-range slot is the caller's bug."""
+    (num_blocks, block_size, n_kv_heads). A negative slot writes nothing (the padded rows of
+    a CUDA graph captured for a larger batch, as in vLLM). Slot ids are not range-checked
+    (that would read them back to the host); an out-of-range slot is the caller's bug."""
     check_caches(k_cache, v_cache)
     fp8 = check_scales(k_cache, k_scale, v_scale)
     _, _, hk, d = k_cache.shape

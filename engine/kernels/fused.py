@@ -98,18 +98,19 @@ def _rope_write_kernel(qkv_ptr, cos_ptr, sin_ptr, pos_ptr, q_out_ptr, k_cache_pt
     else:
         j = h - HQ
         slot = tl.load(slots_ptr + t * stride_slot).to(tl.int64)
+        keep = offs * 0 + slot >= 0                                        # (D,); slot -1: a padded row writes nothing
         dst = slot * (HK * D) + j * D + offs
         v = tl.load(row + (HQ + HK + j) * D + offs)                        # (D,)
         if FP8:
             k_q, k_sc = quantize_fp8_row(y)
             v_q, v_sc = quantize_fp8_row(v)
-            tl.store(k_scale_ptr + slot * HK + j, k_sc)
-            tl.store(v_scale_ptr + slot * HK + j, v_sc)
-            tl.store(k_cache_ptr + dst, k_q.to(k_cache_ptr.dtype.element_ty))
-            tl.store(v_cache_ptr + dst, v_q.to(v_cache_ptr.dtype.element_ty))
+            tl.store(k_scale_ptr + slot * HK + j, k_sc, mask=slot >= 0)
+            tl.store(v_scale_ptr + slot * HK + j, v_sc, mask=slot >= 0)
+            tl.store(k_cache_ptr + dst, k_q.to(k_cache_ptr.dtype.element_ty), mask=keep)
+            tl.store(v_cache_ptr + dst, v_q.to(v_cache_ptr.dtype.element_ty), mask=keep)
         else:
-            tl.store(k_cache_ptr + dst, cast(y, k_cache_ptr.dtype.element_ty))
-            tl.store(v_cache_ptr + dst, cast(v, v_cache_ptr.dtype.element_ty))
+            tl.store(k_cache_ptr + dst, cast(y, k_cache_ptr.dtype.element_ty), mask=keep)
+            tl.store(v_cache_ptr + dst, cast(v, v_cache_ptr.dtype.element_ty), mask=keep)
 
 
 def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -118,7 +119,8 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
     """qkv: (T, (n_heads + 2 n_kv_heads) * head_dim), q then k then v heads; cos, sin: RoPE
     tables (max_pos, 1, head_dim) or (max_pos, head_dim) in qkv's dtype, read at positions
     (T,), which must be < max_pos (not checked: that would read them back). Writes RoPE(k)
-    and v to `slots` (T,) of the caches; returns RoPE(q) (T, n_heads, head_dim)."""
+    and v to `slots` (T,) of the caches (a negative slot: nothing, a padded row); returns
+    RoPE(q) (T, n_heads, head_dim)."""
     check_caches(k_cache, v_cache)
     fp8 = check_scales(k_cache, k_scale, v_scale)
     _, _, hk, d = k_cache.shape

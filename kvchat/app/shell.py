@@ -5,10 +5,16 @@ the conversations, the job queue, the panels, and the keys that act on them. The
 what outlives a conversation: the settings file, the themes, the keymap (`set_keymap`
 rebinds every key by its id), the help and the command palette, and the model's load, which
 runs in a thread worker and hands the backend to the screen. Quitting lets the reply in
-progress end, so it is saved, then exits.
+progress end, so it is saved, then exits; SIGINT, SIGTERM and SIGHUP quit the same way,
+sooner (a closed terminal or a `kill` mid-reply keeps what streamed, and the terminal leaves
+the alternate screen and mouse mode as on ctrl+q).
 """
 from __future__ import annotations
 
+import asyncio
+import os
+import signal
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +37,22 @@ from ..store.settings import Settings
 from . import theming
 from .palette import KvchatCommands
 from .startup import AppOptions
+
+QUIT_GRACE_S = 10.0        # ctrl+q: the reply in progress has this long to stop and be saved
+SIGNAL_GRACE_S = 3.0       # a signal: shorter (a stop takes one decode step or one prefill chunk)
+EXIT_GRACE_S = 2.0         # then the app has this long to restore the terminal and end
+SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+
+
+def _last_resort(saved: threading.Event | None, code: int) -> None:
+    """A signal's backstop, in a daemon thread: once the reply in progress is in the log (or
+    SIGNAL_GRACE_S passed), the app has EXIT_GRACE_S to end by itself, and then the process
+    ends here. A terminal that hung up (SIGHUP) leaves Textual waiting forever to write the
+    sequences that restore it; a process ending normally takes this thread along."""
+    if saved is not None:
+        saved.wait(SIGNAL_GRACE_S)
+    time.sleep(EXIT_GRACE_S)
+    os._exit(code)
 
 
 class KvChatApp(App[int], inherit_bindings=False):
@@ -56,6 +78,7 @@ class KvChatApp(App[int], inherit_bindings=False):
         self.theme_name = options.theme if options.theme in self.themes else next(iter(self.themes))
         self.backend: Backend | None = None
         self.failure: str | None = None         # one line for stderr after exit
+        self.signalled: int | None = None       # the signal that asked the app to quit
         self._load_started = time.perf_counter()
         self.use_command_palette = True         # opened by keys.KEYS' "palette" key
         self.add_mode("chat", self._chat)
@@ -71,6 +94,24 @@ class KvChatApp(App[int], inherit_bindings=False):
         self.set_keymap(self.settings.keys)
         self._load_timer = self.set_interval(0.1, self._loading_tick)
         self.run_worker(self._load, thread=True, group="load", exit_on_error=False)
+        if not self.is_headless:                # a test's app leaves the test runner's signals alone
+            loop = asyncio.get_running_loop()
+            for sig in SIGNALS:                 # removed when the loop closes, as the app ends
+                loop.add_signal_handler(sig, self._signalled, sig)
+
+    def _signalled(self, sig: int) -> None:
+        """SIGINT, SIGTERM, SIGHUP: quit as ctrl+q does, the reply in progress stopped and
+        saved, within SIGNAL_GRACE_S; a second signal exits at once. The exit status is the
+        shell's for a signal, 128 + its number."""
+        again = self.signalled is not None
+        self.signalled = sig
+        if again:
+            self.exit(return_code=128 + sig)
+            return
+        turn = self.chat_screen.jobs.replying
+        threading.Thread(target=_last_resort, args=(turn.saved if turn is not None else None, 128 + sig),
+                         daemon=True, name="kvchat-signal").start()
+        self.call_later(self.action_quit, SIGNAL_GRACE_S)
 
     def exit(self, result: int | None = None, return_code: int = 0, message: RenderableType | None = None) -> None:
         self.chat_screen.closing = True     # worker messages still in the queue are dropped from now on
@@ -116,20 +157,22 @@ class KvChatApp(App[int], inherit_bindings=False):
     def action_palette(self) -> None:
         self.action_command_palette()
 
-    async def action_quit(self) -> None:
+    async def action_quit(self, grace: float = QUIT_GRACE_S) -> None:
         """Let the reply in progress end (so it is saved), then exit: the jobs that wait are
         dropped, the reply in progress stops, and the chat screen exits once its job ends. A
-        load cannot be interrupted: the process ends after it."""
+        load cannot be interrupted: the process ends after it (cli/launch.py)."""
         screen, jobs = self.chat_screen, self.chat_screen.jobs
-        screen.quitting = True
+        code = 128 + self.signalled if self.signalled is not None else 0
+        screen.quitting, screen.exit_code = True, code
         jobs.clear()
         if jobs.busy in (None, Busy.LOAD):
-            self.exit()
+            self.exit(return_code=code)
             return
         if jobs.replying is not None:
+            jobs.replying.quitting = True
             jobs.replying.cancel.set()
         screen.panels.status("quitting…")
-        self.set_timer(10, self.exit)    # a stuck job must not keep the app open
+        self.set_timer(grace, lambda: self.exit(return_code=code))    # a stuck job must not keep the app open
 
     async def on_app_command(self, msg: AppCommand) -> None:
         """/help, /theme NAME, /quit, typed in the chat."""

@@ -5,8 +5,7 @@ import threading
 from collections.abc import Iterator
 
 from kvchat.engine.conversation import Conversation
-from kvchat.engine.engine import KV_DTYPES, Engine, EngineConfig
-from kvchat.engine.errors import KvchatError
+from kvchat.engine.engine import KV_DTYPES, Engine, EngineConfig, Preflight
 from kvchat.engine.policy import POLICIES
 from kvchat.engine.sampler import SamplingParams
 from kvchat.engine.sources import ModelSource
@@ -36,17 +35,10 @@ class LocalChat:
         return self.conv.regenerate(sampling, cancel)
 
     def restore(self, messages: list[Message]) -> None:
-        self.conv.reset_cache()
-        self.conv.messages = [dict(m) for m in messages]
+        self.conv.restore_messages(messages)
 
     def truncate(self, n_messages: int) -> None:
-        c = self.conv
-        if not 0 <= n_messages <= len(c.messages):
-            raise KvchatError(f"cannot keep {n_messages} messages of {len(c.messages)}")
-        with c.engine.lock:
-            c.messages = c.messages[:n_messages]
-            if c.streaming:   # a sink-window cache is not a prefix of the text: start it again
-                c.reset_cache()
+        self.conv.truncate(n_messages)
 
     def reset_cache(self) -> int:
         return self.conv.reset_cache()
@@ -61,27 +53,22 @@ class LocalChat:
         self.conv.set_mode(mode)
 
     def set_system(self, text: str | None) -> None:
-        conv = self.conv
-        with conv.engine.lock:
-            if conv.messages and conv.messages[0]["role"] == "system":
-                del conv.messages[0]
-            if text:
-                conv.messages.insert(0, {"role": "system", "content": text})
-            conv.drop_cache(keep_index=True)   # the old prefix stays cached for the chats that share it
+        self.conv.set_system(text)
 
 
 class LocalBackend:
     """One Engine: one model, one KV pool shared by every conversation."""
 
     capabilities = Capabilities(policies=tuple(POLICIES), kv_dtypes=tuple(k for k in KV_DTYPES if k != "auto"),
-                                block_map="pool")
+                                block_map="pool", concurrent_turns=True)
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
 
     @classmethod
-    def load(cls, config: EngineConfig, source: ModelSource | None = None) -> LocalBackend:
-        return cls(Engine(config, source=source))
+    def load(cls, config: EngineConfig, source: ModelSource | None = None,
+             checked: Preflight | None = None) -> LocalBackend:
+        return cls(Engine(config, source=source, checked=checked))
 
     def info(self) -> BackendInfo:
         e = self.engine

@@ -38,6 +38,7 @@ class Capabilities:
     block_map: str = "pool"                  # "pool": every block of the pool by id; "prefix":
                                              # resident prefix-cached blocks only; "none"
     missing: tuple[tuple[str, str], ...] = ()   # (capability, why) for each it lacks
+    concurrent_turns: bool = False           # replies on several chats may run at once (share steps)
 
     def has(self, name: str) -> bool:
         return all(k != name for k, _ in self.missing)

@@ -62,9 +62,6 @@ class BandwidthProbe:
 
 
 def step_weight_bytes(model) -> int:
-    """Bytes of weights one decode step reads: every matrix and norm, but of an embedding
-    table not shared with the output head only the one row it looks up."""
-    total = model.weight_bytes
-    if model.lm_head is not model.embed:
-        total -= model.embed.nbytes - model.embed[0].nbytes
-    return total
+    """Bytes of weights one decode step reads (Llama.step_weight_bytes: every matrix and norm,
+    of an embedding table not shared with the output head only the row it looks up)."""
+    return model.step_weight_bytes

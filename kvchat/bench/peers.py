@@ -85,6 +85,24 @@ class HFPeer:
         return Timing(len(ids), (t[1] - t[0]) * 1000, (t[1] - t0) * 1000, decode)
 
 
+    def decode_batch(self, prompts: list[list[int]], steps: int) -> list[float]:
+        """Greedy generate of steps + 1 tokens for all prompts at once, left-padded to the
+        longest: the time of each decode step after the first token (ms)."""
+        torch = self.torch
+        width = max(len(p) for p in prompts)
+        ids = torch.tensor([[self.eos] * (width - len(p)) + list(p) for p in prompts], device=self.device)
+        mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=self.device)
+        clock = _Clock(self._sync)
+        n = steps + 1
+        self._sync()
+        self.model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                            pad_token_id=self.eos, streamer=clock)
+        t = clock.times        # the prompts, then one call per step with every row's token
+        if len(t) < 3:
+            raise KvchatError(f"transformers peer: generate produced too few tokens for a batch of {len(prompts)}")
+        return [(b - a) * 1000 for a, b in zip(t[1:], t[2:])]
+
+
 def hf_config(geom):
     """A LlamaConfig with the engine's geometry, for --random-weights."""
     from transformers import LlamaConfig

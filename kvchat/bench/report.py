@@ -142,7 +142,7 @@ def floors(results: dict[int, dict[str, Series]], floor: dict[str, Any]) -> list
             kv = row[key].kv if key in row else {}
             if not kv:
                 continue
-            per_token = kv["bytes_per_token"] + kv["scale_bytes"] / max(kv["tokens_held"], 1)
+            per_token = kv["bytes_per_token"]          # fp8's scales included, as every kvchat figure
             mean_tokens = kv["tokens_held"] - floor["new_tokens"] / 2   # the timed steps' mean length
             out[f"{name}_bytes"] = int(per_token * mean_tokens)
             out[f"{name}_floor_ms" if name != "cache" else "floor_ms"] = rnd(
@@ -239,12 +239,12 @@ def markdown(results: dict[int, dict[str, Series]], meta: dict[str, Any], summar
     bpt = meta["model"]["kv_bytes_per_token"]
     lines += ["", f"KV bytes held after the first turn ({bpt:,} B/token in {meta['model']['kv_dtype']}; "
               "fp8 adds one fp32 scale per token and KV head)", "",
-              "| context | tokens held | bytes used | bytes allocated (whole blocks) | fp8 bytes used (+ scales) |",
+              "| context | tokens held | bytes used | bytes allocated (whole blocks) | fp8 bytes used (of it scales) |",
               "|---:|---:|---:|---:|---:|"]
     for ctx, row in results.items():
         kv = row.get("kvchat", Series()).kv
         fp8 = row.get("kvchat_fp8", Series()).kv
-        fp8_cell = f"{fp8['bytes_used']:,} (+{fp8['scale_bytes']:,})" if fp8 else "–"
+        fp8_cell = f"{fp8['bytes_used']:,} ({fp8['scale_bytes']:,})" if fp8 else "–"
         lines.append(f"| {ctx} | {kv.get('tokens_held', 0):,} | {kv.get('bytes_used', 0):,} ({_mib(kv.get('bytes_used'))}) "
                      f"| {kv.get('bytes_allocated', 0):,} | {fp8_cell} |")
 

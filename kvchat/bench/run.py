@@ -32,7 +32,9 @@ from kvchat.engine.errors import KvchatError
 from . import floor as bench_floor
 from . import peers as bench_peers
 from . import report as bench_report
+from .flags import output_path, parse_contexts
 from .history import FOLLOW_UP, SYSTEM, history
+from .machine import busy_note, checkout_commit, load_average
 from .report import Series, Timing
 from ..cli.args import UsageError, add_model_args, int_at_least, positive_int
 
@@ -81,40 +83,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--busy", type=positive_int("--busy"), default=None, metavar="N",
                    help="instead of the table: decode at the first context alone and beside N busy processes, "
                         "round after round, and report the slowdown (median and p90)")
+    p.add_argument("--batch", default=None, metavar="B,B,...",
+                   help="batch sizes, e.g. 1,2,4,8,16: measure conversations decoding together instead "
+                        "(aggregate tokens/s against B and context, beside the roofline; kvchat/bench/batch.py)")
     return p
-
-
-def parse_contexts(text: str) -> tuple[int, ...]:
-    parts = [p.strip() for p in text.split(",")]
-    if not text.strip() or any(not p for p in parts):
-        raise UsageError(f"--contexts {text!r}: expected comma-separated token counts, e.g. 256,1024,4096")
-    values = []
-    for p in parts:
-        try:
-            v = int(p)
-        except ValueError:
-            raise UsageError(f"--contexts: {p!r} is not a whole number of tokens; e.g. 256,1024,4096") from None
-        if v <= 0:
-            raise UsageError(f"--contexts: {v} is not a positive number of tokens; e.g. 256,1024,4096")
-        values.append(v)
-    return tuple(sorted(set(values)))
-
-
-def output_path(flag: str, text: str | None, suffix: str | None = None) -> Path | None:
-    """Check an output file can be written before minutes of measuring, not after."""
-    if text is None:
-        return None
-    path = Path(text).expanduser()
-    if path.is_dir():
-        raise UsageError(f"{flag} {text!r} is a directory; give a file name")
-    if suffix and path.suffix.lower() != suffix:
-        raise UsageError(f"{flag} {text!r}: expected a {suffix} file name")
-    parent = path.parent
-    if not parent.is_dir():
-        raise UsageError(f"{flag} {text!r}: directory {str(parent)!r} does not exist")
-    if not os.access(parent, os.W_OK) or (path.exists() and not os.access(path, os.W_OK)):
-        raise UsageError(f"{flag} {text!r} is not writable")
-    return path
 
 
 @dataclass(slots=True)
@@ -176,8 +148,6 @@ class Bench:
         self.server: VllmPeer | None = None                 # a vLLM server (--server)
         self.probe: bench_floor.BandwidthProbe | None = None   # sampled before each context
         self.base_kv = engine.kv_dtype
-        self._renderer = engine.new_conversation()   # only its render() is used
-        engine.close_conversation(self._renderer)
         self.fit = fit = usable_history(engine, cfg)
         self.cut = {ctx: fit for ctx in cfg.contexts if ctx > fit}  # contexts shortened to fit
         # the first run's histories now (a context too short for the template is refused before
@@ -186,7 +156,7 @@ class Bench:
         self.t0 = time.perf_counter()
 
     def history_of(self, ctx: int, run: int) -> tuple[str, list[int]]:
-        return history(self._renderer.render, self.engine.tokenizer, min(ctx, self.fit),
+        return history(self.engine.render, self.engine.tokenizer, min(ctx, self.fit),
                        self.cfg.seed + 1000 * run + ctx)
 
     def say(self, text: str) -> None:
@@ -212,7 +182,7 @@ class Bench:
                 s.kv = {"tokens_held": c.tokens_held, "bytes_per_token": c.bytes_per_token,
                         "bytes_used": c.bytes_used, "bytes_allocated": c.bytes_allocated,
                         "blocks_used": c.blocks_used, "block_size": c.block_size,
-                        "scale_bytes": c.tokens_held * eng.spec.scale_bytes_per_token}
+                        "scale_bytes": c.tokens_held * (c.scale_bytes_per_token or 0)}   # of bytes_used
             if next_turn == "none":
                 return None
             second = finish(conv.send(FOLLOW_UP, SamplingParams(max_tokens=1)))
@@ -318,6 +288,9 @@ def usable_history(engine, cfg: BenchConfig) -> int:
 
 
 def run(args) -> int:
+    if args.batch is not None:
+        from .batch import run_batch
+        return run_batch(args)
     import torch
     from kvchat.engine import Engine
 
@@ -387,9 +360,9 @@ def run(args) -> int:
         "runs": cfg.runs, "new_tokens": cfg.new_tokens, "nocache_tokens": min(cfg.new_tokens, cfg.nocache_tokens),
         "skip_nocache_above": cfg.nocache_max, "method": METHOD, "notes": notes,
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "transformers": _version(),
-                     "kvchat_commit": _commit()},
+                     "kvchat_commit": checkout_commit()},
         "machine": {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-                    "load_average_before": load0, "load_average_after": _load()},
+                    "load_average_before": load0, "load_average_after": load_average()},
         "floor": {"bandwidth": bw.to_dict(), "weight_bytes": weights,
                   "method": "bytes one decode step reads (every weight once, plus the cache at the mean length of the "
                             "timed steps) over the median of timed torch.sum calls over a buffer larger than them, "
@@ -419,44 +392,13 @@ def run_busy(bench: Bench, args) -> int:
 
     from . import contention
     ctx, busy = bench.cfg.contexts[0], args.busy
-    load0 = _load()
+    load0 = load_average()
     row = contention.measure(bench, ctx, busy)
     s = contention.summary(row)
     print(contention.markdown(ctx, busy, s, threads.describe(), len(os.sched_getaffinity(0))
                               if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
-    print(f"\n1-minute load {load0} before, {_load()} after; command: {bench.cfg.command(args)} --busy {busy}")
+    print(f"\n1-minute load {load0} before, {load_average()} after; command: {bench.cfg.command(args)} --busy {busy}")
     return 0
-
-
-def _load() -> float | None:
-    try:
-        return round(os.getloadavg()[0], 2)
-    except OSError:
-        return None
-
-
-def busy_note(notes: list[str]) -> float | None:
-    """Other work on the CPUs skews every figure; say so where the numbers are read."""
-    load, cpus = _load(), os.cpu_count() or 1
-    if load is not None and load > 0.5 * cpus:
-        why = f"the machine was busy when the run began (1-minute load {load:.1f} on {cpus} CPUs): figures are noisy"
-        notes.append(why)
-        print(f"kvchat bench: {why}", file=sys.stderr, flush=True)
-    return load
-
-
-def _commit() -> str | None:
-    """The checkout's commit (with "+changes" when the tree differs from it), or None."""
-    import subprocess
-    root = Path(__file__).resolve().parents[2]
-    try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, capture_output=True, text=True,
-                              timeout=5, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root,
-                               capture_output=True, text=True, timeout=5, check=True).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        return None
-    return head + ("+changes" if dirty else "")
 
 
 def _version() -> str:

@@ -71,6 +71,30 @@ class VllmPeer:
             if isinstance(details, dict) else None
         return Timing(len(ids), ttft, ttft, decode), cached
 
+    def decode_batch(self, prompts: list[list[int]], steps: int) -> list[float]:
+        """The prompts as concurrent streams (one thread each), so the server batches them:
+        every stream's gaps between tokens (ms), the server's per-user decode step."""
+        import threading
+        if self.can_reset:
+            self.backend.reset_prefix_cache()
+        results: list = [None] * len(prompts)
+
+        def one(i: int) -> None:
+            try:
+                results[i] = self.generate(prompts[i], steps)[0]
+            except Exception as err:  # noqa: BLE001  (re-raised below, in the caller's thread)
+                results[i] = err
+
+        threads = [threading.Thread(target=one, args=(i,)) for i in range(len(prompts))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        failed = next((r for r in results if isinstance(r, Exception)), None)
+        if failed is not None:
+            raise failed
+        return [ms for r in results for ms in r.decode_ms]
+
     def measure(self, ids1: list[int], ids2: list[int] | None, steps: int, s: Series) -> None:
         if self.can_reset:
             self.backend.reset_prefix_cache()

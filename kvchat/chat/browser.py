@@ -15,7 +15,7 @@ from kvchat.engine.errors import KvchatError
 
 from ..screens.chat_browser import ChatBrowser
 from ..store import catalog
-from ..store.log import Restored, StoreError, restore
+from ..store.log import ConversationBusy, Restored, StoreError, restore
 from ..text import plural
 from .conversations import Conversations, read_the_cache
 from .host import Host
@@ -65,6 +65,8 @@ class Browser:
             return f"{summary.title!r} is open: close it first ({self.host.keymap['close_conversation']}), then delete"
         try:
             catalog.delete(summary.path)
+        except ConversationBusy as err:
+            return f"not deleted: {err}"
         except OSError as err:
             return f"cannot delete {summary.path.name}: {err.strerror or err}"
         return None
@@ -125,7 +127,7 @@ class Browser:
         session = view.session
         if session is None:
             return
-        await view.show_history(list(session.state.messages), session.turns)
+        await view.show_history(restored.history)
         view.add_notice(f"resumed {restored.path.name}: {plural(len(restored.turns), 'turn')}; the cache "
                         "is empty, so the next turn prefills the whole history")
         if restored.unanswered:
@@ -140,7 +142,7 @@ class Browser:
         if session is None:
             return
         if history:
-            await view.show_history(list(session.state.messages), session.turns)
+            await view.show_history(restored.history)
             view.add_notice(f"reopened {restored.path.name}: {plural(len(restored.turns), 'turn')}; the cache is "
                             "empty, so the next turn prefills the whole history")
         if restored.problems:
@@ -150,6 +152,9 @@ class Browser:
             view.add_notice(f"  {line}", error=True)
         if len(restored.problems) > SHOWN_PROBLEMS:
             view.add_notice(f"  and {len(restored.problems) - SHOWN_PROBLEMS} more", error=True)
+        if restored.dropped:
+            view.add_notice(f"{plural(restored.dropped, 'message')} dimmed above: drop-oldest dropped "
+                            f"{'it' if restored.dropped == 1 else 'them'}; the model no longer sees them")
         if restored.title is not None:
             session.given_title = restored.title
         model = self.host.backend.info().model

@@ -25,7 +25,7 @@ from ..commands import Command, CommandError, read_message_file, token_count
 from ..screens.policy_picker import PolicyPicker
 from ..screens.model_info import ModelInfoScreen
 from ..store.log import export
-from ..text import what_if_command
+from ..text import per_token, what_if_command
 from .browser import Browser
 from .conversations import Conversations
 from .editing import Editor
@@ -104,6 +104,12 @@ class Controls:
 
     def set_cap(self, cap: int | None) -> None:
         host, session = self.host, self.host.session
+        info = host.backend.info()
+        top = info.max_position
+        if cap is not None and top is not None and cap > top and not info.random_weights:   # as --cap
+            host.notice(f"/cap {cap:,} is past {info.model}'s context window of {top:,} tokens; accepted: 1 to "
+                        f"{top:,}, or /cap off", error=True)
+            return
         try:
             session.chat.set_cap(cap)
         except KvchatError as err:     # e.g. below sink-window's least window
@@ -190,10 +196,10 @@ class Controls:
             for s in sessions:      # the pool is every conversation's
                 s.log.event("kv_dtype", value=now)
             chats = "every conversation's cache" if len(sessions) > 1 else "the cache"
-            per_token = backend.info().bytes_per_token
             snap = backend.snapshot(session.chat)
+            size = per_token(snap.bytes_per_token, snap.scale_bytes_per_token) if snap.bytes_per_token else "unknown"
             pool = human_bytes(snap.capacity_bytes) if snap.capacity_bytes is not None else "unknown"
-            return (f"KV pool rebuilt in {now}: {per_token or 0:,} B per token; the pool keeps its byte budget "
+            return (f"KV pool rebuilt in {now}: {size} per token; the pool keeps its byte budget "
                     f"({pool}), so it holds {snap.num_blocks:,} blocks of "
                     f"{snap.block_size} now; {chats} dropped, the next turn recomputes its history")
         host.run_op(f"rebuild the pool in {kv}", run)
@@ -231,8 +237,9 @@ class Controls:
         """/save [FILE], /save! FILE (overwrite), ctrl+s: the transcript and telemetry."""
         host, session = self.host, self.host.session
         path = path or Path.cwd() / f"kvchat-{time.strftime('%Y%m%d-%H%M%S')}"
+        session.log.sync(list(session.refresh().messages))     # a /system since the last turn, say
         try:
-            md, jl = export(path, list(session.refresh().messages), session.turns, host.backend.info().model,
+            md, jl = export(path, session.log.history, session.turns, host.backend.info().model,
                             overwrite=overwrite)
         except OSError as err:
             host.notice(f"cannot save to {path}: {err.strerror or err}", error=True)

@@ -143,9 +143,10 @@ class Conversations:
         host.notice(f"conversation {view.number}: new, in the same pool as {len(self.views) - 1} "
                     "other(s), which stay open; their blocks show as other chats in the block map")
         s = session.state
-        host.panels.note(f"conversation {view.number} inherits {f'cap {s.cap:,}' if s.cap else 'no cap'} and "
-                         f"policy {s.policy}{' and the system prompt' if s.system else ''} from the one it was "
-                         "opened from")
+        system = "its system prompt" if s.system else "no system prompt"
+        host.panels.note(f"conversation {view.number} inherits {f'cap {s.cap:,}' if s.cap else 'no cap'}, "
+                         f"policy {s.policy} and {system} from the one it was opened from; sampling "
+                         f"({host.panels.sampling}) is shared by every conversation")
 
     def step(self, delta: int) -> None:
         if self.focused is None:

@@ -70,7 +70,7 @@ class Editor:
             return
         session.editing = None
         number = sum(m["role"] == "user" for m in session.state.messages[:index]) + 1
-        shown = [w for w in view.query(UserMessage) if not w.has_class("refused")]
+        shown = [w for w in view.query(UserMessage) if not w.has_class("refused") and not w.has_class("dropped")]
         if number <= len(shown):         # drop the edited message and all that came after it
             first = shown[number - 1]
             later = list(view.children)[list(view.children).index(first):]

@@ -51,6 +51,9 @@ class RunningTurn:
     reply: Reply | None = None          # the reply's widget, once the turn starts
     cancel: threading.Event = field(default_factory=threading.Event)
     prefilled: bool = False             # the backend accepted the turn (its PrefillEvent came)
+    quitting: bool = False              # stopped because the app quits: a message never answered stays
+                                        # in the log, so --resume puts it back in the input
+    saved: threading.Event = field(default_factory=threading.Event)   # the worker wrote the turn's end
 
 
 Job = Union[RunningTurn, Op]

@@ -11,6 +11,7 @@ from functools import cached_property
 
 from textual.screen import Screen
 
+from kvchat.engine.policy import POLICIES
 from kvchat.engine.telemetry import CacheSnapshot
 
 from ..backends.protocol import BLOCK_MAP, BackendInfo, Capabilities
@@ -30,6 +31,7 @@ class Panels:
     def __init__(self, screen: Screen[None]) -> None:
         self.screen = screen
         self.notes: list[str] = []              # status-line notes (cap, policy, theme...), oldest first
+        self.sampling = ""                      # the sampling line, as the status line last showed it
 
     @cached_property
     def status_bar(self) -> StatusBar:
@@ -67,6 +69,7 @@ class Panels:
         self.notes.append(text)
 
     def settings(self, info: BackendInfo, session: Session, open_chats: int, sampling: str) -> None:
+        self.sampling = sampling        # the screen's, which every conversation shares (ctrl+n says so)
         self.status_bar.show_settings(info, session.state, session.number, open_chats, sampling)
 
     # ---- the telemetry panels ---------------------------------------------------------------------
@@ -89,11 +92,14 @@ class Panels:
         self.cap(session, info)
 
     def cap(self, session: Session, info: BackendInfo) -> None:
-        """The cap gauge: the tokens the cache holds against the cap (the context sent, where
-        the backend cannot say what it holds: a server without a KV-event stream)."""
+        """The cap gauge: the conversation's tokens against the cap, as the cap is checked
+        (the last turn's prompt and reply, whatever the cache holds: after a reset or a
+        reopen too); under sink-window, which caps the cache and not the text, the tokens
+        the cache holds."""
         s = session.refresh()
-        held = session.snapshot.tokens_held if session.snapshot is not None else 0
-        tokens = held if s.mode == "cache" and held is not None else session.context_tokens
+        held = session.snapshot.tokens_held if session.snapshot is not None else None
+        window = s.policy in POLICIES and POLICIES[s.policy].streaming and s.mode == "cache"
+        tokens = held if window and held is not None else session.context_tokens
         self.gauge.show(tokens, s.cap, s.policy, s.policy_description, info.max_position or 0,
                         evicted=s.evicted_tokens)
 

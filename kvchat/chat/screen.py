@@ -80,7 +80,7 @@ class ChatScreen(Screen[None]):
         self.controls = Controls(self, self.conversations, self.browser, self.editor, self.generation)
         self.conversations.on_change = self.browser.remember
         self.closing = False        # the app exits: worker messages still queued are dropped
-        self.quitting = False       # the app exits once the job in progress ends (App.action_quit)
+        self.quitting, self.exit_code = False, 0   # exit with that status once the job ends (App.action_quit)
         self.panels = Panels(self)
         self.draft: DraftCounter
 
@@ -445,6 +445,6 @@ class ChatScreen(Screen[None]):
             self.panels.status("quitting" if self.quitting else "ready")
         self.jobs.done()
         if idle and self.quitting:
-            self.app.exit()
+            self.app.exit(return_code=self.exit_code)
             return
         self._start_next()

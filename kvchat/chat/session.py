@@ -10,12 +10,13 @@ conversation's transcript draw from it.
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from kvchat.engine.telemetry import CacheSnapshot, TurnStats
 
-from ..backends.protocol import Backend, Chat, ChatState
+from ..backends.protocol import Backend, Chat, ChatState, Message
 from ..latency import LatencyData
 from ..store.log import ConversationLog, Restored
 from ..store.records import TurnRecord
@@ -34,6 +35,17 @@ class ChatOptions:
     mode: str = "cache"
 
 
+def dropped_by(before: Sequence[Message], after: Sequence[Message]) -> int:
+    """How many of the oldest messages a send dropped: `after` is `before` with the new user
+    message appended and that many messages after the system prompt taken off (drop-oldest);
+    0 for any other change (a backend that adds the message only once the reply is done)."""
+    k = len(before) + 1 - len(after)
+    s = 1 if before and before[0]["role"] == "system" else 0
+    if k <= 0 or not after or after[-1]["role"] != "user" or list(after[:s]) != list(before[:s]):
+        return 0
+    return k if list(after[s:-1]) == list(before[s + k:]) else 0
+
+
 class Session:
     def __init__(self, number: int, chat: Chat, log: ConversationLog, turns: list[TurnRecord]) -> None:
         self.number = number                      # shown in the conversation bar; /switch N
@@ -46,7 +58,10 @@ class Session:
         self.state: ChatState = chat.state()      # as the backend last reported it
         self.snapshot: CacheSnapshot | None = None   # the latest taken while it was in focus
         self.prompt_tokens = 0                    # this turn's prompt, while it streams
-        self.context_tokens = 0                   # prompt + generated, the last turn
+        # the conversation's tokens: the last turn's prompt and reply (a reopened one's too), this
+        # turn's so far once its prompt is in; what the cap is checked against
+        self.context_tokens = self.turns[-1].context_tokens if self.turns else 0
+        self._prompt_in = False                   # this turn's PrefillEvent came
         self.preempted_noted = False              # its transcript already says it was preempted
         self.given_title: str | None = None       # set by a rename in the chat browser
         self.editing: int | None = None           # index of the user message being edited (editing.py)
@@ -59,7 +74,7 @@ class Session:
         backend is busy."""
         if restored is not None:
             chat = backend.open(cap=restored.cap, policy=restored.policy, mode=restored.mode)
-            chat.restore(restored.messages)
+            chat.restore(restored.visible)
             log = ConversationLog(restored.path, restored.messages, restored=restored)   # the log read once
             log.event("resumed")
             return cls(number, chat, log, restored.turns)
@@ -87,8 +102,10 @@ class Session:
 
     @property
     def title(self) -> str:
-        """The title given in the chat browser, else the first thing the user said, or "new"."""
-        first = next((m["content"] for m in self.state.messages if m["role"] == "user"), "")
+        """The title given in the chat browser, else the first thing the user said (dropped by
+        drop-oldest or not), or "new"."""
+        said = (m["content"] for m in (*self.log.messages, *self.state.messages) if m["role"] == "user")
+        first = next(said, "")
         words = self.given_title or " ".join(first.split())
         return (words[:TITLE_CHARS - 1] + "…" if len(words) > TITLE_CHARS else words) or "new"
 
@@ -120,13 +137,16 @@ class Session:
     def begin_turn(self, kv_dtype: str | None) -> None:
         """The turn starts: its latency points go to the series of its cache mode and KV dtype."""
         s = self.refresh()
+        self._prompt_in = False
         self.latency.begin_turn(s.mode, kv_dtype=kv_dtype, policy=s.policy, cap=s.cap)
 
     def progress(self, p: Progress) -> None:
         self.latency.add_points(p.points)
         if p.prefill is not None:
             self.prompt_tokens = p.prefill.prompt_tokens
-        self.context_tokens = self.prompt_tokens + p.generated
+            self._prompt_in = True
+        if self._prompt_in:
+            self.context_tokens = self.prompt_tokens + p.generated
 
     def end_turn(self, record: TurnRecord | None, stats: TurnStats | None) -> None:
         """The live latency points give way to the record's exact ones; the record joins the

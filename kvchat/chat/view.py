@@ -11,7 +11,7 @@ from textual.widget import Widget
 
 from ..store.records import TurnRecord
 from ..text import plural
-from ..widgets.transcript import Reply, Transcript, UserMessage
+from ..widgets.transcript import DROPPED, Reply, Transcript, UserMessage
 from .session import Session
 
 
@@ -20,7 +20,7 @@ class ChatView(Transcript):
     gives it its Session."""
 
     DEFAULT_CSS = """
-    ChatView .dropped { text-opacity: 50%; }
+    ChatView .dropped, ChatView .dropped * { text-opacity: 50%; }
     """
 
     def __init__(self, number: int, id: str | None = None) -> None:
@@ -75,7 +75,7 @@ class ChatView(Transcript):
         marked = shown[:n]
         for w in marked:
             w.add_class("dropped")
-            w.tooltip = "the model no longer sees this message"
+            w.tooltip = DROPPED
         if marked:
             top = max_position
             cap = self.session.cap if self.session is not None else None
@@ -83,5 +83,5 @@ class ChatView(Transcript):
                      else f"the model's maximum context of {top:,}" if top else "the limit")
             self.add_notice(f"{plural(len(marked), 'message')} dimmed above: {policy or 'the policy'} dropped "
                             f"{'it' if len(marked) == 1 else 'them'} to stay under {limit} tokens; the model no "
-                            "longer sees them (the transcript and the saved log keep them)")
+                            "longer sees them (the transcript, /save and --resume keep them, dimmed)")
         return len(marked)

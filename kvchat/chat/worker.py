@@ -20,7 +20,7 @@ from ..store.records import TurnRecord
 from .jobs import Op, RunningTurn
 from .messages import OpEnded, TurnEnded, TurnProgress
 from .relay import Progress, relay
-from .session import Session
+from .session import Session, dropped_by
 
 # The worker waits for the UI to draw each batch before its next decode step: a redraw on
 # the UI thread during a step takes the GIL from it and shows up as that step's latency (the
@@ -34,15 +34,27 @@ Post = Callable[[Message], object]
 
 def run_turn(turn: RunningTurn, session: Session, backend: Backend, sampling: SamplingParams,
              focus: Callable[[], Session], interval: Callable[[], float], post: Post) -> None:
-    """Run the turn, posting TurnProgress batches and then TurnEnded."""
+    """Run the turn, posting TurnProgress batches and then TurnEnded; `turn.saved` is set
+    once its end is in the log (a signal's exit waits for it)."""
+    try:
+        _run_turn(turn, session, backend, sampling, focus, interval, post)
+    finally:
+        turn.saved.set()
+
+
+def _run_turn(turn: RunningTurn, session: Session, backend: Backend, sampling: SamplingParams,
+              focus: Callable[[], Session], interval: Callable[[], float], post: Post) -> None:
     chat = session.chat
+    before = list(chat.state().messages)
     try:
         events = (chat.send(turn.text, sampling, turn.cancel) if turn.text is not None
                   else chat.regenerate(sampling, turn.cancel))
     except Exception as err:
         post(TurnEnded(turn, session, None, None, one_line(err), accepted=False))
         return
-    session.log.sync(list(chat.state().messages))
+    after = list(chat.state().messages)
+    base, seen = session.log.history.dropped, dropped_by(before, after) if turn.text is not None else 0
+    session.log.sync(after, base + seen)       # drop-oldest's dropped messages stay in the log
     shown = [focus()]
 
     def snapshot() -> CacheSnapshot:
@@ -61,8 +73,10 @@ def run_turn(turn: RunningTurn, session: Session, backend: Backend, sampling: Sa
         stats = relay(events, snapshot, emit, interval=interval)
     except Exception as err:
         error = one_line(err)
-    session.log.sync(list(chat.state().messages))
     record = TurnRecord.from_stats(stats) if stats is not None else None
+    if record is not None or turn.prefilled or not turn.quitting:
+        dropped = record.dropped_messages if record is not None else seen if turn.prefilled else 0
+        session.log.sync(list(chat.state().messages), base + dropped)
     if record is not None:
         session.log.turn(record)
     viewer = focus()

@@ -7,6 +7,8 @@ import argparse
 import math
 from typing import overload
 
+from kvchat.engine.geometry import KV_DTYPES, MODEL_DTYPES   # torch-free: the flags parse before torch loads
+
 SUPPRESS = argparse.SUPPRESS
 
 
@@ -75,9 +77,9 @@ def add_model_args(p: argparse.ArgumentParser, top: bool = False) -> None:
     g.add_argument("--random-weights", action="store_true", **_defaults(top, default=False),
                    help="the model's geometry with random weights: no download, for cache and latency experiments")
     g.add_argument("--device", **_defaults(top, default="auto"), help="auto, cpu, cuda, cuda:N (default auto)")
-    g.add_argument("--dtype", choices=("auto", "fp32", "bf16", "fp16"), **_defaults(top, default="auto"),
+    g.add_argument("--dtype", choices=MODEL_DTYPES, **_defaults(top, default="auto"),
                    help="model dtype (default: bf16 on CUDA, fp32 on CPU)")
-    g.add_argument("--kv-dtype", choices=("auto", "fp32", "bf16", "fp16", "fp8"), **_defaults(top, default="auto"),
+    g.add_argument("--kv-dtype", choices=KV_DTYPES, **_defaults(top, default="auto"),
                    help="KV cache storage dtype (default: the model dtype)")
     g.add_argument("--kv-budget", **_defaults(top, default=None),
                    help="KV pool size in bytes, e.g. 512MiB, 2GiB (default: from free memory)")

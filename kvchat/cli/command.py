@@ -69,20 +69,15 @@ def load_backend(args, quiet: bool = False):
         if not quiet:
             print(shown(f"attached to {backend.model.name} at {backend.api.url}"), file=sys.stderr, flush=True)
         return backend
-    from kvchat.engine import Engine
-    from kvchat.engine.engine import check_memory, pick_device, pick_dtypes
-    from kvchat.engine.sources import resolve
+    from kvchat.engine import preflight
 
     from ..backends.local import LocalBackend
     cfg = engine_config(args)
-    src = resolve(cfg.model, cfg.random_weights)
-    device = pick_device(cfg.device)
-    dtype, kv_dtype = pick_dtypes(cfg, device)
-    args.cap = check_start(args, src, device, kv_dtype)
-    check_memory(src.geometry, dtype, kv_dtype, cfg.kv_budget, device)
+    checked = preflight(cfg)
+    args.cap = check_start(args, checked.source, checked.device, checked.kv_dtype)
     if not quiet:
-        print(shown(f"loading {src.name} ..."), file=sys.stderr, flush=True)
-    return LocalBackend(Engine(cfg, source=src))
+        print(shown(f"loading {checked.source.name} ..."), file=sys.stderr, flush=True)
+    return LocalBackend.load(cfg, checked=checked)
 
 
 def check_server_flags(args) -> bool:
@@ -177,35 +172,75 @@ def read_replay(path: str) -> list[list[str]]:
 
 
 def cmd_replay(args) -> int:
+    """Each conversation's messages in order. Several conversations on the local engine run
+    at once, one thread each, so their replies share the engine's steps (each record's
+    step_sequences says how many conversations every token's step carried); a backend that
+    takes one reply at a time gets them interleaved, turn 1 of each, then turn 2, ..."""
     convs_msgs = read_replay(args.file)
     sp = sampling(args)
     backend = load_backend(args, quiet=args.json)
     mode = "off" if args.no_cache else "cache"
     convs = [backend.open(system=args.system, cap=args.cap, policy=args.policy, mode=mode) for _ in convs_msgs]
-    records = []
-    cut = False
-    rounds = max(len(m) for m in convs_msgs)
-    for turn in range(rounds):  # interleave: turn 1 of every conversation, then turn 2, ...
-        for ci, (conv, msgs) in enumerate(zip(convs, convs_msgs)):
-            if turn >= len(msgs):
-                continue
-            if not args.json:
-                tag = f"[{ci + 1}] " if len(convs) > 1 else ""
-                print(f"{tag}> {inert(msgs[turn])}")
-            rec = run_turn(conv, msgs[turn], sp, None if args.json else sys.stdout)
-            rec["conversation"] = ci
-            records.append(rec)
-            cut = said_cut(rec) or cut
-            if not args.json:
-                reused, computed = (("unknown" if rec[k] is None else rec[k]) for k in ("reused_tokens",
-                                                                                       "computed_tokens"))
-                print(f"  turn {rec['turn']}: prompt {rec['prompt_tokens']} tokens, reused {reused}, "
-                      f"computed {computed}, generated {rec['generated_tokens']}, "
-                      f"TTFT {rec['ttft_ms']:.0f} ms, KV {_n(rec['kv_bytes_used'])} B used / "
-                      f"{_n(rec['kv_bytes_allocated'])} B allocated in {_n(rec['blocks_used'])} blocks")
+    tagged = len(convs) > 1
+    if tagged and backend.capabilities.concurrent_turns:
+        records = _replay_together(convs, convs_msgs, sp, args.json)
+    else:
+        records = []
+        for turn in range(max(len(m) for m in convs_msgs)):  # interleave: turn 1 of every conversation, then 2, ...
+            for ci, (conv, msgs) in enumerate(zip(convs, convs_msgs)):
+                if turn >= len(msgs):
+                    continue
+                if not args.json:
+                    print(f"{f'[{ci + 1}] ' if tagged else ''}> {inert(msgs[turn])}")
+                rec = run_turn(conv, msgs[turn], sp, None if args.json else sys.stdout)
+                rec["conversation"] = ci
+                records.append(rec)
+                if not args.json:
+                    print(_replay_line(rec, ""))
+    cut = sum(said_cut(rec) for rec in records) > 0     # each cut reply said once, on stderr
     if args.json:
         print(json.dumps(records))
     return EXIT_USAGE if cut else 0
+
+
+def _replay_together(convs, convs_msgs, sp, quiet: bool) -> list[dict]:
+    """One thread per conversation, its turns in order; records ordered as the interleaved
+    run orders them (by turn, then conversation). The first error ends the command."""
+    import threading
+    records, errors, lock = [], [], threading.Lock()
+
+    def talk(ci: int) -> None:
+        try:
+            for msg in convs_msgs[ci]:
+                rec = run_turn(convs[ci], msg, sp, None)
+                rec["conversation"] = ci
+                with lock:
+                    records.append(rec)
+                    if not quiet:
+                        print(f"[{ci + 1}] > {inert(msg)}\n[{ci + 1}] {inert(rec['reply'])}\n"
+                              f"{_replay_line(rec, f'[{ci + 1}] ')}",
+                              flush=True)
+        except BaseException as err:  # noqa: BLE001  (re-raised in the main thread, one line)
+            errors.append(err)
+
+    threads = [threading.Thread(target=talk, args=(ci,), daemon=True) for ci in range(len(convs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return sorted(records, key=lambda r: (r["turn"], r["conversation"]))
+
+
+def _replay_line(rec: dict, tag: str) -> str:
+    shared = rec.get("step_sequences") or []
+    batch = f", steps shared by up to {max(shared)} conversations" if shared and max(shared) > 1 else ""
+    reused, computed = (("unknown" if rec[k] is None else rec[k]) for k in ("reused_tokens", "computed_tokens"))
+    return (f"{tag}  turn {rec['turn']}: prompt {rec['prompt_tokens']} tokens, reused {reused}, "
+            f"computed {computed}, generated {rec['generated_tokens']}, "
+            f"TTFT {rec['ttft_ms']:.0f} ms, KV {_n(rec['kv_bytes_used'])} B used / "
+            f"{_n(rec['kv_bytes_allocated'])} B allocated in {_n(rec['blocks_used'])} blocks{batch}")
 
 
 def _n(value) -> str:

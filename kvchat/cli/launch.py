@@ -42,6 +42,12 @@ def run_chat(args) -> int:
     if app.failure:
         print(f"kvchat: {shown(app.failure)}", file=sys.stderr)
         return 2
+    if app.signalled is not None and app.backend is None:
+        # signalled while the model loads: the load cannot be interrupted, and nothing is
+        # open to save yet, so the process ends now rather than after the load's thread
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(128 + app.signalled)
     return app.return_code or 0
 
 
@@ -55,9 +61,7 @@ def prepare(args) -> KvChatApp:
 
 
 def _prepare(args) -> KvChatApp:
-    from kvchat.engine.engine import check_memory, pick_device, pick_dtypes
-    from kvchat.engine.policy import make_policy
-    from kvchat.engine.sources import resolve
+    from kvchat.engine import make_policy, preflight
 
     from .args import check_start, engine_config, sampling
     from ..backends.local import LocalBackend
@@ -77,13 +81,10 @@ def _prepare(args) -> KvChatApp:
         raise KvchatError("--kv-events, --geometry and --timeouts need --server URL (they describe a vLLM server)")
     cfg = engine_config(args)
     sp = sampling(args, default_max=512)
-    device = pick_device(cfg.device)
-    dtype, kv_dtype = pick_dtypes(cfg, device)
-    source = resolve(cfg.model, cfg.random_weights)
-    check_start(args, source, device, kv_dtype)
-    check_memory(source.geometry, dtype, kv_dtype, cfg.kv_budget, device)
-    options = _options(args, settings, path, theme, source.name, sp)
-    return KvChatApp(lambda: LocalBackend.load(cfg, source), options, settings, path)
+    checked = preflight(cfg)
+    check_start(args, checked.source, checked.device, checked.kv_dtype)
+    options = _options(args, settings, path, theme, checked.source.name, sp)
+    return KvChatApp(lambda: LocalBackend.load(cfg, checked=checked), options, settings, path)
 
 
 def _prepare_server(args, settings, path, theme) -> KvChatApp:

@@ -1,14 +1,17 @@
-"""Measured points for the calibration, read from a `kvchat bench --json` record.
+"""Measured points for the calibration, read from `kvchat bench --json` records.
 
-From each context of a single-conversation bench (today's `kvchat bench`): the decode step
-(median ms per token, at the mean context of the timed steps), the first turn's prefill (its
-chunks of 512 tokens on the CPU, each a step sampling one row), and the next turn's first
-token after the cached history; for the fp32 (the model's) cache and the fp8 cache. The
-bench's own bandwidth probe, taken in the same run, is the reference bandwidth.
+From each context of a single-conversation bench (`kvchat bench`): the decode step (median
+ms per token, at the mean context of the timed steps), the first turn's prefill (its chunks
+of 512 tokens on the CPU, each a step sampling one row), and the next turn's first token
+after the cached history; for the fp32 (the model's) cache and the fp8 cache. The bench's
+own bandwidth probe, taken in the same run, is the reference bandwidth.
 
-The batched bench (`kvchat bench --batch --json`, the batching issue) adds steps of B
-sequences; its rows are read where present (`batch` entries with B, context, kv dtype and
-step ms), which is what lets the fit separate the per-sequence overhead.
+From a batched bench (`kvchat bench --batch 1,2,4 --json`, kind `kvchat-batch-bench`): one
+decode step of B sequences per row (kv dtype, context, batch), its time the median of the
+row's decode-only steps, the cached tokens it read the row's own mean. Steps of more than
+one sequence are what let the fit separate the per-sequence overhead from the per-step one;
+they hold no prefill, so the matrix products' rate and the request overhead come from a
+single bench given beside it: `--calibrate docs/bench.json,batch.json` fits both at once.
 """
 from __future__ import annotations
 
@@ -60,27 +63,37 @@ def _median(d: dict, key: str) -> float | None:
     return float(v) if isinstance(v, (int, float)) and v > 0 else None
 
 
-def from_bench_json(path: str) -> Measurements:
+BENCH_KINDS = "a `kvchat bench --json` or `kvchat bench --batch 1,2,4 --json` record"
+
+
+def _read(path: str) -> dict:
     from ..store.files import FileRefused, read_text
     where = f"--calibrate {path!r}"
     try:
         d = json.loads(read_text(Path(path), 64 * 2**20))
     except FileRefused as err:
-        raise UsageError(f"{where}: {err}; expected a `kvchat bench --json` record") from None
+        raise UsageError(f"{where}: {err}; expected {BENCH_KINDS}") from None
     except (ValueError, RecursionError):
-        raise UsageError(f"{where} is not valid JSON; expected a `kvchat bench --json` record") from None
+        raise UsageError(f"{where} is not valid JSON; expected {BENCH_KINDS}") from None
+    batch = isinstance(d, dict) and d.get("kind") == "kvchat-batch-bench"
     model = d.get("model") if isinstance(d, dict) else None
-    if not isinstance(model, dict) or not isinstance(d.get("contexts"), dict):
-        raise UsageError(f"{where}: not a `kvchat bench --json` record (it needs \"model\" and \"contexts\")")
+    if not isinstance(model, dict) or not isinstance(d.get("rows" if batch else "contexts"), (list if batch else dict)):
+        raise UsageError(f"{where}: not {BENCH_KINDS} (it needs \"model\" and \"contexts\", or "
+                         "\"kind\": \"kvchat-batch-bench\" and \"rows\")")
     if model.get("device") != "cpu":
         raise UsageError(f"{where}: measured on {model.get('device')!r}; calibration reads CPU bench records "
                          "(a GPU's comes from its own run: say which GPU it was)")
+    return d
+
+
+def single_points(d: dict, where: str) -> tuple[list[Point], float]:
+    """A single-conversation bench's points, and its probe's bandwidth (B/s)."""
     try:
         bw = float(d["floor"]["bandwidth"]["gb_s"]) * 1e9
         new_tokens = int(d["new_tokens"])
     except (KeyError, TypeError, ValueError):
         raise UsageError(f"{where}: lacks the bench's bandwidth probe (floor.bandwidth.gb_s) or new_tokens") from None
-    kv_model = str(model.get("kv_dtype"))
+    kv_model = str(d["model"].get("kv_dtype"))
     points: list[Point] = []
     for ctx, row in sorted(d["contexts"].items(), key=lambda kv: int(kv[0])):
         if not isinstance(row, dict):
@@ -104,19 +117,63 @@ def from_bench_json(path: str) -> Measurements:
                 points.append(Point(f"{series} next turn after {ctx}", kv,
                                     prefill_steps(int(nxt["computed_tokens"]), int(nxt["reused_tokens"])), ttft,
                                     requests=1))
-    for b in d.get("batch") or []:        # the batched bench, where present
+    return points, bw
+
+
+def batch_points(d: dict, where: str) -> tuple[list[Point], float]:
+    """A batched bench's points, one decode step of B sequences per row, and its probe's
+    bandwidth (B/s). A row's step: B tokens, B rows sampled, B sequences, the cached tokens
+    its steps read (context_tokens_per_step, every user together; else B x the context), and
+    that plus B attention pairs (each new token also attends to itself)."""
+    try:
+        bw = float(d["bandwidth"]["gb_s"]) * 1e9
+    except (KeyError, TypeError, ValueError):
+        raise UsageError(f"{where}: lacks the batched bench's bandwidth probe (bandwidth.gb_s)") from None
+    points: list[Point] = []
+    for r in d["rows"]:
         try:
-            n, ctx, kv, ms = int(b["batch"]), int(b["context"]), str(b["kv_dtype"]), float(b["step_ms"])
+            n, ctx, kv = int(r["batch"]), int(r["context"]), str(r["kv_dtype"])
+            ms = float(r["step_ms"]["median"])
         except (KeyError, TypeError, ValueError):
-            continue
-        points.append(Point(f"batch {n} at {ctx} ({kv})", kv, ((n, n, n, float(n * ctx), float(n * (ctx + 1))),), ms))
+            continue                  # a row without its steps (every step had a prompt chunk in it)
+        read = r.get("context_tokens_per_step")
+        cached = float(read) if isinstance(read, (int, float)) and read > 0 else float(n * ctx)
+        if n > 0 and ms > 0:
+            points.append(Point(f"batch {n} at {ctx} ({kv})", kv, ((n, n, n, cached, cached + n),), ms))
+    return points, bw
+
+
+def from_bench_json(paths: str) -> Measurements:
+    """`paths`: one bench record, or several separated by commas (the same model and dtype),
+    their points fitted together; the first record's bandwidth probe is the reference."""
+    names = [p.strip() for p in paths.split(",") if p.strip()]
+    if not names:
+        raise UsageError(f"--calibrate {paths!r}: give {BENCH_KINDS}, or several separated by commas")
+    points: list[Point] = []
+    models: list[tuple[str, str]] = []
+    cmds: list[str] = []
+    bws: list[float] = []
+    for path in names:
+        where = f"--calibrate {path!r}"
+        d = _read(path)
+        batch = d.get("kind") == "kvchat-batch-bench"
+        got, bw = batch_points(d, where) if batch else single_points(d, where)
+        points += got
+        bws.append(bw)
+        models.append((str(d["model"].get("model")), str(d["model"].get("dtype"))))
+        cmds.append(f"`{d.get('command', 'kvchat bench --batch' if batch else 'kvchat bench')}` ({path})")
+    where = f"--calibrate {paths!r}"
+    if len(set(models)) > 1:
+        raise UsageError(f"{where}: the records measured different models or dtypes "
+                         f"({', '.join(f'{m} {t}' for m, t in models)}); calibrate on one model's runs")
     if len(points) < 3:
         raise UsageError(f"{where}: found {len(points)} measured points; a calibration needs at least 3")
-    cmd = d.get("command", "kvchat bench")
-    name = str(model.get("model"))
+    name, dtype = models[0]
     if name not in KNOWN:
         raise UsageError(f"{where}: the measured model {name!r} is not in kvchat's table ({', '.join(sorted(KNOWN))}); "
                          "its geometry is needed to know what each step read")
-    return Measurements(KNOWN[name], str(model.get("dtype")), "cpu", bw,
-                        f"measured: the bench's own probe in the same run ({bw / 1e9:.1f} GB/s, {path})",
-                        f"`{cmd}` ({path})", points, kv_scales=True)
+    bw = bws[0]
+    others = "" if len(bws) == 1 else "; the others' probes: " + ", ".join(f"{b / 1e9:.1f}" for b in bws[1:]) + " GB/s"
+    return Measurements(KNOWN[name], dtype, "cpu", bw,
+                        f"measured: the bench's own probe in the same run ({bw / 1e9:.1f} GB/s, {names[0]}{others})",
+                        " and ".join(cmds), points, kv_scales=True)

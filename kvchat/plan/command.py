@@ -3,7 +3,7 @@
     kvchat plan [--model M] [--gpu NAME] [--tp N] [--pool 15GB] [--users N] [...]   one plan
     kvchat plan --scenario seeds                                                  the texts' question
     kvchat plan --list-gpus                                                       the hardware table
-    kvchat plan --calibrate BENCH.json --write-calibration CAL.json               constants from a bench
+    kvchat plan --calibrate BENCH.json[,BATCH.json] --write-calibration CAL.json  constants from benches
     kvchat plan --calibration CAL.json ...                                        a plan with them
 
 argparse only at import: the simulation's modules load when the command runs.
@@ -84,8 +84,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     x.add_argument("--scenario", metavar="NAME", default=None, help="seeds: the texts' question (Llama 3.1 70B, 15 GB pool, one user "
                                                     "at 30,000 tokens among others) and its remedies, one row each")
     x.add_argument("--calibrate", nargs="?", const="", default=None, metavar="BENCH.json",
-                   help="fit the step-time constants to a `kvchat bench --json` record, or with --server URL to a "
-                        "vLLM server's own histograms under probe requests (--gpu names the server's hardware)")
+                   help="fit the step-time constants to `kvchat bench --json` records (a single bench, a `--batch` one, "
+                        "or both: A.json,B.json), or with --server URL to a vLLM server's own histograms under "
+                        "probe requests (--gpu names the server's hardware)")
     x.add_argument("--write-calibration", default=None, metavar="FILE", help="with --calibrate: save the constants")
     x.add_argument("--validate", action="store_true",
                    help="run the workload's users for real through kvchat's engine on this CPU (and --server's), at "
@@ -96,7 +97,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 
 def run(args) -> int:
-    from ..bench.run import output_path
+    from ..bench.flags import output_path
     if args.list_gpus:
         return list_gpus()
     modes = [f for f, on in (("--scenario", args.scenario is not None), ("--calibrate", args.calibrate is not None),

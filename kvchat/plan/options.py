@@ -7,6 +7,8 @@ from typing import Any
 from ..cli.args import UsageError
 from .bench_points import CPU_PREFILL_CHUNK
 
+NO_SEQ_LIMIT = 1_000_000      # kvchat's engine caps no sequence count: the pool does
+
 DEFAULTS = {"users": 16, "turns": "4", "think": "exp:10s", "context": "1000-3000", "message": "50-150",
             "reply": "100-400", "ramp": "10s"}
 
@@ -83,10 +85,12 @@ def plan_config(args, **changes):
 def vllm_defaults(hw) -> tuple[int, int]:
     """The scheduler's defaults. On a GPU, vLLM's API server's (EngineArgs.get_batch_defaults):
     a larger token budget and more sequences on GPUs of 70 GiB or more, except the A100. On
-    the cpu row, kvchat's own engine as it is today: chunks of 512 tokens, one turn at a time
-    (the batched engine of the batching issue changes the second)."""
+    the cpu row, kvchat's batched engine as it runs (engine/scheduler.py, EngineConfig's
+    step_tokens left unset): a budget of one prefill chunk, 512 tokens, shared by the decode
+    rows and the prompt chunks of a step, and no limit on the sequences running but the pool
+    (the simulator's step order is the engine's there too: PlanConfig.decode_first)."""
     if hw.measured:
-        return CPU_PREFILL_CHUNK, 1
+        return CPU_PREFILL_CHUNK, NO_SEQ_LIMIT
     if hw.memory_bytes >= 70 * 2**30 and "a100" not in hw.key:
         return 8192, 1024
     return 2048, 256

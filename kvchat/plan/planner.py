@@ -206,7 +206,8 @@ def prepare(cfg: PlanConfig) -> tuple[ModelCosts, PoolPlan, StepModel, Scheduler
                          f"({'the pool' if pool.tokens < g.max_position else 'the model'}); accepted: 1 to {max_len:,}")
     sched = SchedulerConfig(num_blocks=pool.num_blocks, max_len=max_len, block_size=cfg.block_size,
                             max_batched_tokens=cfg.max_batched_tokens, max_seqs=cfg.max_seqs,
-                            prefix_caching=cfg.prefix_caching, cap=cfg.cap, policy=cfg.policy)
+                            prefix_caching=cfg.prefix_caching, cap=cfg.cap, policy=cfg.policy,
+                            decode_first=cfg.hardware.measured)
     return costs, pool, model, sched, notes
 
 

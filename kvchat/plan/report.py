@@ -30,15 +30,17 @@ def _v(x: float | None, digits: int = 2) -> str:
 def setup_lines(p: PlanResult) -> list[str]:
     c, cfg = p.costs, p.config
     g = cfg.geometry
-    today = " (kvchat's engine today: one turn at a time)" if cfg.hardware.measured and cfg.max_seqs == 1 else ""
+    from .options import NO_SEQ_LIMIT
+    engine = " in kvchat's engine's order (every decode row first, then prompt chunks)" if cfg.hardware.measured else ""
+    seqs = "no limit on the sequences" if cfg.max_seqs >= NO_SEQ_LIMIT else f"at most {plural(cfg.max_seqs, 'sequence')}"
     lines = [
         f"model     {g.name}: {g.n_layers} layers, {g.n_heads} query / {g.n_kv_heads} KV heads of {g.head_dim}; "
         f"weights {weights_text(c, cfg.dtype)}; KV {bytes_per_token_text(c, cfg.kv_dtype)}",
         f"hardware  {cfg.gpus}" + (f" (tensor parallel {cfg.tp})" if cfg.tp > 1 else ""),
         f"pool      {p.pool.bytes / 1e9:,.2f} GB = {p.pool.num_blocks:,} blocks of {p.pool.block_size} = "
         f"{p.pool.tokens:,} tokens; {p.pool.source}",
-        f"scheduler token budget {cfg.max_batched_tokens:,} per step, at most {plural(cfg.max_seqs, 'sequence')} "
-        f"running{today}, chunked prefill, prefix caching {'on' if cfg.prefix_caching else 'off'}, newest-first "
+        f"scheduler token budget {cfg.max_batched_tokens:,} per step{engine}, {seqs} "
+        f"running, chunked prefill, prefix caching {'on' if cfg.prefix_caching else 'off'}, newest-first "
         "preemption with recompute; "
         f"longest request {p.sched.max_len:,} tokens; cap "
         f"{f'{cfg.cap:,} ({cfg.policy})' if cfg.cap else 'none'}",

@@ -24,6 +24,7 @@ class SchedulerConfig:
     cap: int | None = None
     policy: str = "stop"
     fast_forward: bool = True
+    decode_first: bool = False         # kvchat's engine's step order, not vLLM's (simulator._plan_decode_first)
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "max_len", "block_size", "max_batched_tokens", "max_seqs"):

@@ -1,6 +1,7 @@
 """A discrete-event simulation of a vLLM-v1-like scheduler over a step-time model.
 
-Each step, as vLLM v1 schedules it: every running request in order gets the tokens it still
+Each step, as vLLM v1 schedules it (or as kvchat's engine does, `decode_first`: below): every
+running request in order gets the tokens it still
 needs (one for a decode, a chunk for a prefill) from a token budget; a request whose blocks
 cannot be allocated preempts the newest running request (its blocks freed, its tokens
 recomputed later), itself last; then, if nobody was preempted, waiting requests are admitted
@@ -153,13 +154,14 @@ class Simulator:
         self.res.preemptions += 1
         self.waiting.appendleft(r)
 
-    def _admission(self, r: Request, budget: int) -> tuple[list[Block], int, int] | None:
+    def _admission(self, r: Request, budget: int, whole: bool = False) -> tuple[list[Block], int, int] | None:
         """(prefix hits, tokens to compute now, blocks to allocate) for a waiting request, or
-        None when the free blocks cannot take it."""
+        None when the free blocks cannot take it. `whole`: the blocks of its whole prompt at
+        once (kvchat's engine), not only of the chunk computed now (vLLM)."""
         hits = self.pool.match(self._keys(r))
         start = len(hits) * self.bs
         n = min(r.num_tokens - start, budget)
-        need = self._blocks_for(r, start + n) - len(hits)
+        need = self._blocks_for(r, r.num_tokens if whole else start + n) - len(hits)
         if need + self.pool.taken_from_free(hits) > self.pool.num_free:
             return None
         return hits, n, need
@@ -170,10 +172,15 @@ class Simulator:
         cfg = self.cfg
         if len(self.running) >= cfg.max_seqs or cfg.max_batched_tokens - len(self.running) <= 0:
             return True
-        return self._admission(self.waiting[0], cfg.max_batched_tokens - len(self.running)) is None
+        return self._admission(self.waiting[0], cfg.max_batched_tokens - len(self.running), cfg.decode_first) is None
 
     # ---- one step, the long way ----------------------------------------------------------------
     def _step(self) -> None:
+        sched = self._plan_decode_first() if self.cfg.decode_first else self._plan()
+        self._run(sched)
+
+    def _plan(self) -> list[tuple[Request, int]]:
+        """vLLM v1's order: every running request in admission order from the budget."""
         cfg, pool, running = self.cfg, self.pool, self.running
         budget = cfg.max_batched_tokens
         sched: list[tuple[Request, int]] = []
@@ -213,6 +220,65 @@ class Simulator:
                 running.append(r)
                 sched.append((r, n))
                 budget -= n
+        return sched
+
+    def _plan_decode_first(self) -> list[tuple[Request, int]]:
+        """kvchat's engine's order (engine/scheduler.py): a decode row for every running
+        request past its prompt, never left out (the budget may go below zero), then prompt
+        chunks of running requests, then waiting requests admitted in arrival order while the
+        budget lasts (a lone prompt takes a whole chunk). A request short of blocks preempts
+        the newest running one, itself when it is the newest, even one already given a row
+        this step (its row is taken back); one preempted this step is not readmitted in it."""
+        cfg, pool, running = self.cfg, self.pool, self.running
+        chunk = cfg.max_batched_tokens
+        budget = chunk
+        sched: dict[int, tuple[Request, int]] = {}
+        yielded: set[int] = set()
+        decoding = [r for r in running if r.out and r.num_tokens - r.computed == 1]
+        order = decoding + [r for r in running if not (r.out and r.num_tokens - r.computed == 1)]
+        for r in order:
+            if id(r) in yielded:
+                continue
+            decode = r.out and r.num_tokens - r.computed == 1
+            n = 1 if decode else min(r.num_tokens - r.computed, chunk, budget if sched else chunk)
+            if n <= 0:
+                continue
+            need = self._blocks_for(r, r.computed + n) - len(r.blocks)
+            while need > pool.num_free:
+                victim = running.pop()          # the newest
+                yielded.add(id(victim))
+                taken = sched.pop(id(victim), None)
+                if taken is not None:
+                    budget += taken[1]
+                self._preempt(victim)
+                if victim is r:
+                    break
+            if id(r) in yielded:
+                continue
+            if need:
+                r.blocks += pool.allocate(need)
+            sched[id(r)] = (r, n)
+            budget -= n
+        while self.waiting and (budget > 0 or not sched) and len(running) < cfg.max_seqs:
+            r = self.waiting[0]
+            if id(r) in yielded:
+                break
+            admit = self._admission(r, budget if sched else chunk, whole=True)
+            if admit is None:
+                break
+            hits, n, need = admit
+            self.waiting.popleft()
+            pool.touch(hits)
+            r.blocks = hits + pool.allocate(need)
+            r.computed, r.hashed = len(hits) * self.bs, len(hits)
+            if not r.admitted:
+                r.admitted, r.hits = True, r.computed
+            running.append(r)
+            sched[id(r)] = (r, n)
+            budget -= n
+        return list(sched.values())
+
+    def _run(self, sched: list[tuple[Request, int]]) -> None:
         if not sched:
             return                    # everyone preempted this step; the next step admits again
         tokens = rows = logit_rows = 0

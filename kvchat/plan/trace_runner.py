@@ -57,6 +57,7 @@ class TraceRun:
     measured: list[Measured]
     replayed: Trace                   # the trace with the true token counts and think times
     wall_s: float
+    t0: float = 0.0                   # the clock's origin (perf_counter): arrivals and token times are after it
 
     def result(self) -> SimResult:
         """The measured run in the simulator's shapes, for metrics.summarize."""
@@ -144,7 +145,7 @@ def run_trace(trace: Trace, backend, timeout_s: float = 3600.0) -> TraceRun:
     for th in threads:
         th.join(max(0.0, deadline - time.perf_counter()))
     stop.set()
-    return TraceRun([m for ms in out for m in ms], replayed_trace(trace, out), clock())
+    return TraceRun([m for ms in out for m in ms], replayed_trace(trace, out), clock(), t0)
 
 
 def replayed_trace(trace: Trace, measured: list[list[Measured]]) -> Trace:
@@ -192,24 +193,3 @@ def _one_turn(chat, text: str, sp, m: Measured, clock, lagged: bool, stop: threa
     if lagged:       # token 1 at the PrefillEvent, then the TokenEvents that followed a decode step
         sampled = sampled[:1 + len(stats.decode_ms)]
     m.token_times = sampled[:max(1, m.output)]
-
-
-def points_from_run(run: TraceRun, kv_dtype: str, chunk: int) -> list:
-    """Calibration points from a run on a backend that reports its own step times and that
-    ran one turn at a time (kvchat's engine today): each turn's prefill (its chunks, one
-    request's overhead) and its decode steps (one sequence each, at their positions)."""
-    from .bench_points import prefill_steps
-    from .fitter import Point
-    points = []
-    for m in run.measured:
-        if m.error or m.prefill_ms is None:
-            continue
-        computed = m.prompt_tokens - m.cached_tokens
-        if computed > 0 and m.prefill_ms > 0:
-            points.append(Point(f"user {m.user} turn {m.turn}: prefill of {computed} after {m.cached_tokens}",
-                                kv_dtype, prefill_steps(computed, m.cached_tokens, chunk), m.prefill_ms, requests=1))
-        if m.step_ms:
-            steps = tuple((1, 1, 1, float(p), float(p + 1)) for p in m.step_pos)
-            points.append(Point(f"user {m.user} turn {m.turn}: {len(steps)} decode steps from {m.step_pos[0]}",
-                                kv_dtype, steps, sum(m.step_ms)))
-    return points

@@ -94,18 +94,29 @@ def level_trace(w: Workload, turns_per_s: float) -> Trace:
     return make_trace(replace(w, rate=turns_per_s / max(1.0, w.turns.mean), ramp=0.0))
 
 
-def calibrate_on_a_run(cfg: PlanConfig, backend, seed: int) -> tuple[PlanConfig, str]:
+def calibrate_on_a_run(cfg: PlanConfig, backend, engine, seed: int) -> tuple[PlanConfig, str]:
     """Fit the constants to a light run of other users (another seed) on the same engine in
-    the same process: the machine's state now, not a bench's an hour ago."""
+    the same process: the machine's state now, not a bench's an hour ago. The points are the
+    engine's own steps of that run (run_points.py), every one kept while it runs."""
+    from collections import deque
+
     from .bench_points import CPU_PREFILL_CHUNK
     from .calibration import calibration_from_fit, costs_for
     from .fitter import fit
+    from .run_points import first_token_points, step_points
     from .step_time import DEFAULT_BW_EFF, DEFAULT_OVERHEAD_MS
-    from .trace_runner import points_from_run, run_trace
+    from .trace_runner import run_trace
     w = replace(cfg.workload, seed=seed)
     light = rates(cfg)[0][1]
-    run = run_trace(level_trace(w, light), backend)
-    points = points_from_run(run, cfg.kv_dtype, CPU_PREFILL_CHUNK)
+    sched = engine.scheduler
+    kept, sched.recent = sched.recent, deque()        # every step of the run, not the panels' last few hundred
+    try:
+        run = run_trace(level_trace(w, light), backend)
+        records = list(sched.recent)
+    finally:
+        sched.recent = kept
+    points = step_points(records, cfg.kv_dtype)
+    points += first_token_points(run, records, run.t0, cfg.kv_dtype, CPU_PREFILL_CHUNK)
     if len(points) < 3:
         raise UsageError(f"the calibration run gave {len(points)} measured points; give more --users or --turns")
     bw = cfg.hardware.bandwidth
@@ -114,10 +125,12 @@ def calibrate_on_a_run(cfg: PlanConfig, backend, seed: int) -> tuple[PlanConfig,
              "kv": 1 / (bw * DEFAULT_BW_EFF), "lin": 1 / cfg.hardware.bf16_flops, "attn": 1 / cfg.hardware.bf16_flops,
              "request": 0.0}
     f = fit(points, costs, prior, model_kv=cfg.kv_dtype)
-    source = f"a calibration run of {w.users} other users (seed {seed})"
+    source = f"a calibration run of {w.users} other users (seed {seed}, {len(records)} engine steps)"
     cal = calibration_from_fit(f, "cpu", cfg.geometry.name, cfg.dtype, bw,
                                f"measured: {cfg.hardware.quoted}", source, points)
     note = f"calibrated on {len(points)} points of {source}: fit error {f.mape(points):.1%}"
+    consts = ", ".join(f"{k} {cal.constants[k] * 1e3:.2f} ms" for k in ("overhead", "row_overhead", "request_overhead"))
+    note += f" ({consts}; {', '.join(sorted(f.fixed))} not identifiable)" if f.fixed else f" ({consts})"
     return cfg.variant(overrides=cal.overrides(cfg.kv_dtype)), note
 
 
@@ -135,7 +148,7 @@ def run_validate(args, json_path) -> int:
             setattr(args, k, v)
     cfg = plan_config(args) if args.calibration else plan_config(args, hardware=measure_cpu())
     engine = Engine(EngineConfig(model=args.model or "smollm2-135m", dtype=cfg.dtype, kv_dtype=cfg.kv_dtype,
-                                 kv_budget=cfg.pool_bytes))
+                                 kv_budget=cfg.pool_bytes, step_tokens=cfg.max_batched_tokens))
     local = LocalBackend(engine)
     server = None
     if args.server:
@@ -145,7 +158,7 @@ def run_validate(args, json_path) -> int:
         note = f"constants from {args.calibration}"
     else:
         print("kvchat plan --validate: calibrating on a light run of other users ...", flush=True)
-        cfg, note = calibrate_on_a_run(cfg, local, cfg.workload.seed + 1)
+        cfg, note = calibrate_on_a_run(cfg, local, engine, cfg.workload.seed + 1)
     print(f"kvchat plan --validate: {note}", flush=True)
     rows: list[Row] = []
     vllm: dict[str, SimResult] = {}

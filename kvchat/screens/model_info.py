@@ -15,7 +15,7 @@ from kvchat.engine.telemetry import CacheSnapshot
 from kvchat.engine.units import human_bytes
 
 from ..backends.protocol import BackendInfo
-from ..text import inert
+from ..text import inert, per_token
 
 
 def rows(info: BackendInfo, snap: CacheSnapshot | None) -> list[tuple[str, str]]:
@@ -33,7 +33,9 @@ def rows(info: BackendInfo, snap: CacheSnapshot | None) -> list[tuple[str, str]]
     else:
         out.append(("geometry", "not known (a server's model that matches no known geometry)"))
     if info.bytes_per_token:
-        out.append(("bytes per token", f"{info.bytes_per_token:,} B ({human_bytes(info.bytes_per_token)})"))
+        scales = snap.scale_bytes_per_token if snap is not None else 0
+        out.append(("bytes per token", f"{per_token(info.bytes_per_token, scales)} "
+                                       f"({human_bytes(info.bytes_per_token)})"))
     if snap is not None:
         out.append(("pool", f"{snap.num_blocks:,} blocks of {snap.block_size} tokens = "
                             f"{snap.num_blocks * snap.block_size:,} tokens"

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from .files import FileRefused, cannot_write, read_text
-from .log import ConversationLog, Restored, data_dir, is_saved_log, last_conversation, restore, saved_logs
+from .log import ConversationLog, Restored, data_dir, held, is_saved_log, last_conversation, restore, saved_logs
 from .log_records import StoreError
 
 TITLE_CHARS = 48
@@ -93,7 +93,10 @@ def rename(path: Path, title: str, log: ConversationLog | None = None) -> None:
 
 
 def delete(path: Path) -> None:
-    path.unlink()
+    """Remove a conversation's log under its writer's lock: one open in another kvchat is
+    refused (ConversationBusy), never unlinked while that process writes on into it."""
+    with held(path, "close it there first, then delete it"):
+        path.unlink()
 
 
 # ---- the conversations open at quit -------------------------------------------------------------

@@ -7,6 +7,8 @@ fsynced as it happens, so a crash or a quit loses nothing.
     {"type": "messages", "messages": [...]}        the whole list, when it changed otherwise
     {"type": "turn", ...TurnStats.summary()}       one reply's telemetry
     {"type": "event", "event": "cap" | "policy" | "mode" | "reset_cache" | ..., ...}
+    {"type": "event", "event": "dropped", "value": N}   drop-oldest: the N oldest messages (after
+                                                    the system prompt) are out of the model's sight
 `--resume` replays the newest file; `/save FILE` exports Markdown and telemetry. Reading a log
 back is log_records.py's (one typed reader, every record checked); this file writes them, and
 only ever to a regular file it created under its own folder (never through a link).
@@ -23,12 +25,13 @@ import tempfile
 import threading
 import time
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from .files import cannot_write
+from .history import History
 from .log_records import SETTINGS, Appended, Event, Replaced, Start, read_log
 from .log_records import StoreError  # noqa: F401  (the store's error, where callers have always found it)
 from .records import TurnRecord
@@ -70,10 +73,21 @@ class Restored:
     model: str | None = None        # the model it last ran with (None: not recorded)
     model_from: int = 0             # turns before this index ran under another model
     started: float = 0.0            # seconds since the epoch, from its start record
+    dropped: int = 0                # the oldest messages after the system prompt that drop-oldest dropped
+    replies: dict[int, TurnRecord] = field(default_factory=dict)   # index in messages -> its reply's turn
 
     @property
     def skipped(self) -> int:
         return len(self.problems)
+
+    @property
+    def history(self) -> History:
+        return History(list(self.messages), self.dropped, dict(self.replies))
+
+    @property
+    def visible(self) -> Messages:
+        """What the model saw: the messages less the ones drop-oldest dropped."""
+        return self.history.visible
 
 
 def lock_holder(path: Path) -> int | None:
@@ -91,11 +105,10 @@ def lock_holder(path: Path) -> int | None:
     return None
 
 
-def _busy(path: Path) -> ConversationBusy:
+def _busy(path: Path, then: str = "close it there first, or start a new conversation") -> ConversationBusy:
     pid = lock_holder(path)
     who = f"another kvchat (pid {pid})" if pid else "another kvchat"
-    return ConversationBusy(f"conversation {path.name} is open in {who}; close it there first, "
-                            "or start a new conversation")
+    return ConversationBusy(f"conversation {path.name} is open in {who}; {then}")
 
 
 def _repair_tail(fd: int) -> int:
@@ -122,6 +135,22 @@ def _repair_tail(fd: int) -> int:
         return len(tail)
     os.write(fd, b"\n")
     return 0
+
+
+@contextlib.contextmanager
+def held(path: Path, then: str) -> Iterator[None]:
+    """The lock a conversation's writer holds, taken for a change made from outside it (a
+    delete from the chat browser): ConversationBusy, naming the holder's pid, while another
+    kvchat has the conversation open, so it never writes on into an unlinked file."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            raise _busy(path, then) from None
+        yield
+    finally:
+        os.close(fd)      # releases the lock
 
 
 class _LogFile:
@@ -176,7 +205,7 @@ class ConversationLog:
 
     def __init__(self, path: Path, messages: Messages | None = None, restored: Restored | None = None) -> None:
         self.path = path
-        self.messages: Messages = [dict(m) for m in messages or []]  # what the log says so far
+        self.history = History([dict(m) for m in messages or []])   # what the log says so far
         self._file: _LogFile | None = None
         self._held: list[dict[str, Any]] = []
         self.unsaved: list[dict[str, Any]] = []
@@ -188,7 +217,7 @@ class ConversationLog:
             # for the input), so sending that message again appends nothing twice
             on_file = restored if restored is not None and restored.path == path else restore(path)
             orphan = [{"role": "user", "content": on_file.unanswered}] if on_file.unanswered else []
-            self.messages = on_file.messages + orphan
+            self.history = History(on_file.messages + orphan, on_file.dropped, dict(on_file.replies))
             try:
                 self._file = _LogFile(path)
             except ConversationBusy:
@@ -232,29 +261,43 @@ class ConversationLog:
         log.write({"type": "start", "time": time.time(), **start})
         system = start.get("system")
         if system:
-            log.messages.append({"role": "system", "content": system})
+            log.history.append({"role": "system", "content": system})
         return log
+
+    @property
+    def messages(self) -> Messages:
+        """Every message the log holds, the ones drop-oldest dropped included."""
+        return self.history.messages
 
     def write(self, record: dict[str, Any]) -> None:
         with self._lock:
             self._put(record)
 
-    def sync(self, messages: Messages) -> None:
-        """Record how `messages` differs from what the log holds: appended messages one by
-        one, anything else as the whole list."""
+    def sync(self, visible: Messages, dropped: int | None = None) -> None:
+        """Record the conversation as the model now sees it (`visible`), with `dropped` of
+        its oldest messages out of its sight (None: as many as before), the dropped ones
+        kept: a change in that count as a "dropped" event, appended messages one by one,
+        anything else as the whole list."""
         with self._lock:
-            n = len(self.messages)
-            if messages == self.messages:
-                return
-            if messages[:n] == self.messages:
+            h = self.history
+            dropped = h.dropped if dropped is None else dropped
+            messages = h.with_visible(visible, dropped)
+            if dropped != h.dropped:
+                self._put({"type": "event", "event": "dropped", "value": dropped, "time": time.time()})
+            n = len(h.messages)
+            if messages[:n] == h.messages:
                 for m in messages[n:]:
                     self._put({"type": "message", "role": m["role"], "content": m["content"]})
+                    h.append(m)
             else:
                 self._put({"type": "messages", "messages": messages})
-            self.messages = [dict(m) for m in messages]
+                h.replace(messages)
+            h.dropped = dropped
 
     def turn(self, record: TurnRecord) -> None:
-        self.write({"type": "turn", **record.to_dict()})
+        with self._lock:
+            self._put({"type": "turn", **record.to_dict()})
+            self.history.link(record)
 
     def event(self, name: str, **fields: Any) -> None:
         self.write({"type": "event", "event": name, "time": time.time(), **fields})
@@ -299,38 +342,50 @@ def last_conversation(root: Path | None = None) -> Path | None:
 def restore(path: Path) -> Restored:
     """Replay a conversation log (read once, by log_records.read_log). A damaged record (a
     torn line after a crash, a hand edit) is skipped and named in `problems`; the rest of the
-    conversation is kept."""
+    conversation is kept. The messages fold through a History, so drop-oldest's dropped
+    messages stay (dimmed, out of the model's sight) and each turn record is tied to its reply."""
     log = read_log(path)
     out = Restored(path, problems=log.problems)
-    for rec in log.records:
+    history = History()
+    for number, rec in enumerate(log.records):
         if isinstance(rec, Start):
-            out.messages = [{"role": "system", "content": rec.system}] if rec.system else []
+            history = History([{"role": "system", "content": rec.system}] if rec.system else [])
             out.cap, out.policy, out.mode = rec.cap, rec.policy, rec.mode
             out.model, out.started = rec.model, rec.time
         elif isinstance(rec, Appended):
-            out.messages.append({"role": rec.role, "content": rec.content})
+            history.append({"role": rec.role, "content": rec.content})
         elif isinstance(rec, Replaced):
-            out.messages = [dict(m) for m in rec.messages]
+            history.replace([dict(m) for m in rec.messages])
         elif isinstance(rec, TurnRecord):
             out.turns.append(rec)
+            history.link(rec)
+        elif isinstance(rec, Event) and rec.name == "dropped":
+            value = rec.value
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= len(history.chat):
+                out.problems.append(f"{path.name}: a dropped count {str(value)[:40]!r} past the conversation's "
+                                    f"{len(history.chat)} messages (record {number + 1})")
+                continue
+            history.dropped = value
         elif isinstance(rec, Event) and rec.name in SETTINGS:
             setattr(out, rec.name, rec.value)
         elif isinstance(rec, Event) and rec.name == "title":
             out.title = rec.value.strip()
         elif isinstance(rec, Event) and rec.name == "model":
             out.model, out.model_from = rec.value, len(out.turns)
-    if out.messages and out.messages[-1]["role"] == "user":
+    out.messages, out.dropped, out.replies = history.messages, history.dropped, history.replies
+    if out.messages and out.messages[-1]["role"] == "user" and not history.is_dropped(len(out.messages) - 1):
         out.unanswered = out.messages.pop()["content"]
     return out
 
 
 # ---- export -------------------------------------------------------------------------------------
-def export(base: Path, messages: Messages, turns: list[TurnRecord], model: str,
+def export(base: Path, history: History, turns: list[TurnRecord], model: str,
            overwrite: bool = False) -> tuple[Path, Path]:
-    """Write base.md (the transcript) and base.jsonl (one telemetry record per turn), mode
-    0600. An existing file is kept unless `overwrite` (/save!); a symlink is never followed;
-    a directory is refused (so `/save /etc` never writes /etc.md). Raises OSError with
-    strerror saying which."""
+    """Write base.md (the transcript: every message, the ones drop-oldest dropped marked, each
+    reply with its own turn's stats line) and base.jsonl (one telemetry record per turn),
+    mode 0600. An existing file is kept unless `overwrite` (/save!); a symlink is never
+    followed; a directory is refused (so `/save /etc` never writes /etc.md). Raises OSError
+    with strerror saying which."""
     if base.is_dir():
         raise IsADirectoryError(errno.EISDIR, "is a directory; give a file name, e.g. DIR/chat", str(base))
     if base.suffix in (".md", ".jsonl"):
@@ -344,15 +399,15 @@ def export(base: Path, messages: Messages, turns: list[TurnRecord], model: str,
         if f.exists() and not f.is_file():
             raise OSError(errno.EINVAL, f"{f} is not a regular file", str(f))
     md.parent.mkdir(parents=True, exist_ok=True)
-    by_reply = {t.reply: t for t in turns}   # dropped or regenerated turns stay in the telemetry
     parts = [f"# kvchat conversation\n\nmodel: {model} · saved {time.strftime('%Y-%m-%d %H:%M')}\n"]
-    for m in messages:
+    for i, m in enumerate(history.messages):     # regenerated and edited turns stay in the telemetry
         title = {"system": "System", "user": "You", "assistant": "Assistant"}.get(m["role"], m["role"])
+        if history.is_dropped(i):
+            title += " (dropped by drop-oldest: the model no longer saw it)"
         parts.append(f"## {title}\n\n{m['content']}\n")
-        if m["role"] == "assistant":
-            s = by_reply.get(m["content"])
-            if s is not None:
-                parts.append(f"*{stats_line(s)}*\n")
+        s = history.reply_record(i)
+        if s is not None:
+            parts.append(f"*{stats_line(s)}*\n")
     _write_private(md, "\n".join(parts), overwrite)
     _write_private(jl, "".join(json.dumps(s.to_dict(), ensure_ascii=False) + "\n" for s in turns), overwrite)
     return md, jl

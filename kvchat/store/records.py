@@ -94,6 +94,12 @@ def _check(k: str, v: Any) -> Any:
         return _count(k, v)
     if k in ("ttft_ms", "prefill_ms"):
         return _ms(k, v)
+    if k in ("step_sequences", "step_tokens"):      # per decoded token: how many sequences / tokens its step held
+        if v is None:
+            return ()
+        if not (isinstance(v, list) and all(type(x) is int and 0 <= x <= MAX_COUNT for x in v)):
+            raise RecordError(f"{k} is {_shown(v)}; expected a list of whole numbers, one per decoded token")
+        return tuple(v)
     if k in ("decode_ms", "positions"):
         if v is None:
             return ()

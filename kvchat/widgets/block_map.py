@@ -15,6 +15,7 @@ from textual.widget import Widget
 from kvchat.engine.telemetry import BLOCK_STATE_NAMES, CACHED, FREE, HELD, OTHER, PARTIAL, REUSED, SHARED, CacheSnapshot
 from kvchat.engine.units import human_bytes
 
+from ..text import plural
 from .panel import Panel
 
 NOTABLE = (FREE, CACHED, OTHER, HELD, PARTIAL, SHARED, REUSED)   # least to most
@@ -144,6 +145,6 @@ class BlockMap(Panel, Widget):
         if s.wasted_slots is None or s.bytes_per_token is None:   # a server's map: no partial blocks in it
             out.append("resident full prefix blocks only, in no physical order (KV events)", style="dim")
         else:
-            out.append(f"wasted {s.wasted_slots} slots in the partial block "
+            out.append(f"wasted {plural(s.wasted_slots, 'slot')} in the partial block "
                        f"({human_bytes(s.wasted_slots * s.bytes_per_token)})", style="dim")
         return out

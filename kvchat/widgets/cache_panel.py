@@ -4,8 +4,9 @@ context at which the two are equal), what the same tokens would cost on well-kno
 their own serving dtypes, and the pool's eviction and preemption counters (every
 conversation shares the pool).
 
-fp8 figures count the scales as the bench does: one fp32 scale per token, layer, K/V and
-KV head, beside the one-byte elements.
+fp8 figures count the scales as every figure of kvchat does (the engine's snapshot, the logs,
+`ask --json`, the bench): one fp32 scale per token, layer, K/V and KV head, beside the
+one-byte elements, with the scales' share shown.
 """
 from __future__ import annotations
 
@@ -13,18 +14,18 @@ from rich.table import Table
 from rich.text import Text
 from textual.widgets import Static
 
-from kvchat.engine.geometry import DTYPE_BYTES, KNOWN, Geometry
+from kvchat.engine.geometry import DTYPE_BYTES, KNOWN, SCALE_BYTES, Geometry
 from kvchat.engine.sizing import step_reads
 from kvchat.engine.telemetry import CacheSnapshot
 from kvchat.engine.units import human_bytes
 
 from ..backends.server_stats import ServerSnapshot, ServerStats
+from ..text import per_token as per_token_text
 from .panel import Panel
 from ..text import inert
 
 COMPARE = (("3.1 8B", "llama-3.1-8b"), ("3.1 70B", "llama-3.1-70b"), ("2 7B", "llama-2-7b"))   # Llama ...
 SERVING = (("bf16", "bf16"), ("fp8", "fp8 + scales"))     # the other models in the dtypes they are served in
-SCALE_BYTES = 4                                           # one fp32 scale per token, layer, K/V, KV head
 GAUGE_WIDTH = 30
 COMPARE_WIDTH = 42       # the comparison's columns ("fp8 + scales", then 3 x "28.4 MiB"), two spaces apart
 NARROW = 39              # narrower than this (a compact column), figures and descriptions go on two lines
@@ -35,7 +36,7 @@ UNKNOWN_GEOMETRY = ("unknown geometry: the formula, the step reads and the per-m
 
 def scale_bytes_per_token(g: Geometry, kv_dtype: str) -> int:
     """fp8: 2 x L x H_kv fp32 scales per token; other dtypes store none."""
-    return 2 * g.n_layers * g.n_kv_heads * SCALE_BYTES if kv_dtype == "fp8" else 0
+    return g.kv_scale_bytes_per_token(kv_dtype)
 
 
 def per_token(g: Geometry, kv_dtype: str) -> int:
@@ -139,11 +140,13 @@ class CachePanel(Panel, Static):
         kv = s.kv_dtype if s.kv_dtype in DTYPE_BYTES else "bf16"
         self._drawn_width = width = self.content_region.width or self._width
         narrow, gauge, _ = _form(width)
-        rows = [("used", _bytes(s.bytes_used), f"{_count(S)} tokens"),
+        scaled = f" · {human_bytes(S * s.scale_bytes_per_token)} of it scales" if S and s.scale_bytes_per_token else ""
+        rows = [("used", _bytes(s.bytes_used), f"{_count(S)} tokens{scaled}"),
                 ("allocated", _bytes(s.bytes_allocated), f"{_count(s.blocks_used)} blocks of {s.block_size}"),
                 ("pool", _bytes(s.capacity_bytes), f"{s.num_blocks:,} blocks")]
         if g is None:
-            rows.append(("per token", _bytes(s.bytes_per_token), f"{_count(s.bytes_per_token)} B"))
+            rows.append(("per token", _bytes(s.bytes_per_token),
+                         per_token_text(s.bytes_per_token, s.scale_bytes_per_token) if s.bytes_per_token else "unknown"))
         else:
             elems, scales = g.kv_bytes_per_token(kv), scale_bytes_per_token(g, kv)
             how = f"2 × {g.n_layers} × {g.n_kv_heads} × {g.head_dim} × {DTYPE_BYTES[kv]} B"

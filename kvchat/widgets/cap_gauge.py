@@ -1,4 +1,5 @@
-"""The context-cap gauge: tokens held against the cap, and the policy in force."""
+"""The context-cap gauge: the conversation's tokens against the cap (sink-window: the tokens its
+cache holds), and the policy in force."""
 from __future__ import annotations
 
 from rich.text import Text
@@ -75,5 +76,6 @@ class CapGauge(Panel, Widget):
         if self.evicted:
             out.append(f"\nevicted {self.evicted:,} tokens from the middle so far", style="bold")
         elif self.policy == "sink-window" and self.cap is None:
-            out.append("\nsink-window needs a cap (F3 or /cap N) to evict", style="dim")
+            where = f"the model's maximum of {self.max_position:,} tokens" if self.max_position else "the model's maximum"
+            out.append(f"\nno cap: it evicts at {where} (F3 or /cap N sets a smaller window)", style="dim")
         return out

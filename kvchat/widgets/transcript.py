@@ -16,8 +16,12 @@ from textual.widget import Widget
 from textual.widgets import Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
+from ..store.history import History
 from ..store.records import TurnRecord
 from ..text import inert, stats_line
+
+
+DROPPED = "the model no longer sees this message (drop-oldest dropped it)"
 
 
 def _keep_line_breaks(state: StateCore) -> None:
@@ -146,15 +150,20 @@ class Transcript(VerticalScroll):
         self.mount(notice)
         return notice
 
-    async def show_history(self, messages: list[dict[str, str]], turns: list[TurnRecord]) -> None:
-        """Replay a restored conversation: each reply with its stats line."""
-        by_reply = {t.reply: t for t in turns}
+    async def show_history(self, history: History) -> None:
+        """Replay a restored conversation: each reply with its own turn's stats line, the
+        messages drop-oldest dropped dimmed."""
         widgets: list[Widget] = []
-        for m in messages:
+        for i, m in enumerate(history.messages):
             if m["role"] == "user":
                 widgets.append(UserMessage(m["content"]))
             elif m["role"] == "assistant":
-                widgets.append(Reply(m["content"], by_reply.get(m["content"])))
+                widgets.append(Reply(m["content"], history.reply_record(i)))
+            else:
+                continue
+            if history.is_dropped(i):
+                widgets[-1].add_class("dropped")
+                widgets[-1].tooltip = DROPPED
         if widgets:
             await self.mount_all(widgets)
 

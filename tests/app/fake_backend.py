@@ -327,8 +327,15 @@ class FakeBackend:
             raise KvchatError(self.capabilities.why_not(capability))
 
     @property
+    def scale_bytes_per_token(self) -> int:
+        """fp8 keeps one fp32 scale per token, layer, K/V and KV head, as the engine's pool does."""
+        g = self.geometry
+        return 2 * g.n_layers * g.n_kv_heads * 4 if self.kv_dtype == "fp8" else 0
+
+    @property
     def bytes_per_token(self) -> int:
-        return self.geometry.kv_bytes_per_token(self.kv_dtype)
+        """The elements and (fp8) their scales: the engine's convention."""
+        return self.geometry.kv_bytes_per_token(self.kv_dtype) + self.scale_bytes_per_token
 
     # ---- the Backend protocol ----------------------------------------------------------------
     def info(self) -> BackendInfo:
@@ -380,6 +387,7 @@ class FakeBackend:
             used = sum(o is not None for o in self.owner)
             return CacheSnapshot(
                 model="fake-smollm2", kv_dtype=self.kv_dtype, block_size=bs, num_blocks=n, bytes_per_token=bpt,
+                scale_bytes_per_token=self.scale_bytes_per_token,
                 capacity_bytes=n * bs * bpt, tokens_held=held, bytes_used=held * bpt,
                 bytes_allocated=blocks * bs * bpt, blocks_used=blocks, wasted_slots=blocks * bs - held,
                 pool_free=n - used, pool_active=used, pool_cached=0, pool_shared=0, block_map=bytes(codes),

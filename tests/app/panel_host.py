@@ -32,7 +32,8 @@ class PanelHost(App):
 
 def snapshot(tokens: int = 100, kv_dtype: str = "fp32", block_map: bytes | None = None, block_size: int = 16,
              mode: str = "cache", geometry=KNOWN["smollm2-135m"], bytes_per_token: int | None = None) -> CacheSnapshot:
-    bpt = bytes_per_token if bytes_per_token is not None else geometry.kv_bytes_per_token(kv_dtype)
+    scales = 2 * geometry.n_layers * geometry.n_kv_heads * 4 if kv_dtype == "fp8" else 0
+    bpt = bytes_per_token if bytes_per_token is not None else geometry.kv_bytes_per_token(kv_dtype) + scales
     codes = block_map if block_map is not None else bytes([FREE] * 64)
     blocks = -(-tokens // block_size)
     return CacheSnapshot(
@@ -40,4 +41,4 @@ def snapshot(tokens: int = 100, kv_dtype: str = "fp32", block_map: bytes | None 
         capacity_bytes=len(codes) * block_size * bpt, tokens_held=tokens, bytes_used=tokens * bpt,
         bytes_allocated=blocks * block_size * bpt, blocks_used=blocks, wasted_slots=blocks * block_size - tokens,
         pool_free=codes.count(FREE), pool_active=len(codes) - codes.count(FREE), pool_cached=0, pool_shared=0,
-        block_map=codes, cap=None, policy="stop", mode=mode, evictions=0, preemptions=0)
+        block_map=codes, cap=None, policy="stop", mode=mode, evictions=0, preemptions=0, scale_bytes_per_token=scales)

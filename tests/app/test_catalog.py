@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
+
+import pytest
 
 from kvchat.store import catalog
-from kvchat.store.log import conversations_dir
+from kvchat.store.log import ConversationBusy, conversations_dir, restore
 
 
 def write_log(name: str, *records: dict, mtime: float | None = None):
@@ -52,3 +56,39 @@ def test_resume_opens_the_conversations_open_at_quit_the_last_used_in_focus_else
     assert catalog.remember_open([older, newer, gone]) is None
     assert catalog.resume_paths() == (newer, [older])   # a conversation with no file is left out
     assert [s.path for s in catalog.list_conversations()] == [closed, newer, older]
+
+
+HOLDER = """
+import sys
+from pathlib import Path
+from kvchat.store.log import ConversationLog
+log = ConversationLog(Path(sys.argv[1]))
+log.event("resumed")
+print("holding", flush=True)
+sys.stdin.readline()
+log.sync(log.messages + [{"role": "user", "content": "written after the delete was asked"}])
+log.close()
+"""
+
+
+def test_a_conversation_open_in_another_process_is_neither_deleted_nor_renamed_under_it():
+    """Issue 26 high 1: the browser of a second kvchat deleted a conversation the first had
+    open, which wrote on into the unlinked file; the delete takes the writer's lock now."""
+    path = write_log("held", START, {"type": "message", "role": "user", "content": "keep me"})
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, str(path)], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "holding"
+        with pytest.raises(ConversationBusy, match=rf"open in another kvchat \(pid {holder.pid}\); close it there "
+                                                   "first, then delete it"):
+            catalog.delete(path)
+        with pytest.raises(ConversationBusy, match=rf"pid {holder.pid}"):
+            catalog.rename(path, "a new name")
+        assert path.exists()
+        holder.communicate("go on\n", timeout=30)
+    finally:
+        holder.kill()
+    r = restore(path)
+    assert [m["content"] for m in r.messages] + [r.unanswered] == ["keep me", "written after the delete was asked"]
+    catalog.delete(path)                     # closed there: now it goes
+    assert not path.exists()

@@ -148,9 +148,11 @@ async def test_cap_policy_and_theme_changes_go_to_the_status_line_not_the_transc
         assert app.chat_screen.panels.notes[-3:] == ["cap 4,096 tokens", app.chat_screen.panels.notes[-2], "theme light"]
 
 
-async def test_ctrl_n_says_the_new_conversation_inherits_the_cap_and_policy(running_app):
+async def test_ctrl_n_says_the_new_conversation_inherits_the_cap_policy_and_system_prompt_and_shares_sampling(running_app):
     async with running_app(cap=2048, policy="drop-oldest") as (app, pilot):
         old = app.chat_screen.view
         await pilot.press("ctrl+n")
         await wait_until(pilot, lambda: app.chat_screen.view is not old and app.chat_screen.jobs.busy is None, what="the new conversation")
-        assert "inherits cap 2,048 and policy drop-oldest" in app.query_one(StatusBar).note
+        note = app.query_one(StatusBar).note
+        assert "inherits cap 2,048, policy drop-oldest and no system prompt" in note
+        assert note.endswith("; sampling (greedy) is shared by every conversation")

@@ -42,3 +42,15 @@ async def test_without_colour_held_and_reused_still_differ():
         first_row = next(line for line in screen_text(pilot.app).splitlines() if GLYPHS[FREE] * 6 in line)
     cells = first_row.strip("│ ")[:8]
     assert cells[0] != cells[1] != cells[2]
+
+
+async def test_one_wasted_slot_is_singular_and_a_large_block_count_has_separators():
+    """'wasted 1 slots' before (issue 26 low); a block of 2,048 tokens wastes 1,948."""
+    bm = BlockMap()
+    async with PanelHost(bm).run_test(size=(90, 20)) as pilot:
+        bm.show(snapshot(tokens=15))
+        await pilot.pause()
+        assert "wasted 1 slot in the partial block" in bm.render().plain
+        bm.show(snapshot(tokens=100, block_size=2048, block_map=bytes([HELD] + [FREE] * 7)))
+        await pilot.pause()
+        assert "wasted 1,948 slots in the partial block" in bm.render().plain

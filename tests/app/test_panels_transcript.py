@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from textual.app import App, ComposeResult
 
+from kvchat.store.history import History
 from kvchat.store.log import export, stats_line
 from kvchat.widgets import Reply, Transcript
 
@@ -32,9 +33,9 @@ def summary(**over):
 async def test_a_restored_reply_keeps_each_line_of_a_poem_and_a_list_without_bullets():
     app = TranscriptHost()
     async with app.run_test(size=(80, 30)) as pilot:
-        await app.query_one(Transcript).show_history([{"role": "user", "content": "a poem?"},
-                                                     {"role": "assistant", "content": POEM},
-                                                     {"role": "assistant", "content": LIST}], [])
+        await app.query_one(Transcript).show_history(History([{"role": "user", "content": "a poem?"},
+                                                             {"role": "assistant", "content": POEM},
+                                                             {"role": "assistant", "content": LIST}]))
         await pilot.pause()
         shown = lines(app)
     for line in (*POEM.splitlines(), "first: flour", "second: eggs", "then bake"):
@@ -56,8 +57,8 @@ async def test_a_streamed_reply_keeps_its_line_breaks():
 
 
 def test_the_saved_markdown_keeps_the_text_as_written(tmp_path):
-    md, _ = export(tmp_path / "chat", [{"role": "user", "content": "a poem?"}, {"role": "assistant", "content": POEM}],
-                   [summary()], "fake")
+    md, _ = export(tmp_path / "chat", History([{"role": "user", "content": "a poem?"},
+                                               {"role": "assistant", "content": POEM}]), [summary()], "fake")
     assert f"\n{POEM}\n" in md.read_text(encoding="utf-8")
 
 

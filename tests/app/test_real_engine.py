@@ -67,10 +67,18 @@ async def test_runtime_experiments_change_the_panels_two_conversations_fp8_and_c
             app.query_one("#input").load_text("/kv fp8")
             await pilot.press("enter")
             await wait_until(pilot, lambda: panel.snapshot.kv_dtype == "fp8" and app.chat_screen.jobs.busy is None, what="fp8 pool")
-            assert panel.snapshot.bytes_per_token == 11_520 == 46_080 // 4
+            # one convention for fp8 (issue 26 high 6): the one-byte elements and their fp32 scales,
+            # in the notice, the panel's figures and the turn's record alike
+            assert panel.snapshot.bytes_per_token == 12_240 == 46_080 // 4 + 2 * 30 * 3 * 4
             assert "fp8" in panel.border_title
+            assert any("12,240 B (11,520 B data + 720 B scales) per token" in n.text
+                       for n in app.chat_screen.view.query("Notice"))
             await send(pilot, "And a tree?")
-            assert app.chat_screen.session.turns[-1].kv_dtype == "fp8" and panel.snapshot.tokens_held > 0
+            turn, snap = app.chat_screen.session.turns[-1], panel.snapshot
+            assert turn.kv_dtype == "fp8" and snap.tokens_held > 0
+            assert (turn.kv_bytes_per_token, turn.kv_scale_bytes_per_token) == (12_240, 720)
+            assert snap.bytes_used == snap.tokens_held * 12_240
+            assert f"= {snap.bytes_used:,} B" in screen_text(app)      # the formula's total is the used figure
 
             app.query_one("#input").load_text("/cache off")
             await pilot.press("enter")

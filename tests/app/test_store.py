@@ -7,6 +7,7 @@ import json
 import pytest
 
 from kvchat.store import settings as settings_mod
+from kvchat.store.history import History
 from kvchat.store.records import TurnRecord
 from kvchat.store.settings import Settings, SettingsError
 from kvchat.store.log import ConversationLog, export, last_conversation, restore
@@ -62,9 +63,10 @@ def test_a_turn_record_writes_back_the_json_it_was_read_from():
 
 
 def test_export_writes_the_transcript_with_stats_lines_and_the_telemetry(tmp_path):
-    md, jl = export(tmp_path / "chat", [{"role": "user", "content": "hello"},
-                                        {"role": "assistant", "content": "hi there"}],
-                    [TurnRecord.from_dict(SUMMARY)], "m")
+    record = TurnRecord.from_dict(SUMMARY)
+    history = History([{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi there"}],
+                      replies={1: record})
+    md, jl = export(tmp_path / "chat", history, [record], "m")
     assert md.name == "chat.md" and jl.name == "chat.jsonl"
     assert "## You\n\nhello" in md.read_text() and "2 tokens · TTFT 30 ms" in md.read_text()
     assert json.loads(jl.read_text())["positions"] == [12, 13]
@@ -177,13 +179,13 @@ def test_a_restored_unanswered_message_sent_again_is_stored_once(tmp_path):
 
 def test_logs_and_exports_are_private_to_their_owner(tmp_path):
     path = two_turns(tmp_path)
-    md, jl = export(tmp_path / "chat", [{"role": "user", "content": "hello"}],
+    md, jl = export(tmp_path / "chat", History([{"role": "user", "content": "hello"}]),
                     [TurnRecord.from_dict(SUMMARY)], "m")
     assert [f.stat().st_mode & 0o777 for f in (path, md, jl)] == [0o600, 0o600, 0o600]
 
 
 def test_export_never_overwrites_without_asking_follows_no_symlink_and_refuses_a_directory(tmp_path):
-    msgs = [{"role": "user", "content": "hello"}]
+    msgs = History([{"role": "user", "content": "hello"}])
     (tmp_path / "old.md").write_text("precious")
     with pytest.raises(FileExistsError, match="/save!"):
         export(tmp_path / "old", msgs, [], "m")
@@ -245,3 +247,23 @@ def test_two_processes_saving_at_once_never_leave_a_broken_file_or_a_temp_file(t
     assert [p.wait(timeout=120) for p in procs] == [0, 0]
     assert settings_mod.load(path).theme in ("dark", "light")
     assert [f.name for f in tmp_path.iterdir()] == ["settings.json"]
+
+
+def test_the_log_keeps_dropped_messages_and_a_refused_turn_gives_them_back(tmp_path):
+    """drop-oldest's messages stay in the log as history out of the model's sight; a turn the
+    backend refuses after dropping (its messages restored) takes the drop back."""
+    u = [{"role": "user", "content": f"u{i}"} for i in range(4)]
+    a = [{"role": "assistant", "content": "same"} for _ in range(4)]
+    log = ConversationLog.create(tmp_path, model="m", system=None, cap=None, policy="drop-oldest", mode="cache")
+    log.sync([u[0], a[0], u[1], a[1]])
+    log.sync([u[1], a[1], u[2]], dropped=2)           # u0, a0 dropped
+    assert log.messages == [u[0], a[0], u[1], a[1], u[2]] and log.history.visible == [u[1], a[1], u[2]]
+    log.sync([u[0], a[0], u[1], a[1]], dropped=0)     # refused: the backend gives them back
+    log.sync([u[1], a[1], u[3]], dropped=2)
+    log.sync([u[1], a[1], u[3], a[3]], dropped=2)
+    log.turn(TurnRecord.from_dict({**SUMMARY, "reply": "same", "ttft_ms": 99.0}))
+    log.close()
+    r = restore(log.path)
+    assert r.messages == [u[0], a[0], u[1], a[1], u[3], a[3]] and r.dropped == 2
+    assert r.visible == [u[1], a[1], u[3], a[3]]
+    assert list(r.replies) == [5] and r.replies[5].ttft_ms == 99.0     # the last "same", not the others

@@ -96,9 +96,10 @@ def test_the_worker_waits_for_each_batch_to_be_drawn_before_its_next_step(monkey
             posted.append(msg)
             threading.Timer(0.05, msg.drawn.set).start()   # the UI draws it a little later
         return True
-    log = types.SimpleNamespace(sync=lambda *a: None, turn=lambda *a: None)
+    log = types.SimpleNamespace(sync=lambda *a: None, turn=lambda *a: None, history=types.SimpleNamespace(dropped=0))
     session = types.SimpleNamespace(chat=types.SimpleNamespace(send=send, state=chat.state), log=log)
-    turn = types.SimpleNamespace(text="hi", cancel=threading.Event(), prefilled=False)
+    turn = types.SimpleNamespace(text="hi", cancel=threading.Event(), prefilled=False, quitting=False,
+                                 saved=threading.Event())
     monkeypatch.setattr(worker, "TurnProgress", lambda t, s, p, f: types.SimpleNamespace(drawn=threading.Event()))
     monkeypatch.setattr(worker, "TurnEnded", lambda *a, **k: object())
     worker.run_turn(turn, session, types.SimpleNamespace(snapshot=lambda chat: None), SamplingParams(),

@@ -1,0 +1,86 @@
+"""The runner: one step's plan as tensors, through the model once.
+
+It turns the scheduler's Plan into one `Batch` (each decode row's token, position, slot,
+block table and context length; each prompt chunk's rows) and runs `Llama.forward` over it,
+so every weight is read once for all the rows. On CUDA a step of decode rows alone replays a
+CUDA graph captured for the next batch-size bucket (cuda_graph.py); a step with prompt
+chunks runs eagerly, as nano-vllm's prefill steps do. Cache-off conversations recompute
+their whole text with `forward_dense`, one pass each. Sink-window re-rotations the
+scheduler planned run first, before any row reads or writes those blocks.
+"""
+from __future__ import annotations
+
+import torch
+
+from .cuda_graph import GraphDecoder, decoder_for
+from .kv_cache import KVPool
+from .model import Batch, Chunk, Llama
+from .request import Request
+from .scheduler import Plan
+from .streaming import rerotate_keys
+
+
+class Runner:
+    def __init__(self, model: Llama, pool: KVPool) -> None:
+        self.model, self.pool = model, pool
+        self.device = model.device
+
+    @torch.inference_mode()
+    def run(self, plan: Plan) -> tuple[torch.Tensor, int, int]:
+        """Logits (R, vocab) fp32 in the plan's row order (decode rows, one per chunk, one per
+        cache-off request), the cached tokens attention read, and the forward passes run."""
+        for _, (block_ids, delta) in plan.shifts:
+            rerotate_keys(self.model, self.pool, block_ids, delta)
+        out, context, forwards = [], 0, 0
+        if plan.decode or plan.chunks:
+            logits, context = self._paged(plan.decode, plan.chunks)
+            out.append(logits)
+            forwards += 1
+        for req in plan.dense:
+            ids = req.tokens if req.generated else req.prompt
+            out.append(self.model.forward_dense(torch.tensor(ids, device=self.device)))  # (1, vocab)
+            forwards += 1
+        return (out[0] if len(out) == 1 else torch.cat(out)), context, forwards
+
+    def _paged(self, decode: list[Request], chunks: list[tuple[Request, int, int]]) -> tuple[torch.Tensor, int]:
+        ids, positions, slots, lens = [], [], [], []
+        for req in decode:
+            seq = req.seq
+            pos = len(seq)                     # its cache position (its text position unless a window evicted)
+            ids.append(req.tokens[-1])
+            positions.append(pos)
+            slots.append(seq.slot(pos))
+            lens.append(pos + 1)
+        if self.device.type == "cuda" and decode and not chunks:
+            dec = decoder_for(self.model, self.pool)
+            if len(decode) <= dec.max_batch:
+                return self._graphed(dec, decode, ids, positions, slots, lens), sum(lens)
+        parts, context = [], sum(lens)
+        for req, start, n in chunks:
+            seq = req.seq
+            p0 = len(seq)
+            ids.extend(req.tokens[start:start + n])
+            positions.extend(range(p0, p0 + n))
+            slots.extend(seq.slots(p0, p0 + n))
+            parts.append(Chunk(n, seq.table, p0, seq.runs))
+            context += p0 + n
+        dev = self.device
+        batch = Batch(torch.tensor(slots, device=dev), max(positions) + 1, prefills=tuple(parts))
+        if decode:
+            batch.decode = b = len(decode)
+            batch.max_context = max(lens)
+            if b == 1:
+                seq = decode[0].seq
+                batch.block_tables, batch.runs = seq.table[None], seq.runs              # (1, max_blocks)
+            else:
+                width = -(-batch.max_context // decode[0].seq.block_size)
+                batch.block_tables = torch.stack([r.seq.table[:width] for r in decode])  # (B, width)
+            batch.context_lens = torch.tensor(lens, dtype=torch.int32, device=dev)      # (B,)
+        logits = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), batch,
+                                    self.pool)
+        return logits, context
+
+    def _graphed(self, dec: GraphDecoder, decode: list[Request], ids, positions, slots, lens) -> torch.Tensor:
+        width = -(-max(lens) // decode[0].seq.block_size)
+        tables = [r.seq.table[:width] for r in decode]
+        return dec.decode(ids, positions, slots, tables, lens)

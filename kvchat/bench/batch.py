@@ -1,0 +1,237 @@
+"""`kvchat bench --batch 1,2,4,8,16`: many conversations decoding in the same steps.
+
+For each KV dtype (the model's, and fp8), each context C and each batch size B: B users,
+each with its own C-token history (the bench's numbered notes, a different seed each),
+are prefilled, then decode `--new-tokens` tokens together, every step one row per user
+(Engine.generate, EOS ignored). The figures are the steps with B decode rows and no prompt
+chunk: their median time (one user's ms/token), and B tokens over it (the aggregate).
+
+Beside them, measured in the same run:
+- the roofline: a decode step must read every weight once and each user's cache once,
+  (weights + B x (C + N/2) x bytes per token) over the read bandwidth sampled before,
+  between and after the points (floor.BandwidthProbe); and it must do 2 x weights x B
+  multiply-adds plus attention's 4 x L x H x d x C x B, over the GEMM rate timed here:
+  the step can take no less than the larger of the two;
+- transformers `generate` on the same B histories as one left-padded batch, timed between
+  its streamer calls;
+- a vLLM server (--server URL, e.g. the CPU server of scripts/setup-vllm.sh) sent the same
+  token ids as B concurrent streams, timed at the client.
+
+Tables, JSON and plots are in batch_report.py.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvchat.engine.errors import KvchatError
+
+from . import batch_report as report
+from . import floor as bench_floor
+from .flags import output_path, parse_contexts
+from .history import history
+from .machine import busy_note, checkout_commit, load_average
+
+if TYPE_CHECKING:      # the peers import transformers and torch: only when measured
+    from .peers import HFPeer
+    from .server_peer import VllmPeer
+
+MARGIN = 64          # positions past the history and the timed tokens
+
+
+@dataclass(slots=True)
+class Point:
+    """One (KV dtype, context, batch) measurement, over every run."""
+    kv_dtype: str
+    context: int
+    batch: int
+    step_ms: list[float] = field(default_factory=list)      # decode-only steps with every user in them
+    cache_bytes: list[int] = field(default_factory=list)    # what those steps' attention read
+    context_tokens: list[int] = field(default_factory=list)
+    peers: dict[str, list[float]] = field(default_factory=dict)   # peer -> its step times (ms)
+    notes: list[str] = field(default_factory=list)
+
+
+def parse_batches(text: str) -> tuple[int, ...]:
+    from ..cli.args import UsageError
+    try:
+        values = sorted({int(p) for p in text.split(",")})
+    except ValueError:
+        raise UsageError(f"--batch {text!r}: expected comma-separated batch sizes, e.g. 1,2,4,8,16") from None
+    if not values or values[0] <= 0 or values[-1] > 256:
+        raise UsageError(f"--batch {text!r}: batch sizes from 1 to 256, e.g. 1,2,4,8,16")
+    return tuple(values)
+
+
+def gemm_gflops(seconds: float = 0.5) -> float:
+    """The rate of a large fp32 matrix product here: the compute bound's denominator."""
+    import torch
+    a, b = torch.randn(1024, 2048), torch.randn(2048, 1024)
+    a @ b
+    n, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        a @ b
+        n += 1
+    return n * 2 * 1024 * 2048 * 1024 / (time.perf_counter() - t0) / 1e9
+
+
+class BatchBench:
+    def __init__(self, args, engine) -> None:
+        self.args, self.engine = args, engine
+        self.batches = parse_batches(args.batch)
+        self.contexts = parse_contexts(args.contexts)
+        self.steps, self.runs = args.new_tokens, args.runs
+        tok = engine.tokenizer
+        self.histories = {(ctx, u): history(engine.render, tok, ctx, 7919 * u + ctx)[1]
+                          for ctx in self.contexts for u in range(max(self.batches))}
+        self.hf: HFPeer | None = None
+        self.server: VllmPeer | None = None
+        self.t0 = time.perf_counter()
+
+    def say(self, text: str) -> None:
+        print(f"kvchat bench --batch [{time.perf_counter() - self.t0:6.0f}s] {text}", file=sys.stderr, flush=True)
+
+    def ours(self, p: Point, prompts: list[list[int]]) -> None:
+        from kvchat.engine import SamplingParams
+        _, records = self.engine.generate(prompts, SamplingParams(max_tokens=self.steps + 1), ignore_eos=True)
+        full = [r for r in records if r.decode_rows == p.batch and not r.prefill_tokens]
+        if len(full) < self.steps // 2:
+            p.notes.append(f"only {len(full)} steps had all {p.batch} users decoding")
+        p.step_ms += [r.step_ms for r in full]
+        p.cache_bytes += [r.cache_bytes for r in full]
+        p.context_tokens += [r.context_tokens for r in full]
+
+    def measure(self, probe) -> list[Point]:
+        from kvchat.engine import SamplingParams
+        eng = self.engine
+        base = eng.kv_dtype
+        kvs = [base] + (["fp8"] if base != "fp8" else [])
+        points = {(kv, c, b): Point(kv, c, b) for kv in kvs for c in self.contexts for b in self.batches}
+        self.say("warming up (batch 2, 2 steps; discarded)")
+        eng.generate([self.histories[self.contexts[0], u] for u in range(2)], SamplingParams(max_tokens=3),
+                     ignore_eos=True)
+        for run in range(self.runs):      # runs outermost: slow drift touches every point alike
+            for kv in kvs:
+                if eng.kv_dtype != kv:
+                    eng.set_kv_dtype(kv)
+                for ctx in self.contexts:
+                    probe.sample()
+                    for b in self.batches:
+                        p = points[kv, ctx, b]
+                        prompts = [self.histories[ctx, u] for u in range(b)]
+                        self.ours(p, prompts)
+                        self.say(f"run {run + 1}/{self.runs} {kv} context {ctx} batch {b}: "
+                                 f"{report.med(p.step_ms[-self.steps:]):.1f} ms/step")
+                        if kv == base:
+                            self.peers(p, prompts, run)
+        if eng.kv_dtype != base:
+            eng.set_kv_dtype(base)
+        return list(points.values())
+
+    def peers(self, p: Point, prompts: list[list[int]], run: int) -> None:
+        for name, peer in (("transformers", self.hf), ("vllm", self.server)):
+            if peer is None:
+                continue
+            try:
+                ms = peer.decode_batch(prompts, self.steps)
+            except Exception as err:  # noqa: BLE001  (a peer's failure is noted, the run goes on)
+                p.notes.append(f"{name} failed: {type(err).__name__}: {err}")
+                continue
+            p.peers.setdefault(name, []).extend(ms)
+            self.say(f"run {run + 1}/{self.runs} {name:<12} context {p.context} batch {p.batch}: "
+                     f"{report.med(ms):.1f} ms/step")
+
+
+def budget_for(engine_cfg, geometry, batches, contexts, steps) -> int:
+    """Pool bytes for the largest batch at the longest context in the widest KV dtype."""
+    tokens = max(batches) * (max(contexts) + steps + MARGIN + engine_cfg.block_size)   # + each user's last block
+    return tokens * geometry.kv_bytes_per_token("fp32")
+
+
+def run_batch(args) -> int:
+    import torch
+    from kvchat.engine import Engine, preflight
+
+    from ..cli.args import engine_config
+    json_path, plot_path = output_path("--json", args.json), output_path("--plot", args.plot, ".png")
+    batches = parse_batches(args.batch)
+    contexts = parse_contexts(args.contexts)
+    cfg = engine_config(args)
+    checked = preflight(cfg)
+    need = budget_for(cfg, checked.source.geometry, batches, contexts, args.new_tokens)
+    if cfg.kv_budget is not None and cfg.kv_budget < need:
+        raise KvchatError(f"--kv-budget {cfg.kv_budget:,} B cannot hold {max(batches)} users of "
+                          f"{max(contexts):,} tokens; give at least {need:,} B or leave --kv-budget out")
+    cfg.kv_budget = need
+    if max(contexts) + args.new_tokens + MARGIN > checked.source.geometry.max_position:
+        raise KvchatError(f"--contexts {max(contexts)} with --new-tokens {args.new_tokens} passes "
+                          f"{checked.source.name}'s {checked.source.geometry.max_position:,} positions")
+    engine = Engine(cfg, checked=preflight(cfg, checked.source))
+    bench = BatchBench(args, engine)
+    threads = torch.get_num_threads()
+    notes = [f"torch threads: {threads}"]
+    if engine.device.type == "cpu":
+        from kvchat.engine import native
+        notes.append(f"kvchat's C kernels: {native.status()}")
+    if not args.no_peers:
+        from .peers import HFPeer
+        bench.hf = HFPeer(engine.source, engine.device, engine.dtype)
+    else:
+        notes.append("transformers not measured (--no-peers)")
+    if getattr(args, "server", None):
+        from .server_peer import VllmPeer
+        server = bench.server = VllmPeer.connect(args, max(contexts) + 2 * args.new_tokens + MARGIN)
+        notes.append(server.describe())
+    else:
+        notes.append("vLLM not measured: give --server URL of a running vLLM server (scripts/setup-vllm.sh)")
+    load0 = busy_note(notes)
+    weights = engine.model.step_weight_bytes
+    probe = bench_floor.BandwidthProbe(int(1.5 * weights))
+    probe.sample(5)
+    flops = gemm_gflops()
+    try:
+        points = bench.measure(probe)
+    finally:
+        if bench.server is not None:
+            bench.server.close()
+    probe.sample(5)
+    bw = probe.result()
+    g = engine.geometry
+    meta = {
+        "kind": "kvchat-batch-bench", "version": 1, "command": command(args), "model": engine.describe(),
+        "threads": threads, "runs": args.runs, "new_tokens": args.new_tokens, "notes": notes,
+        "machine": {"load_average_before": load0, "load_average_after": load_average(), "kvchat_commit": checkout_commit()},
+        "bandwidth": bw.to_dict(), "gemm_gflop_s": round(flops, 2), "weight_bytes": weights,
+        "matmul_params": engine.model.step_weight_bytes // engine.model.embed.element_size(),
+        "attention_flops_per_token": 4 * g.n_layers * g.n_heads * g.head_dim,
+        "cache_bytes_per_token": {kv: g.kv_bytes_per_token(kv) + g.kv_scale_bytes_per_token(kv)
+                                  for kv in {p.kv_dtype for p in points}},
+    }
+    rec = report.record(points, meta)
+    try:
+        if json_path is not None:
+            report.write_json(json_path, rec)
+            print(f"kvchat bench: wrote {json_path}", file=sys.stderr)
+        if plot_path is not None:
+            report.write_png(plot_path, rec)
+            print(f"kvchat bench: wrote {plot_path}", file=sys.stderr)
+    except OSError as err:
+        raise KvchatError(f"cannot write the bench output: {err}") from None
+    print(report.markdown(rec))
+    print("\nTargets:\n" + report.target_lines(report.targets(rec)))
+    print("\n" + report.terminal_plot(rec))
+    return 0
+
+
+def command(args) -> str:
+    parts = ["kvchat", "bench", "--batch", ",".join(map(str, parse_batches(args.batch))), "--contexts", args.contexts,
+             "--new-tokens", str(args.new_tokens), "--runs", str(args.runs)]
+    for flag in ("model", "device", "dtype", "kv_dtype", "threads", "server"):
+        value = getattr(args, flag, None)
+        if value not in (None, "auto"):
+            parts += [f"--{flag.replace('_', '-')}", str(value)]
+    if args.no_peers:
+        parts.append("--no-peers")
+    return " ".join(parts)

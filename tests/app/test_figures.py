@@ -1,0 +1,50 @@
+"""Figures that must agree with what they describe (issue 26's medium items): the cap gauge
+counts the conversation as the cap is checked, a cap past the model is refused as --cap is,
+the panel says where sink-window evicts without a cap."""
+from __future__ import annotations
+
+from kvchat.store.log import last_conversation, restore
+from kvchat.widgets import CapGauge, Notice
+
+from .conftest import SIZE, make_app, ready, send, wait_until
+from .fake_backend import FakeBackend, FakeConfig
+
+
+async def test_the_cap_gauge_counts_the_conversation_after_a_reset_and_after_a_resume(running_app):
+    async with running_app(cap=4096) as (app, pilot):
+        await send(pilot, "tell me about caches")
+        await send(pilot, "and about blocks")
+        gauge, session = app.query_one(CapGauge), app.chat_screen.session
+        context = session.turns[-1].context_tokens
+        assert gauge.tokens == context > 0
+        await pilot.press("ctrl+r")
+        await wait_until(pilot, lambda: app.chat_screen.jobs.busy is None and session.snapshot.tokens_held == 0,
+                         what="the reset")
+        assert gauge.tokens == context           # the cache is empty; the conversation is not
+        session.log.close()
+    async with make_app(restored=restore(last_conversation())).run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        assert pilot.app.query_one(CapGauge).tokens == context
+        pilot.app.chat_screen.session.log.close()
+
+
+async def test_a_cap_past_the_models_context_is_refused_as_the_flag_is(running_app):
+    async with running_app(FakeBackend(FakeConfig(random_weights=False))) as (app, pilot):
+        app.chat_screen.input.load_text("/cap 99999")
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.chat_screen.session.cap is None
+        errors = [n.text for n in app.chat_screen.view.query(Notice) if n.has_class("error")]
+        assert errors[-1] == ("/cap 99,999 is past fake-smollm2's context window of 8,192 tokens; accepted: 1 to "
+                              "8,192, or /cap off")
+        app.chat_screen.input.load_text("/cap 8192")      # the window itself is accepted
+        await pilot.press("enter")
+        await pilot.pause()
+        assert app.chat_screen.session.cap == 8192
+
+
+async def test_sink_window_without_a_cap_says_it_evicts_at_the_models_maximum(running_app):
+    async with running_app(policy="sink-window") as (app, pilot):
+        text = app.query_one(CapGauge).render().plain
+        assert "no cap: it evicts at the model's maximum of 8,192 tokens" in text
+        assert "needs a cap" not in text

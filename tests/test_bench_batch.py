@@ -1,0 +1,94 @@
+"""`kvchat bench --batch`: runs end to end on a tiny setting (batches 1 and 2, contexts 48
+and 64, both KV dtypes, transformers beside), writes the JSON rows the planner reads and a
+PNG, and refuses bad batch sizes in one line. The roofline and target arithmetic is checked
+on hand-made points. No timing is asserted: the numbers are the benchmark's output."""
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+
+import pytest
+import torch
+
+from cli_helpers import fails_with
+from kvchat.bench.batch import Point
+from kvchat.bench.batch_report import markdown, record, targets
+from kvchat.cli.command import main
+
+TINY = ["bench", "--batch", "1,2", "--contexts", "48,64", "--new-tokens", "3", "--runs", "1", "--threads", "1"]
+ROW_KEYS = {"kv_dtype", "context", "batch", "step_ms", "per_user_ms_per_token", "aggregate_tok_s", "gain",
+            "weight_bytes", "cache_bytes_per_step", "context_tokens_per_step", "bytes_per_step", "measured_gb_s",
+            "roofline", "ours_over_roofline", "peers", "notes", "step_ms_samples"}
+
+
+@pytest.fixture(scope="module")
+def batch_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("batch")
+    json_path, png_path = out / "batch.json", out / "batch.png"
+    stdout, stderr = io.StringIO(), io.StringIO()
+    threads = torch.get_num_threads()
+    try:
+        with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+            code = main(TINY + ["--json", str(json_path), "--plot", str(png_path)])
+    finally:
+        torch.set_num_threads(threads)
+    return {"code": code, "out": stdout.getvalue(), "err": stderr.getvalue(), "json": json_path, "png": png_path}
+
+
+def test_the_batch_bench_prints_its_table_targets_and_plot(batch_run):
+    assert batch_run["code"] == 0, batch_run["err"]
+    out = batch_run["out"]
+    assert "| KV | context | B | step ms |" in out and "| fp32 | 64 | 2 |" in out and "| fp8 | 48 | 1 |" in out
+    assert "Targets:" in out and "aggregate tokens/s vs batch" in out
+    assert batch_run["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_the_batch_bench_json_has_a_row_per_dtype_context_and_batch(batch_run):
+    rec = json.loads(batch_run["json"].read_text())
+    assert rec["kind"] == "kvchat-batch-bench" and rec["version"] == 1
+    assert {(r["kv_dtype"], r["context"], r["batch"]) for r in rec["rows"]} == {
+        (kv, c, b) for kv in ("fp32", "fp8") for c in (48, 64) for b in (1, 2)}
+    for r in rec["rows"]:
+        assert set(r) == ROW_KEYS
+        assert r["step_ms"]["n"] >= 1 and r["aggregate_tok_s"] > 0
+        # each decode step read every user's cache: about B x (context + the reply so far) tokens
+        assert r["batch"] * r["context"] <= r["context_tokens_per_step"] <= r["batch"] * (r["context"] + 4)
+        per_token = rec["cache_bytes_per_token"][r["kv_dtype"]]
+        assert r["cache_bytes_per_step"] == pytest.approx(r["context_tokens_per_step"] * per_token, rel=0.01)
+        assert r["bytes_per_step"] == pytest.approx(rec["weight_bytes"] + r["cache_bytes_per_step"], abs=1)
+        if r["kv_dtype"] == "fp32":
+            assert r["peers"]["transformers"]["aggregate_tok_s"] > 0
+    assert rec["cache_bytes_per_token"]["fp8"] == 2 * 30 * 3 * (64 + 4)      # one-byte elements plus fp32 scales
+
+
+def test_a_bad_batch_list_is_one_line(capsys):
+    fails_with(capsys, ["bench", "--batch", "0,2"], "batch sizes from 1 to 256")
+    fails_with(capsys, ["bench", "--batch", "two"], "expected comma-separated batch sizes")
+
+
+def point(kv, ctx, b, step_ms):
+    p = Point(kv, ctx, b, step_ms=[step_ms] * 3, cache_bytes=[b * ctx * 100] * 3, context_tokens=[b * ctx] * 3)
+    return p
+
+
+META = {"weight_bytes": 1_000_000, "cache_bytes_per_token": {"fp32": 100, "fp8": 30}, "new_tokens": 0,
+        "bandwidth": {"gb_s": 1.0}, "gemm_gflop_s": 1e6, "matmul_params": 250_000, "attention_flops_per_token": 0,
+        "model": {"model": "m", "dtype": "fp32", "device": "cpu", "kv_dtype": "fp32"}, "threads": 1, "runs": 1,
+        "notes": []}
+
+
+def test_the_roofline_is_the_weights_once_and_every_users_cache_over_the_bandwidth():
+    """1 MB of weights and 100 B a token at 1 GB/s: batch 1 at 256 tokens reads 1.0256 MB, a
+    1.0256 ms step; batch 8 reads 1.2048 MB in 1.2048 ms, so its roofline gain is
+    8 x 1.0256 / 1.2048."""
+    rec = record([point("fp32", 256, 1, 2.0), point("fp32", 256, 8, 2.5)], META)
+    one, eight = rec["rows"]
+    assert one["roofline"]["memory_ms"] == pytest.approx(1.0256)
+    assert eight["roofline"]["memory_ms"] == pytest.approx(1.2048)
+    assert eight["roofline"]["gain"] == pytest.approx(8 * 1.0256 / 1.2048, rel=1e-3)
+    assert eight["gain"] == pytest.approx(8 * 2.0 / 2.5)
+    checks = {c["target"].split(":")[1].strip(): c for c in targets(rec)}
+    assert checks["aggregate tokens/s >= 6.0x batch 1's"]["met"]            # 6.4x
+    assert checks["step time <= 1.5x batch 1's"]["met"]                     # 1.25x
+    assert "| fp32 | 256 | 8 | 2.5 |" in markdown(rec)
