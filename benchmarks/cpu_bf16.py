@@ -3,10 +3,14 @@ against fp32 on the bundled model, on a text no one tuned on (a licence from
 /usr/share/common-licenses, GPL-3 unless given).
 
     python benchmarks/cpu_bf16.py [--text FILE] [--tokens 2048] [--context 1024] [--steps 16] [--rounds 5]
+                                  [--decode-steps 128]
 
 Quality, over `--tokens` tokens of the text (a chunked prefill through the paged cache, so every
 chunk attends to the stored cache): greedy agreement (argmax equal to fp32's), mean |logit
 difference| against fp32, and perplexity of the text and its ratio to fp32's.
+Decode quality: `--decode-steps` teacher-forced decode steps after `--context` tokens, the
+one-row products the C GEMV takes (bf16 weights: vdpbf16ps where the CPU has AVX512-BF16),
+against fp32: greedy agreement, logit differences, the next-token NLL's difference.
 Speed: decode ms/token at `--context` tokens, every configuration in this one process, taken in
 turn round after round so that a changing load touches each alike; the median over rounds of
 each round's median, with the 1-minute load before and after.
@@ -53,6 +57,36 @@ def text_logits(model, engine, ids: list[int], kv_dtype: str) -> torch.Tensor:
     return torch.cat(out)
 
 
+def decode_logits(model, engine, ids: list[int], kv_dtype: str, context: int, steps: int) -> torch.Tensor:
+    """(steps, vocab) logits of teacher-forced decode steps after a `context`-token prefill:
+    the decode path (one row a step: the C GEMV, bf16 or fp32), which text_logits' chunks do not take."""
+    pool, table = pool_for(engine, kv_dtype, context + steps)
+    pos = torch.arange(context)
+    model.forward(torch.tensor(ids[:context]), pos, Step(table, pos, 0, False), pool)
+    out = []
+    for p in range(context, context + steps):
+        out.append(model.forward(torch.tensor([ids[p]]), torch.tensor([p]), Step(table, torch.tensor([p]), p, True,
+                                                                              runs=((0, pool.spec.num_blocks),)), pool)[0])
+    return torch.stack(out)
+
+
+def decode_quality(dec: dict, ids: list[int], context: int) -> None:
+    ref = dec["fp32", "fp32"]
+    target = torch.tensor(ids[context + 1:context + 1 + ref.shape[0]])
+    print(f"\nDecode steps after {context} tokens, teacher-forced ({ref.shape[0]} steps: the one-row products)"
+          "\n\n| weights | KV cache | greedy agreement with fp32 | mean abs logit diff | max abs logit diff "
+          "| next-token NLL | its difference to fp32 |\n|---|---|---:|---:|---:|---:|---:|")
+
+    def nll(lg: torch.Tensor) -> float:
+        n = min(lg.shape[0], target.shape[0])
+        return float(-torch.log_softmax(lg[:n].float(), -1).gather(1, target[:n, None]).mean())
+    for (w, kv), lg in dec.items():
+        d = (lg - ref).abs()
+        agree = float((lg.argmax(-1) == ref.argmax(-1)).float().mean())
+        print(f"| {w} | {kv} | {agree:.2%} | {float(d.mean()):.4f} | {float(d.max()):.3f} | {nll(lg):.4f} "
+              f"| {nll(lg) - nll(ref):+.4f} |", flush=True)
+
+
 def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
     target = torch.tensor(ids[1:])[:, None]
     return float((-torch.log_softmax(logits[:-1].float(), -1).gather(1, target)).mean().exp())
@@ -92,6 +126,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=2048)
     ap.add_argument("--context", type=int, default=1024)
     ap.add_argument("--steps", type=int, default=16)
+    ap.add_argument("--decode-steps", type=int, default=128, help="teacher-forced decode steps compared with fp32")
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-quality", action="store_true", help="only the speed section")
@@ -114,6 +149,11 @@ def main() -> int:
             logits[w, kv] = text_logits(engines[w].model, engines[w], text_ids, kv)
     if logits:
         quality(logits, text_ids)
+        dec = {}
+        for w, kv in CONFIGS:
+            with torch.inference_mode():
+                dec[w, kv] = decode_logits(engines[w].model, engines[w], ids, kv, args.context, args.decode_steps)
+        decode_quality(dec, ids, args.context)
 
     rounds: dict[tuple[str, str], list[float]] = {c: [] for c in CONFIGS}
     for _ in range(args.rounds):

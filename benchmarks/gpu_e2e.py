@@ -23,7 +23,8 @@ def make_engine(s: Setup, budget_tokens: int):
     try:
         with kernels_on_cpu(s):  # the dry run's pool takes the kernels' layout ("tokens")
             return Engine(EngineConfig(model=s.geom.name, random_weights=True, kv_budget=budget,
-                                       device="cpu" if s.dry else "auto"), source=src)
+                                       device="cpu" if s.dry else "auto", dtype="fp32" if s.dry else "auto"),
+                          source=src)  # the dry run in fp32 (auto is bf16 on a CPU with AVX512-BF16)
     finally:
         engine_mod.load_tokenizer = real
 

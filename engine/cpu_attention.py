@@ -19,6 +19,8 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from . import threads
+
 
 def sdpa_decode(q, k, v, scale):
     """q: (H, d); k, v: (T, hk, d) -> (H, d), one fused SDPA call."""
@@ -110,7 +112,7 @@ def split_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
     h, d = q.shape
     t, hk, _ = k.shape
     g = h // hk
-    n = split_count(t, hk, torch.get_num_threads()) if n is None else n
+    n = split_count(t, hk, threads.most()) if n is None else n
     kw, s = windows(k, n)                                                  # (n, c, hk, d)
     vw, _ = windows(v, n)
     qn = q.view(1, hk, g, d).expand(n, hk, g, d)                           # (n, hk, g, d)
@@ -121,7 +123,7 @@ def split_partials(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: flo
 def decode_split(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                  n: int | None = None) -> torch.Tensor:
     """Split-K decode over one sequence's rows. q: (H, d); k, v: (T, hk, d) -> (H, d)."""
-    n = split_count(k.shape[0], k.shape[1], torch.get_num_threads()) if n is None else n
+    n = split_count(k.shape[0], k.shape[1], threads.most()) if n is None else n
     if n == 1:
         return sdpa_decode(q, k, v, scale)
     return merge_partials(*split_partials(q, k, v, scale, n)).reshape(q.shape)
@@ -193,14 +195,14 @@ def decode_fp8(q: torch.Tensor, k: list[torch.Tensor], v: list[torch.Tensor], ks
     longest = min(piece, max(x.shape[0] for x in k))
     kbuf = _scratch("k_piece", longest * hk * d, q.dtype)
     vbuf = _scratch("v_piece", longest * hk * d, q.dtype)
-    threads = torch.get_num_threads()
+    n_threads = threads.most()   # the cap, not the load's count: the same bits under any load
     outs, lses = [], []
     for kp, vp, ksp, vsp in zip(k, v, ks, vs):
         for a in range(0, kp.shape[0], piece):
             b = min(a + piece, kp.shape[0])
             kd = dequantize_rows(kp[a:b].transpose(0, 1), ksp[a:b].t(), q.dtype, kbuf, exact)  # (hk, rows, d)
             vd = dequantize_rows(vp[a:b].transpose(0, 1), vsp[a:b].t(), q.dtype, vbuf, exact)
-            w = split_count(b - a, hk, threads)    # windows: w x hk work items for the threads
+            w = split_count(b - a, hk, n_threads)    # windows: w x hk work items for the threads
             w = w if (b - a) % w == 0 else 1
             kw = kd.view(hk, w, (b - a) // w, d).transpose(0, 1)                       # (w, hk, c, d)
             vw = vd.view(hk, w, (b - a) // w, d).transpose(0, 1)

@@ -128,6 +128,8 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     numbers; a decode step's weight reads went 45 ms -> 25 ms on 2 cores)."""
     if native.gemv_serves(x, w):
         return native.gemv(x, w)
+    if w.dtype != x.dtype:     # bf16 weights, fp32 rows (Llama.act_dtype): a prefill's GEMM in bf16 (AMX where present)
+        return (x.to(w.dtype) @ w.T).to(x.dtype)
     s = torch.get_num_threads()
     if x.shape[0] != 1 or s < 2 or x.device.type != "cpu" or w.shape[0] % s:
         return x @ w.T
@@ -164,18 +166,30 @@ class Llama:
         self.geom = geom
         self.embed, self.layers, self.norm, self.lm_head = embed, layers, norm, lm_head
         self.device, self.dtype = embed.device, embed.dtype
+        self.act_dtype = self.dtype     # the rows' dtype: see fp32_rows()
         self.scale = geom.head_dim ** -0.5
         self.inv_freq = rope_inv_freq(geom).to(self.device)
         self._cos = self._sin = torch.empty(0)
         self._extend_rope(min(geom.max_position, 8192))
+
+    def fp32_rows(self) -> None:
+        """bf16 weights on a CPU with the C kernels (the engine asks for this): only the
+        matrices stay bf16 (half the bytes a decode step reads, native.gemv's bf16 path); the
+        rows, norms, RoPE and K/V are fp32, so the fp32 cache kernels serve and nothing is
+        rounded to bf16 between the products. A prefill's GEMM runs in bf16 (AMX where present)."""
+        self.act_dtype = torch.float32
+        self.norm = self.norm.float()
+        for layer in self.layers:
+            layer.attn_norm, layer.mlp_norm = layer.attn_norm.float(), layer.mlp_norm.float()
+        self._extend_rope(self._cos.shape[0])
 
     # ---- rotary tables -----------------------------------------------------------------------
     def _extend_rope(self, n: int) -> None:
         t = torch.arange(n, device=self.device, dtype=torch.float32)
         freqs = torch.outer(t, self.inv_freq)                      # (n, d/2)
         emb = torch.cat((freqs, freqs), dim=-1)                    # (n, d)
-        self._cos = emb.cos().to(self.dtype)[:, None, :]            # (n, 1, d)
-        self._sin = emb.sin().to(self.dtype)[:, None, :]
+        self._cos = emb.cos().to(self.act_dtype)[:, None, :]        # (n, 1, d)
+        self._sin = emb.sin().to(self.act_dtype)[:, None, :]
 
     def rope_tables(self, n: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
         """The whole (cos, sin) tables, (positions, 1, head_dim) each, extended to n positions
@@ -201,7 +215,7 @@ class Llama:
         batch = step.batch(t) if isinstance(step, Step) else step
         hq, hk, d = g.n_heads, g.n_kv_heads, g.head_dim
         cos, sin = self.rope(positions, batch.max_position)
-        x = self.embed[ids]                                               # (T, hidden)
+        x = self.embed[ids].to(self.act_dtype)                            # (T, hidden)
         last = len(self.layers) - 1
         for i, layer in enumerate(self.layers):
             k_cache, v_cache, k_scale, v_scale = pool.layer(i)
@@ -261,15 +275,15 @@ class Llama:
         hq, hk, d = g.n_heads, g.n_kv_heads, g.head_dim
         positions = torch.arange(t, device=self.device)
         cos, sin = self.rope(positions, t)
-        x = self.embed[ids]
+        x = self.embed[ids].to(self.act_dtype)
         for layer in self.layers:
             h = rms_norm(x, layer.attn_norm, g.norm_eps)
-            q, k, v = (h @ layer.wqkv.T).split((hq * d, hk * d, hk * d), dim=-1)
+            q, k, v = linear(h, layer.wqkv).split((hq * d, hk * d, hk * d), dim=-1)
             q = apply_rope(q.view(t, hq, d), cos, sin).transpose(0, 1)    # (hq, T, d)
             k = apply_rope(k.view(t, hk, d), cos, sin).transpose(0, 1)    # (hk, T, d)
             v = v.view(t, hk, d).transpose(0, 1)
             o = causal_attention(q, k, v, 0, self.scale).transpose(0, 1)  # (T, hq, d)
-            x = x + o.reshape(t, hq * d) @ layer.wo.T
+            x = x + linear(o.reshape(t, hq * d), layer.wo)
             x = x + self._mlp(x, layer)
         return self._logits(x[-1:] if last_only else x)
 

@@ -29,7 +29,7 @@ from contextlib import contextmanager
 
 import torch
 
-from . import native_build
+from . import native_build, threads
 from .native_abi import DecodeArgs, WriteArgs
 
 log = logging.getLogger(__name__)
@@ -47,8 +47,7 @@ def _load(level: str | None = None, cc: str | None = None) -> tuple[ctypes.CDLL 
     lib, why, cap = native_build.load(cache_dir() / "native", level, cc)
     if lib is None:
         return None, why
-    threads = cap or torch.get_num_threads()
-    return lib, f"{why}, {threads} thread{'s' if threads > 1 else ''}"
+    return lib, f"{why}, {'1 thread' if cap else 'threads ' + threads.describe()}"
 
 
 def lib():
@@ -110,20 +109,31 @@ GEMV_MAX_ROWS = 32   # rows up to which the C product beat MKL's GEMM here, one 
 def gemv_serves(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether gemv (w: (n, k)) or rms_norm (w: (k,)) takes these: 1 to GEMV_MAX_ROWS fp32 CPU
     rows x (a decode step's B sequences; a prefill's many rows go to MKL's GEMM), fp32
-    contiguous CPU weights, and the kernels loaded."""
+    contiguous CPU weights (bf16 for gemv), and the kernels loaded."""
     return (x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.float32
-            and w.dtype == torch.float32 and x.device.type == "cpu" and w.device.type == "cpu"
+            and (w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and w.dim() == 2)) and x.device.type == "cpu" and w.device.type == "cpu"
             and w.is_contiguous() and x.is_contiguous() and lib() is not None)
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x: (B, k) fp32 contiguous; w: (n, k) fp32 contiguous -> (B, n) = x @ w.T, each weight
-    row read once for all B rows; row b's bits do not depend on B."""
+    """x: (B, k) fp32 contiguous; w: (n, k) fp32 or bf16 contiguous -> (B, n) fp32 = x @ w.T,
+    each weight row read once for all B rows; row b's bits do not depend on B. With bf16
+    weights on a CPU with AVX512-BF16, x is rounded to bf16 for the products (bf16_native())."""
     n, k = w.shape
     b = x.shape[0]
     y = torch.empty(b, n)
-    lib().kv_gemv(x.data_ptr(), w.data_ptr(), y.data_ptr(), b, n, k, torch.get_num_threads())
+    if w.dtype == torch.bfloat16:
+        if lib().kv_gemv_bf16(x.data_ptr(), w.data_ptr(), y.data_ptr(), b, n, k, threads.count()) != 0:
+            raise MemoryError("no memory for x in bf16")
+        return y
+    lib().kv_gemv(x.data_ptr(), w.data_ptr(), y.data_ptr(), b, n, k, threads.count())
     return y
+
+
+def bf16_native() -> bool:
+    """Whether the loaded kernels multiply bf16 weights with AVX512-BF16 (vdpbf16ps) rather
+    than widening them to fp32: the CPU has native bf16 arithmetic and this build uses it."""
+    return lib() is not None and bool(lib().kv_bf16_native())
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
@@ -164,10 +174,11 @@ def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, table
                    table_stride, tables.shape[-1], nb,
                    k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *_scale_strides(k_scale),
                    batch, bs, hk, hq // hk, d, q.stride(0) if q.dim() == 3 else 0, length, scale)
-    threads = torch.get_num_threads()
-    splits = max(1, -(-SPLITS_PER_THREAD * threads // hk))
+    n_threads = threads.count()
+    # work items from the most threads, not the current count: the bits stay put while the load changes
+    splits = max(1, -(-SPLITS_PER_THREAD * threads.most() // hk))
     out = torch.empty(q.shape)                                              # ([B,] n_heads, head_dim)
-    if lib().kv_decode(ctypes.byref(a), q.data_ptr(), out.data_ptr(), splits, threads) != 0:
+    if lib().kv_decode(ctypes.byref(a), q.data_ptr(), out.data_ptr(), splits, n_threads) != 0:
         return None
     return out
 
@@ -224,5 +235,5 @@ def write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torc
                   v_scale.data_ptr() if v_scale is not None else None,
                   k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *_scale_strides(k_scale),
                   nb, bs, hk, d, k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k.stride(1))
-    if lib().kv_write(ctypes.byref(a), slots.data_ptr(), slots.shape[0], torch.get_num_threads()) != 0:
+    if lib().kv_write(ctypes.byref(a), slots.data_ptr(), slots.shape[0], threads.count()) != 0:
         raise IndexError(f"a slot is outside the pool's {nb * bs} slots")

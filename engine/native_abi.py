@@ -37,6 +37,10 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     ptr, i64 = ctypes.c_void_p, ctypes.c_int64
     lib.kv_gemv.argtypes = [ptr] * 3 + [i64] * 3 + [ctypes.c_int]
     lib.kv_gemv.restype = None
+    lib.kv_gemv_bf16.argtypes = [ptr] * 3 + [i64] * 3 + [ctypes.c_int]
+    lib.kv_gemv_bf16.restype = ctypes.c_int
+    lib.kv_bf16_native.argtypes = []
+    lib.kv_bf16_native.restype = ctypes.c_int
     lib.kv_rms_norm.argtypes = [ptr] * 3 + [i64, i64, ctypes.c_float]
     lib.kv_rms_norm.restype = None
     lib.kv_decode.argtypes = [ctypes.POINTER(DecodeArgs), ptr, ptr, ctypes.c_int, ctypes.c_int]
@@ -83,6 +87,17 @@ def check(path: str) -> str | None:
             want = math.fsum(x[i * k + c] * w[j * k + c] for c in range(k))
             if not _near(y[i * n + j], want, k):
                 return f"kv_gemv gave {y[i * n + j]!r} where {want!r} was due"
+    # the bf16 product: the same weights cut to bf16 (their top 16 bits), x as it is
+    wb = [struct.unpack("<2H", struct.pack("<f", v))[1] for v in w]
+    wbf = [struct.unpack("<f", struct.pack("<I", h << 16))[0] for h in wb]
+    yb = _floats([0.0] * (b * n))
+    if lib.kv_gemv_bf16(_floats(x), (ctypes.c_uint16 * len(wb))(*wb), yb, b, n, k, 2) != 0:
+        return "kv_gemv_bf16 failed"
+    for i in range(b):
+        for j in range(n):
+            want = math.fsum(x[i * k + c] * wbf[j * k + c] for c in range(k))
+            if not _near(yb[i * n + j], want, k * 100):   # x in bf16 where vdpbf16ps serves: 2^-8 of each term
+                return f"kv_gemv_bf16 gave {yb[i * n + j]!r} where {want!r} was due"
     yn = _floats([0.0] * (b * k))
     lib.kv_rms_norm(_floats(x), _floats(w[:k]), yn, b, k, 1e-5)
     for i in range(b):

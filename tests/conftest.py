@@ -19,7 +19,7 @@ def engine():
     """The bundled model on CPU in fp32 with a 64 MiB pool; shared by the session, so tests
     close the conversations they open."""
     from kvchat.engine import Engine, EngineConfig
-    return Engine(EngineConfig(kv_budget="64MiB"))
+    return Engine(EngineConfig(dtype="fp32", kv_budget="64MiB"))
 
 
 @pytest.fixture(scope="session")

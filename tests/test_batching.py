@@ -161,7 +161,7 @@ def test_a_preempted_reply_is_recomputed_and_ends_as_it_would_alone(engine):
     """Two long histories in a 12-block pool: both fit when they start, but their replies
     outgrow the pool, so the newer is preempted mid-reply, waits, recomputes its text and
     finishes with the tokens it gets alone."""
-    tiny = Engine(EngineConfig(kv_budget=12 * 16 * 46080, block_size=16))
+    tiny = Engine(EngineConfig(dtype="fp32", kv_budget=12 * 16 * 46080, block_size=16))
     texts = [engine.tokenizer.decode(text_ids(engine, 60, skip=1000 * i)) + " Go on." for i in range(2)]
     want = alone(engine, texts, 24)
     convs = [tiny.new_conversation() for _ in texts]
@@ -187,7 +187,7 @@ def test_a_preempted_reply_is_recomputed_and_ends_as_it_would_alone(engine):
 def test_the_scheduler_snapshot_and_step_records_describe_a_shared_step(engine, kv):
     """A snapshot between steps names every conversation with its state and its blocks, and
     the last step's record counts the rows and the cache bytes read, fp8 scales included."""
-    eng = Engine(EngineConfig(kv_dtype=kv, kv_budget="16MiB"))
+    eng = Engine(EngineConfig(dtype="fp32", kv_dtype=kv, kv_budget="16MiB"))
     a, b = eng.new_conversation(), eng.new_conversation()
     ga = a.send("Name a colour.", SamplingParams(max_tokens=6))
     gb = b.send("Name a fruit.", SamplingParams(max_tokens=6))

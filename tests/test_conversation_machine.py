@@ -32,7 +32,7 @@ NEAR_TIE = {"fp32": 0.05, "bf16": 0.5, "fp8": 1.5}
 
 @pytest.fixture(scope="module")
 def tiny_engine():
-    eng = Engine(EngineConfig(kv_budget=POOL_BLOCKS * 16 * 46080, block_size=16))
+    eng = Engine(EngineConfig(dtype="fp32", kv_budget=POOL_BLOCKS * 16 * 46080, block_size=16))
     assert eng.spec.num_blocks == POOL_BLOCKS
     return eng
 

@@ -89,7 +89,7 @@ def test_fp8_cache_quality_on_a_long_text_stays_within_limits(engine):
 @pytest.fixture(scope="module")
 def small_engine():
     """A pool of 24 blocks of 16 tokens, so a few conversations fill it."""
-    eng = Engine(EngineConfig(kv_budget=24 * 16 * 2 * 30 * 3 * 64 * 4, block_size=16))
+    eng = Engine(EngineConfig(dtype="fp32", kv_budget=24 * 16 * 2 * 30 * 3 * 64 * 4, block_size=16))
     assert eng.spec.num_blocks == 24
     return eng
 

@@ -28,7 +28,7 @@ def test_engine_refuses_before_allocating(monkeypatch):
     loaded = []
     monkeypatch.setattr(engine_mod, "load_model", lambda *a, **k: loaded.append(a))
     with pytest.raises(KvchatError, match=r"llama-3.1-8b in fp32 does not fit on cpu: it needs about 32\.\d GB"):
-        Engine(EngineConfig(model="llama-3.1-8b", random_weights=True, device="cpu", kv_budget="64MiB"))
+        Engine(EngineConfig(model="llama-3.1-8b", random_weights=True, device="cpu", dtype="fp32", kv_budget="64MiB"))
     assert loaded == []
 
 

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from test_native_batch import BS, paged_batch
-from tolerance import assert_within, gemv_reference, paged_decode_reference, rms_norm_reference
+from tolerance import assert_within, gemv_bf16_reference, gemv_reference, paged_decode_reference, rms_norm_reference
 from kvchat.engine import attention as A
 from kvchat.engine import native, native_build
 
@@ -37,6 +37,21 @@ def test_each_level_computes_the_products(level):
             assert_within(got, *gemv_reference(x, w), what=f"{level} {n}x{k} B={b}")
             assert torch.equal(got[-1:], native.gemv(x[-1:].contiguous(), w)), f"{level}: batched != alone"
         assert_within(native.rms_norm(x, w[0], 1e-5), *rms_norm_reference(x, w[0], 1e-5), what=level)
+
+
+def test_each_level_computes_the_bf16_products(level):
+    """vdpbf16ps where this level's build has AVX512-BF16 (native on such a CPU), the widening
+    loop elsewhere (portable, v4 and below): each within its own bound, batched == alone."""
+    gen = torch.Generator().manual_seed(4)
+    rounded = native.bf16_native()
+    assert rounded == (level == "native" and "avx512_bf16" in native_build.cpu_flags())
+    for n, k in ((960, 576), (13, 33), (9, 100), (64, 1536)):
+        w = torch.randn(n, k, generator=gen).bfloat16()
+        for b in (1, 3, 4, 16, 17):
+            x = torch.randn(b, k, generator=gen)
+            got = native.gemv(x, w)
+            assert_within(got, *gemv_bf16_reference(x, w, rounded), what=f"{level} {n}x{k} B={b}")
+            assert torch.equal(got[-1:], native.gemv(x[-1:].contiguous(), w)), f"{level}: batched != alone"
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])

@@ -106,7 +106,7 @@ def test_a_cap_too_small_for_sinks_and_a_window_is_refused(engine):
 
 def test_sink_window_over_an_fp8_cache_re_rotates_quantized_keys():
     from kvchat.engine import Engine, EngineConfig
-    eng = Engine(EngineConfig(kv_dtype="fp8", kv_budget="8MiB"))
+    eng = Engine(EngineConfig(dtype="fp32", kv_dtype="fp8", kv_budget="8MiB"))
     conv = eng.new_conversation(cap=64, policy="sink-window")
     stats = turn(conv, "Write a long story about a lighthouse keeper and a storm.", 60)
     assert stats.kv_dtype == "fp8" and conv.evicted_tokens > 0 and conv.tokens_held <= 64
@@ -128,7 +128,7 @@ def test_preemptions_during_sink_window_prefill_count_in_the_turn_stats():
     conversation, and its TurnStats says so (the window's prefill once dropped the count)."""
     from kvchat.engine import Engine, EngineConfig
     from pydoc_data.topics import topics
-    eng = Engine(EngineConfig(kv_budget=24 * 16 * 46080, block_size=16))  # 24 blocks of 16 fp32 tokens
+    eng = Engine(EngineConfig(dtype="fp32", kv_budget=24 * 16 * 46080, block_size=16))  # 24 blocks of 16 fp32 tokens
     assert eng.spec.num_blocks == 24
     text = "\n\n".join(topics[k] for k in sorted(topics))
     ids = eng.tokenizer.encode(text[:4000])

@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from test_native_batch import BS, paged_batch
-from tolerance import (assert_within, attention_reference, decode_reference, gemv_reference, lse_reference,
+from tolerance import (assert_within, attention_reference, decode_reference, gemv_bf16_reference, gemv_reference,
+                       lse_reference,
                        paged_decode_reference, paged_rows, rms_norm_reference, silu_mul_reference, slack)
 from kvchat.engine import attention as A
 from kvchat.engine import cpu_attention as C
@@ -42,6 +43,28 @@ def test_the_product_bound_catches_a_dropped_block_a_dropped_tail_and_bf16_weigh
     assert fails(native.gemv(skipped, w), *ref), "a dropped block of k"
     assert fails(native.gemv(x[:, :-1].contiguous(), w[:, :-1].contiguous()), *ref), "k's last element dropped"
     assert fails(native.gemv(x, w.bfloat16().float()), *ref), "weights rounded to bf16"
+    assert fails(native.gemv(x, w)[:, torch.arange(n).roll(1)], *ref), "rows written one place off"
+
+
+@pytest.mark.parametrize("n, k", [(576, 576), (960, 1536), (13, 33)])
+def test_the_bf16_product_bound_catches_swapped_pairs_a_dropped_block_and_x_rounded_twice(n, k):
+    """The bound of the kernel this CPU builds (x rounded to bf16 where vdpbf16ps serves), and
+    the same broken inputs the fp32 bound catches, plus the bf16 path's own likely bugs: the
+    two halves of each bf16 pair swapped (an interleave done wrong) and x rounded to fp16-like
+    precision (a wrong conversion: 5 bits fewer)."""
+    gen = torch.Generator().manual_seed(n * k)
+    x, w = torch.randn(4, k, generator=gen), torch.randn(n, k, generator=gen).bfloat16()
+    ref = gemv_bf16_reference(x, w, native.bf16_native())
+    assert_within(native.gemv(x, w), *ref)
+    skipped = x.clone()
+    skipped[:, 32:64] = 0
+    assert fails(native.gemv(skipped, w), *ref), "a dropped block of k"
+    kk = k // 2 * 2
+    pairs = w.clone()
+    pairs[:, :kk] = w[:, :kk].view(n, kk // 2, 2).flip(-1).reshape(n, kk)
+    assert fails(native.gemv(x, pairs), *ref), "bf16 pairs swapped"
+    coarse = (x * 8).round() / 8 if k > 100 else x.bfloat16().float().mul(1 + 2 ** -4)
+    assert fails(native.gemv(coarse, w), *ref), "x rounded coarser than bf16"
     assert fails(native.gemv(x, w)[:, torch.arange(n).roll(1)], *ref), "rows written one place off"
 
 

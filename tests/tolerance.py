@@ -77,6 +77,22 @@ def gemv_reference(x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torc
     return xd @ wd.T, gamma(k) * (xd.abs() @ wd.abs().T) + k * TINY
 
 
+def gemv_bf16_reference(x: torch.Tensor, w: torch.Tensor, x_rounded: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: (B, K) fp32; w: (N, K) bf16 -> (x @ w.T in float64 from the exact bf16 weights, its
+    bound), both (B, N).
+
+    The widening kernel is gemv_reference's case (bf16 -> fp32 is exact): gamma_K. Where x is
+    rounded to bf16 first (AVX512-BF16's vdpbf16ps), each term carries that rounding, u of
+    bf16 (2^-8), then the fp32 sum's gamma_K, compounded: u + gamma_K (1 + u). The
+    instruction flushes subnormal inputs and products to zero: at most TINY a term, K of them.
+    Both grow with sum |x_j| |w_j|, not |y|."""
+    xd, wd = x.double(), w.double()
+    k = x.shape[-1]
+    u = U[torch.bfloat16] if x_rounded else 0.0
+    rel = u + gamma(k) * (1 + u)
+    return xd @ wd.T, rel * (xd.abs() @ wd.abs().T) + 2 * k * TINY
+
+
 def rms_norm_reference(x: torch.Tensor, w: torch.Tensor, eps: float, out_dtype: torch.dtype = torch.float32
                        ) -> tuple[torch.Tensor, torch.Tensor]:
     """x: (B, K); w: (K,) -> (x / sqrt(mean(x^2) + eps) * w in float64, its bound).

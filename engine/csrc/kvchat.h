@@ -33,6 +33,10 @@ typedef struct {
 
 /* x: (b, k); w: (n, k); y: (b, n) = x w^T; all contiguous fp32 (gemv.c) */
 void kv_gemv(const float *x, const float *w, float *y, int64_t b, int64_t n, int64_t k, int threads);
+/* the same with w in bf16 bits; 0, or -1 when out of memory (gemv_bf16.c) */
+int kv_gemv_bf16(const float *x, const uint16_t *w, float *y, int64_t b, int64_t n, int64_t k, int threads);
+/* 1 when kv_gemv_bf16 uses AVX512-BF16's vdpbf16ps (x rounded to bf16), 0 when it widens w (gemv_bf16.c) */
+int kv_bf16_native(void);
 /* x, y: (b, k); w: (k,): y = x / sqrt(mean(x^2) + eps) * w (gemv.c) */
 void kv_rms_norm(const float *x, const float *w, float *y, int64_t b, int64_t k, float eps);
 /* q, out: (batch, heads, dim); 0, or -1 when declined (decode.c) */

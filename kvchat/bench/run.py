@@ -80,6 +80,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--nocache-tokens", type=positive_int("--nocache-tokens"), default=8,
                    help="timed steps for the cache-off baseline (default 8)")
     p.add_argument("--seed", type=int, default=0, help="seed of the generated history text (default 0)")
+    p.add_argument("--busy", type=positive_int("--busy"), default=None, metavar="N",
+                   help="instead of the table: decode at the first context alone and beside N busy processes, "
+                        "round after round, and report the slowdown (median and p90)")
     p.add_argument("--batch", default=None, metavar="B,B,...",
                    help="batch sizes, e.g. 1,2,4,8,16: measure conversations decoding together instead "
                         "(aggregate tokens/s against B and context, beside the roofline; kvchat/bench/batch.py)")
@@ -301,6 +304,8 @@ def run(args) -> int:
     engine = Engine(engine_config(args))  # quietly: a bad --contexts is still refused in one line
     check_fits(engine, cfg)
     bench = Bench(cfg, engine)
+    if getattr(args, "busy", None):
+        return run_busy(bench, args)
     threads = torch.get_num_threads()
     d = engine.describe()
     print(f"kvchat bench: {d['model']} in {d['dtype']} on {d['device']}, KV {d['kv_dtype']}, {threads} thread(s); "
@@ -309,6 +314,10 @@ def run(args) -> int:
     if engine.device.type == "cpu":
         from kvchat.engine import native
         notes.append(f"kvchat's C kernels (engine/native.py; KVCHAT_NATIVE=0 sets them aside): {native.status()}")
+        if engine.dtype_name == "bf16":
+            notes.append("kvchat's bf16 weights: " + ("AVX512-BF16 products (vdpbf16ps, rows rounded to bf16)"
+                                                      if native.bf16_native() else "widened to fp32 in the C kernel")
+                         + "; rows, norms and the cache in fp32")
     if cfg.peers:
         bench.hf = bench_peers.HFPeer(engine.source, engine.device, engine.dtype)
         n_ctx = min(max(cfg.contexts) + 2 * cfg.new_tokens + NEXT_TURN_MARGIN, engine.geometry.max_position)
@@ -374,6 +383,21 @@ def run(args) -> int:
     if checks:
         print("\nTargets:\n" + bench_report.target_lines(checks))
     print("\n" + bench_report.terminal_plot(results, meta))
+    return 0
+
+
+def run_busy(bench: Bench, args) -> int:
+    """--busy N: the contention measurement (contention.py), kvchat only, at the first context."""
+    from kvchat.engine import threads
+
+    from . import contention
+    ctx, busy = bench.cfg.contexts[0], args.busy
+    load0 = load_average()
+    row = contention.measure(bench, ctx, busy)
+    s = contention.summary(row)
+    print(contention.markdown(ctx, busy, s, threads.describe(), len(os.sched_getaffinity(0))
+                              if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))
+    print(f"\n1-minute load {load0} before, {load_average()} after; command: {bench.cfg.command(args)} --busy {busy}")
     return 0
 
 

@@ -1,0 +1,163 @@
+/* y = x W^T with bf16 weights and fp32 rows x: half the bytes of gemv.c's read per step.
+ *
+ * A decode step on a CPU is bound by reading the weights; bf16 halves them (538 MB -> 269 MB
+ * a step for the bundled model). Two inner loops, one tiling (gemv.c's: each weight row read
+ * from memory once for all B rows, R rows x X rows of x per tile, the next rows prefetched):
+ * - AVX512-BF16 (`vdpbf16ps`, Cooper Lake, Sapphire Rapids and later Xeons, Zen 4 and 5):
+ *   x is rounded to bf16 once per call (round to nearest even), and each instruction adds 16
+ *   lanes of two exact bf16 x bf16 products into fp32 accumulators: 32 multiply-adds;
+ * - elsewhere (AVX-512F, AVX2, NEON, plain C): each bf16 weight widened to fp32 (exact: a
+ *   16-bit shift) and multiplied with x in fp32: the same bytes read, more instructions.
+ * k's tail (k mod 32 or 16) is summed in fp32 from the unrounded x. Every output's order of
+ * summation is fixed by k alone, so a row of a batch gets the bits it gets alone.
+ */
+#include "kvchat.h"
+#include "vec.h"
+
+#if !defined(KVCHAT_PORTABLE) && defined(__AVX512BF16__)
+#define DPBF16 1
+#define STEP 32         /* k per instruction: 16 lanes of bf16 pairs */
+#else
+#define DPBF16 0
+#define STEP LANES
+#endif
+#define ROWS_ONE 8
+#define SMALL 32768
+#if defined(__AVX512F__) || defined(__aarch64__)
+#define ROWS_MANY 4
+#define XS_MANY 4
+#else
+#define ROWS_MANY 2
+#define XS_MANY 2
+#endif
+
+static inline float bf16_float(uint16_t h) {
+    uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, sizeof f);
+    return f;
+}
+
+#if DPBF16
+typedef __m512 acc_t;
+static inline acc_t acc_zero(void) { return _mm512_setzero_ps(); }
+static inline f16v acc_vec(acc_t a) { f16v v; memcpy(&v, &a, sizeof v); return v; }
+#else
+typedef f16v acc_t;
+static inline acc_t acc_zero(void) { return (f16v){0}; }
+static inline f16v acc_vec(acc_t a) { return a; }
+
+/* sixteen bf16 widened to fp32: the bits moved up 16 places */
+static inline f16v widen_bf16(const uint16_t *p) {
+#if !defined(KVCHAT_PORTABLE) && defined(__AVX512F__)
+    return (f16v)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#elif !defined(KVCHAT_PORTABLE) && defined(__AVX2__)
+    __m256i lo = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+    __m256i hi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 8))), 16);
+    f16v out;
+    memcpy(&out, &lo, 32);
+    memcpy((char *)&out + 32, &hi, 32);
+    return out;
+#else
+    uint32_t u[LANES];
+    for (int i = 0; i < LANES; i++) u[i] = (uint32_t)p[i] << 16;
+    f16v out;
+    memcpy(&out, u, sizeof out);
+    return out;
+#endif
+}
+#endif
+
+/* R weight rows (w, stride k) against X rows of x (stride k; xb: the same rows in bf16 for
+ * the DPBF16 loop, stride k) into y (stride n). */
+static inline __attribute__((always_inline)) void tile(const float *x, const uint16_t *xb, const uint16_t *w,
+                                                       float *y, int64_t n, int64_t k, const int R, const int X,
+                                                       const uint16_t *next) {
+    const int64_t kv = k / STEP * STEP;
+    acc_t acc[XS_MANY][ROWS_ONE];
+    for (int b = 0; b < X; b++)
+        for (int r = 0; r < R; r++) acc[b][r] = acc_zero();
+    for (int64_t j = 0; j < kv; j += STEP) {
+        if (next != NULL)
+            for (int r = 0; r < R; r++) __builtin_prefetch(next + r * k + j);
+#if DPBF16
+        __m512bh wv[ROWS_ONE];
+        for (int r = 0; r < R; r++) wv[r] = (__m512bh)_mm512_loadu_si512(w + r * k + j);
+        for (int b = 0; b < X; b++) {
+            const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + b * k + j);
+            for (int r = 0; r < R; r++) acc[b][r] = _mm512_dpbf16_ps(acc[b][r], wv[r], xv);
+        }
+#else
+        (void)xb;
+        f16v wv[ROWS_ONE];
+        for (int r = 0; r < R; r++) wv[r] = widen_bf16(w + r * k + j);
+        for (int b = 0; b < X; b++) {
+            const f16v xv = load(x + b * k + j);
+            for (int r = 0; r < R; r++) acc[b][r] += wv[r] * xv;
+        }
+#endif
+    }
+    for (int b = 0; b < X; b++)
+        for (int r = 0; r < R; r++) {
+            float s = hsum(acc_vec(acc[b][r]));
+            for (int64_t j = kv; j < k; j++) s += bf16_float(w[r * k + j]) * x[b * k + j];
+            y[b * n + r] = s;
+        }
+}
+
+static inline __attribute__((always_inline)) void column(const float *x, const uint16_t *xb, const uint16_t *w,
+                                                         float *y, int64_t b, int64_t n, int64_t k, const int R,
+                                                         const uint16_t *next) {
+    int64_t x0 = 0;
+    for (; x0 + XS_MANY <= b; x0 += XS_MANY, next = NULL)
+        tile(x + x0 * k, xb + x0 * k, w, y + x0 * n, n, k, R, XS_MANY, next);
+    switch (b - x0) {
+#if XS_MANY > 3
+    case 3: tile(x + x0 * k, xb + x0 * k, w, y + x0 * n, n, k, R, 3, next); break;
+#endif
+#if XS_MANY > 2
+    case 2: tile(x + x0 * k, xb + x0 * k, w, y + x0 * n, n, k, R, 2, next); break;
+#endif
+    case 1: tile(x + x0 * k, xb + x0 * k, w, y + x0 * n, n, k, R, 1, next); break;
+    default: break;
+    }
+}
+
+/* x: (b, k) fp32; w: (n, k) bf16 bits; y: (b, n) fp32; all contiguous. 0, or -1 when the
+ * scratch for x in bf16 could not be had (nothing written). */
+int kv_gemv_bf16(const float *x, const uint16_t *w, float *y, int64_t b, int64_t n, int64_t k, int threads) {
+    uint16_t *xb = NULL;
+#if DPBF16
+    const int64_t kv = k / STEP * STEP;
+    xb = malloc((size_t)(b * k) * sizeof *xb + 64);
+    if (xb == NULL) return -1;
+    for (int64_t i = 0; i < b; i++)
+        for (int64_t j = 0; j < kv; j += STEP) {
+            __m512bh v = _mm512_cvtne2ps_pbh(_mm512_loadu_ps(x + i * k + j + 16), _mm512_loadu_ps(x + i * k + j));
+            _mm512_storeu_si512(xb + i * k + j, (__m512i)v);
+        }
+#else
+    xb = (uint16_t *)(uintptr_t)x;   /* never read: the widening loop reads x itself */
+#endif
+    const int64_t rows = b == 1 ? ROWS_ONE : ROWS_MANY, groups = n / rows;
+    #pragma omp parallel num_threads(threads) if (b * n * k >= SMALL)
+    {
+        #pragma omp for schedule(static) nowait
+        for (int64_t gi = 0; gi < groups; gi++) {
+            if (b == 1)
+                tile(x, xb, w + gi * rows * k, y + gi * rows, n, k, ROWS_ONE, 1, NULL);
+            else
+                column(x, xb, w + gi * rows * k, y + gi * rows, b, n, k, ROWS_MANY,
+                       gi + 1 < groups ? w + (gi + 1) * rows * k : NULL);
+        }
+        #pragma omp for schedule(static)
+        for (int64_t r = groups * rows; r < n; r++) column(x, xb, w + r * k, y + r, b, n, k, 1, NULL);
+    }
+#if DPBF16
+    free(xb);
+#endif
+    return 0;
+}
+
+/* 1 when this build multiplies with vdpbf16ps (x rounded to bf16), 0 when it widens. */
+int kv_bf16_native(void) { return DPBF16; }
