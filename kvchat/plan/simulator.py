@@ -154,6 +154,19 @@ class Simulator:
         self.res.preemptions += 1
         self.waiting.appendleft(r)
 
+    def _admit(self, r, admission, running: list) -> int:
+        """Move the head of the waiting queue into `running` with the blocks its admission
+        found cached and the ones it allocates; the prompt tokens it takes this step."""
+        hits, n, need = admission
+        self.waiting.popleft()
+        self.pool.touch(hits)
+        r.blocks = hits + self.pool.allocate(need)
+        r.computed, r.hashed = len(hits) * self.bs, len(hits)
+        if not r.admitted:
+            r.admitted, r.hits = True, r.computed
+        running.append(r)
+        return n
+
     def _admission(self, r: Request, budget: int, whole: bool = False) -> tuple[list[Block], int, int] | None:
         """(prefix hits, tokens to compute now, blocks to allocate) for a waiting request, or
         None when the free blocks cannot take it. `whole`: the blocks of its whole prompt at
@@ -210,14 +223,7 @@ class Simulator:
                 got = self._admission(r, budget)
                 if got is None:
                     break
-                hits, n, need = got
-                self.waiting.popleft()
-                pool.touch(hits)
-                r.blocks = hits + pool.allocate(need)
-                r.computed, r.hashed = len(hits) * self.bs, len(hits)
-                if not r.admitted:
-                    r.admitted, r.hits = True, r.computed
-                running.append(r)
+                n = self._admit(r, got, running)
                 sched.append((r, n))
                 budget -= n
         return sched
@@ -266,14 +272,7 @@ class Simulator:
             admit = self._admission(r, budget if sched else chunk, whole=True)
             if admit is None:
                 break
-            hits, n, need = admit
-            self.waiting.popleft()
-            pool.touch(hits)
-            r.blocks = hits + pool.allocate(need)
-            r.computed, r.hashed = len(hits) * self.bs, len(hits)
-            if not r.admitted:
-                r.admitted, r.hits = True, r.computed
-            running.append(r)
+            n = self._admit(r, admit, running)
             sched[id(r)] = (r, n)
             budget -= n
         return list(sched.values())
