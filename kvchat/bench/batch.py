@@ -95,8 +95,14 @@ class BatchBench:
 
     def ours(self, p: Point, prompts: list[list[int]]) -> None:
         from kvchat.engine import SamplingParams
-        _, records = self.engine.generate(prompts, SamplingParams(max_tokens=self.steps + 1), ignore_eos=True)
-        full = [r for r in records if r.decode_rows == p.batch and not r.prefill_tokens]
+        # the prompts go through the step's token budget in chunks, one after another: the first
+        # user decodes while the last is still in its prefill, so each asks for enough tokens to
+        # still be decoding when every prompt is in, and the timed steps hold all B users
+        budget = self.engine.scheduler.token_budget
+        stagger = sum(-(-len(q) // budget) for q in prompts[1:])
+        _, records = self.engine.generate(prompts, SamplingParams(max_tokens=self.steps + 1 + stagger),
+                                          ignore_eos=True)
+        full = [r for r in records if r.decode_rows == p.batch and not r.prefill_tokens][:self.steps]
         if len(full) < self.steps // 2:
             p.notes.append(f"only {len(full)} steps had all {p.batch} users decoding")
         p.step_ms += [r.step_ms for r in full]
