@@ -37,17 +37,22 @@ def check_regular(path: Path) -> None:
         raise FileRefused(why)
 
 
-def read_bytes(path: Path, limit: int) -> bytes:
-    """The bytes of the regular file at `path`, at most `limit` of them."""
+def _open(path: Path) -> int:
+    """A read-only descriptor on `path`, opened without waiting: O_NONBLOCK makes opening a
+    FIFO with no writer return at once instead of waiting for one."""
     try:
-        # O_NONBLOCK: opening a FIFO with no writer returns at once instead of waiting for one
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        return os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise FileRefused("no such file") from None
     except IsADirectoryError:
         raise FileRefused("is a directory, where a file is expected") from None
     except OSError as err:
         raise FileRefused(f"cannot open ({err.strerror or err})") from None
+
+
+def read_bytes(path: Path, limit: int) -> bytes:
+    """The bytes of the regular file at `path`, at most `limit` of them."""
+    fd = _open(path)
     try:
         st = os.fstat(fd)
         why = _kind(st.st_mode)
@@ -73,14 +78,7 @@ def read_bytes(path: Path, limit: int) -> bytes:
 
 def open_regular(path: Path):
     """A binary file object on the regular file at `path`, opened without waiting."""
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise FileRefused("no such file") from None
-    except IsADirectoryError:
-        raise FileRefused("is a directory, where a file is expected") from None
-    except OSError as err:
-        raise FileRefused(f"cannot open ({err.strerror or err})") from None
+    fd = _open(path)
     why = _kind(os.fstat(fd).st_mode)
     if why:
         os.close(fd)
