@@ -154,6 +154,16 @@ class Simulator:
         self.res.preemptions += 1
         self.waiting.appendleft(r)
 
+    def _computed(self, r, before: int) -> None:
+        """r's computed tokens went from `before` up: what was computed before a preemption
+        counts as recomputed, the high-water mark follows, and new full blocks are hashed."""
+        if r.high > before:
+            again = min(r.computed - before, r.high - before)
+            r.recomputed += again
+            self.res.recomputed += again
+        r.high = max(r.high, r.computed)
+        self._hash(r)
+
     def _admit(self, r, admission, running: list) -> int:
         """Move the head of the waiting queue into `running` with the blocks its admission
         found cached and the ones it allocates; the prompt tokens it takes this step."""
@@ -296,15 +306,8 @@ class Simulator:
         self.res.tokens_scheduled += tokens
         now, itl = self.now, self.res.itl
         for r, n in sched:
-            before = r.computed
             r.computed += n
-            if r.high > before:
-                again = min(n, r.high - before)
-                r.recomputed += again
-                self.res.recomputed += again
-            if r.computed > r.high:
-                r.high = r.computed
-            self._hash(r)
+            self._computed(r, r.computed - n)
             if r.computed == r.num_tokens:
                 r.out += 1
                 if r.first_t is None:
@@ -397,13 +400,7 @@ class Simulator:
             need = -(-r.held(r.computed) // bs) - len(r.blocks)
             if need > 0:
                 r.blocks += pool.allocate(need)
-            if r.high > before:
-                again = min(steps, r.high - before)
-                r.recomputed += again
-                self.res.recomputed += again
-            if r.computed > r.high:
-                r.high = r.computed
-            self._hash(r)
+            self._computed(r, before)
             r.last_t = t
             if r.out >= r.max_out:
                 done.append(r)
