@@ -196,8 +196,9 @@ class Crowd:
         except Exception as err:        # the backend failed: recorded, and this user leaves
             error = f"{type(err).__name__}: {err}"
             u.state = "failed"
-        if self._stop.is_set() and (error is not None or not m.token_times):
-            return False                # cut by the stop: not a turn of the run
+        cut = m.stop_reason == "cancelled" and m.output < sp.max_tokens
+        if self._stop.is_set() and (error is not None or not m.token_times or cut):
+            return False                # cut by the stop, before or mid-reply: not a turn of the run
         gaps = [b - a for a, b in zip(m.token_times, m.token_times[1:])]
         rec = CrowdTurn(
             user=u.index, turn=u.turns, long=u.long, conversation=u.conversation, start_s=round(m.arrival, 4),

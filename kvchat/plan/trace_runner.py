@@ -43,6 +43,7 @@ class Measured:
     prefill_ms: float | None = None
     step_ms: tuple[float, ...] = ()
     step_pos: tuple[int, ...] = ()
+    stop_reason: str = ""         # the backend's (eos, max_tokens, cap, cancelled); "" before the end
 
     def record(self) -> RequestRecord | None:
         if self.error or not self.token_times:
@@ -188,7 +189,7 @@ def timed_turn(chat, text: str, sp, m: Measured, clock, lagged: bool, stop: thre
     if stats is None:
         raise RuntimeError("the turn ended without its TurnStats")
     m.prompt_tokens, m.cached_tokens = stats.prompt_tokens, stats.reused_tokens or 0
-    m.output = stats.generated_tokens
+    m.output, m.stop_reason = stats.generated_tokens, stats.stop_reason
     m.prefill_ms, m.step_ms, m.step_pos = stats.prefill_ms, tuple(stats.decode_ms), tuple(stats.positions)
     if lagged:       # token 1 at the PrefillEvent, then the TokenEvents that followed a decode step
         sampled = sampled[:1 + len(stats.decode_ms)]

@@ -40,3 +40,15 @@ def test_a_crowd_against_a_server_sends_concurrent_streams_and_marks_what_it_can
     assert longest >= 3
     row = stdout.splitlines()[1].split()
     assert row[0] == "3" and "n/a" in row             # preemptions and recomputed: the server's to tell
+
+
+def test_a_reply_the_end_of_the_run_cuts_midway_is_not_a_turn_of_the_run(capsys, tmp_path):
+    """The run ends while every user's reply is still streaming (a token each 0.5 s, the run
+    1.2 s long): those cut replies are not turns, so no turn in the run is short of its tokens."""
+    out = tmp_path / "crowd.json"
+    with fake_vllm({"/v1/chat/completions": lambda h: h.stream(reply("one", " two", " three"), delay=0.5)}) as s:
+        code, _, err = cli(capsys, ["crowd", "--server", s.url, "--users", "2", "--minutes", "0.02",
+                                    "--think", "0.05", "--json", str(out), "--quiet"])
+    assert code == 0, err
+    turns = json.loads(out.read_text())["runs"][0]["turns"]
+    assert all(t["generated_tokens"] == 3 for t in turns), [t["generated_tokens"] for t in turns]
