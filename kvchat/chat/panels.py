@@ -95,13 +95,25 @@ class Panels:
         """The cap gauge: the conversation's tokens against the cap, as the cap is checked
         (the last turn's prompt and reply, whatever the cache holds: after a reset or a
         reopen too); under sink-window, which caps the cache and not the text, the tokens
-        the cache holds."""
-        s = session.refresh()
+        the cache holds. It draws the session's state as last read (`Session.refresh`: each
+        caller's step reads it once, after what changed it)."""
+        s = session.state
         held = session.snapshot.tokens_held if session.snapshot is not None else None
         window = s.policy in POLICIES and POLICIES[s.policy].streaming and s.mode == "cache"
         tokens = held if window and held is not None else session.context_tokens
         self.gauge.show(tokens, s.cap, s.policy, s.policy_description, info.max_position or 0,
                         evicted=s.evicted_tokens)
+
+    def progress(self, session: Session, points: bool, shown: Session | None, snap: CacheSnapshot | None,
+                 info: BackendInfo, state: str) -> None:
+        """A batch of a reply, in one call: its latency points (drawn if `session`'s history is
+        on show), its snapshot (drawn on `shown`, the conversation on show, None if it is not
+        the one the snapshot was taken in), and the status line."""
+        if points:
+            self.latency_changed(session, live=True)
+        if shown is not None and snap is not None:
+            self.snapshot(shown, snap, info)
+        self.status(state)
 
     def latency_changed(self, session: Session, live: bool) -> None:
         """The session's latency history changed (live: points of the turn in progress)."""

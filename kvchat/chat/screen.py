@@ -159,17 +159,24 @@ class ChatScreen(Screen[None]):
     def settings_changed(self, note: str) -> None:
         """A setting of the focused conversation changed: the gauge and the status line show it,
         and the note says what changed."""
+        self.session.refresh()
         self.panels.cap(self.session, self.backend.info())
         self.show_settings()
         self.panels.note(note)
 
     def keep_snapshot(self, session: Session | None, snap: CacheSnapshot) -> None:
         """Keep a conversation's snapshot; draw it if that one is in focus."""
-        if session is None:
-            return
+        shown = self.kept(session, snap)
+        if shown is not None:
+            self.panels.snapshot(shown, snap, self.backend.info())
+
+    def kept(self, session: Session | None, snap: CacheSnapshot | None) -> Session | None:
+        """Keep the snapshot on the conversation in focus when it was taken; that
+        conversation if it is still the one on show (its panels are to draw it), else None."""
+        if session is None or snap is None:
+            return None
         session.snapshot = snap
-        if session is self.conversations.session:
-            self.panels.snapshot(session, snap, self.backend.info())
+        return session if session is self.conversations.session else None
 
     def dialog(self, screen: Screen[R], chosen: Callable[[R | None], None] | None) -> None:
         self.app.push_screen(screen, chosen)
@@ -384,17 +391,13 @@ class ChatScreen(Screen[None]):
         session.progress(p)
         if msg.turn.reply is not None:
             await msg.turn.reply.append(p.text)
-        if p.points:
-            self.panels.latency_changed(session, live=True)
-        if p.snapshot is not None:
-            self.keep_snapshot(msg.focus, p.snapshot)
+        where = f"conversation {view.number} " if view is not self.view else ""
+        state = where + (prefill_line(p.prefill_progress) if p.prefill_progress is not None
+                         else f"replying · {p.generated} tokens")
+        self.panels.progress(session, bool(p.points), self.kept(msg.focus, p.snapshot), p.snapshot,
+                             self.backend.info(), state)
         if p.prefill is not None:
             self.conversations.note_preemptions(session)   # making room for the prompt may have preempted others
-        where = f"conversation {view.number} " if view is not self.view else ""
-        if p.prefill_progress is not None:
-            self.panels.status(where + prefill_line(p.prefill_progress))
-        else:
-            self.panels.status(f"{where}replying · {p.generated} tokens")
         self.governor.tick()
         self.call_after_refresh(msg.drawn.set)      # the worker's next step waits for this draw
 

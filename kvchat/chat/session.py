@@ -141,7 +141,11 @@ class Session:
         self.latency.begin_turn(s.mode, kv_dtype=kv_dtype, policy=s.policy, cap=s.cap)
 
     def progress(self, p: Progress) -> None:
+        """A batch of the reply; with a snapshot, the backend's state is read again (the panels
+        draw both)."""
         self.latency.add_points(p.points)
+        if p.snapshot is not None:
+            self.refresh()
         if p.prefill is not None:
             self.prompt_tokens = p.prefill.prompt_tokens
             self._prompt_in = True
