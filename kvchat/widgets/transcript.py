@@ -19,6 +19,8 @@ from textual.widgets.markdown import MarkdownStream
 from ..store.history import History
 from ..store.records import TurnRecord
 from ..text import inert, stats_line
+from .fold import Cut, Fold, fold_point, pieces, too_long
+from .long_table import ReplyMarkdown
 
 
 DROPPED = "the model no longer sees this message (drop-oldest dropped it)"
@@ -57,11 +59,15 @@ class UserMessage(Static):
 
 
 class Reply(Vertical):
-    """One assistant reply: Markdown that grows as tokens arrive, then a stats line."""
+    """One assistant reply: Markdown that grows as tokens arrive, then a stats line. A long
+    reply keeps only its tail as live Markdown, its head folded into one line (fold.py), so
+    a batch costs the same at the 300,000th character as at the first."""
 
     DEFAULT_CSS = """
     Reply { height: auto; padding: 0 1; }
     Reply > Markdown { margin: 0; padding: 0; }
+    Reply > .folded { height: auto; }
+    Reply > .folded > Static { margin: 0 0 0 0; }
     Reply > .stats { color: $text-muted; }
     Reply > .stats.error { color: $error; }
     """
@@ -71,22 +77,78 @@ class Reply(Vertical):
         self.text = text
         self.record = record
         self._stream: MarkdownStream | None = None
+        self._folded = 0            # characters of text in the fold
+        self._folded_lines = 0
+        self._carry = ""            # drawn before text[_folded:] (fold.Cut.carry)
+        self._shown = 0             # characters of the fold drawn as plain text (an opened fold)
+        if too_long(text):
+            self._fold(fold_point(text))
 
     def compose(self):
-        yield Markdown(inert(self.text), parser_factory=markdown_parser)
+        yield Fold()
+        yield Vertical(classes="folded")
+        yield ReplyMarkdown(inert(self._live()), parser_factory=markdown_parser)
         yield Static(Text(stats_line(self.record)) if self.record else "…", classes="stats")
+
+    def on_mount(self) -> None:
+        self.query_one(Fold).show(self._folded, self._folded_lines)
 
     @property
     def markdown(self) -> Markdown:
         return self.query_one(Markdown)
 
+    @property
+    def folded(self) -> int:
+        """Characters of the reply drawn as one folded line (0: all of it is Markdown)."""
+        return self._folded
+
+    def _live(self) -> str:
+        return self._carry + self.text[self._folded:]
+
+    def _fold(self, cut: Cut) -> None:
+        """Move the live part's head, up to cut.at, into the fold."""
+        upto = self._folded + cut.at - len(self._carry)
+        self._folded_lines += self.text.count("\n", self._folded, upto)
+        self._folded, self._carry = upto, cut.carry
+
     async def append(self, fragment: str) -> None:
         if not fragment:
             return
         self.text += fragment
+        live = self._live()
+        if too_long(live):
+            self._fold(fold_point(live, start=len(self._carry)))
+            await self._redraw()
+            return
         if self._stream is None:
             self._stream = Markdown.get_stream(self.markdown)
         await self._stream.write(inert(fragment))
+
+    async def _redraw(self) -> None:
+        """The fold changed: its line, its opened text, and the live part from scratch (once
+        per KEEP_CHARS, so the parse stays bounded)."""
+        if self._stream is not None:
+            await self._stream.stop()
+            self._stream = None
+        fold = self.query_one(Fold)
+        fold.show(self._folded, self._folded_lines)
+        await self._show_folded(fold.opened)
+        await self.markdown.update(inert(self._live()))
+
+    async def _show_folded(self, opened: bool) -> None:
+        body = self.query_one(".folded", Vertical)
+        if not opened or self._shown > self._folded:
+            await body.remove_children()
+            self._shown = 0
+        if opened and self._shown < self._folded:
+            await body.mount_all([Static(piece) for piece in pieces(self.text[self._shown:self._folded])])
+            self._shown = self._folded
+
+    async def on_fold_toggled(self, event: Fold.Toggled) -> None:
+        event.stop()
+        fold = self.query_one(Fold)
+        fold.show(self._folded, self._folded_lines)
+        await self._show_folded(fold.opened)
 
     async def finish(self, record: TurnRecord | None, error: str | None = None) -> None:
         if self._stream is not None:
@@ -101,7 +163,12 @@ class Reply(Vertical):
             stats.update(Text(stats_line(record)))
             if record.reply is not None and record.reply != self.text:
                 self.text = record.reply   # the detokenizer's final text wins
-                await self.markdown.update(inert(self.text))
+                self._folded = self._folded_lines = self._shown = 0
+                self._carry = ""
+                await self.query_one(".folded", Vertical).remove_children()   # an opened fold draws it again
+                if too_long(self.text):
+                    self._fold(fold_point(self.text))
+                await self._redraw()
         else:
             stats.update("")
 
