@@ -82,7 +82,8 @@ def _count(k: str, v: Any) -> int | None:
 def _ms(k: str, v: Any) -> float | None:
     if v is None and k not in _OPTIONAL:
         raise RecordError(f"{k} is null; expected milliseconds, a finite number >= 0")
-    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+    if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float))    # an int is finite; an int
+                          or not (isinstance(v, int) or math.isfinite(v))   # past a float fails the range
                           or not 0 <= v <= MAX_MS):
         raise RecordError(f"{k} is {_shown(v)}; expected milliseconds, a finite number >= 0")
     return v
