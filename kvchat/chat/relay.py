@@ -93,7 +93,9 @@ def relay(events: Iterable[Event], snapshot: Callable[[], CacheSnapshot], emit: 
                 flush(take_snapshot=False)   # the stats carry the final snapshot
             return ev
         if isinstance(ev, PrefillProgress):
-            flush(take_snapshot=False, progress=ev)   # one per prefill chunk: few, each worth showing
+            # one per prefill chunk: few, each worth showing with the cache the chunks have
+            # filled so far (the panels froze at the last turn's for a whole long prefill)
+            flush(take_snapshot=clock() - last >= SNAPSHOT_SHARE * cost, progress=ev)
             continue
         if isinstance(ev, PrefillEvent):
             prefill = ev
