@@ -307,7 +307,7 @@ class VllmBackend:
             model=self.model.name, kv_dtype=self.kv_dtype, block_size=bs or 0, num_blocks=nb or 0,
             bytes_per_token=bpt, capacity_bytes=nb * bs * bpt if nb and bs and bpt else None,
             tokens_held=held, bytes_used=held * bpt if held is not None and bpt else None,
-            bytes_allocated=filled * bs * bpt if filled is not None and bpt else None,
+            bytes_allocated=filled * bs * bpt if filled is not None and bs and bpt else None,
             blocks_used=filled, wasted_slots=None, pool_free=max(0, nb - (active or 0) - (cached or 0)) if nb else None,
             pool_active=active, pool_cached=cached, pool_shared=None, block_map=codes,
             cap=chat.cap if chat is not None else None, policy=chat.policy.name if chat is not None else "",

@@ -138,9 +138,9 @@ class VllmChat:
         reaches its cap), and a reply that ends there stopped at the cap."""
         b = self.backend
         body = b.request_body(messages, sampling)
-        at_cap = room is not None and room < body["max_tokens"]
-        if at_cap:
-            body["max_tokens"] = max(1, room)
+        at_cap = False
+        if room is not None and room < body["max_tokens"]:
+            body["max_tokens"], at_cap = max(1, room), True
         limit = body["max_tokens"]
         prompt_ids: list[int] = []
         reply_ids: list[int] = []
@@ -206,7 +206,7 @@ class VllmChat:
         n_prompt = usage.prompt_tokens if usage and usage.prompt_tokens is not None else len(prompt_ids)
         cached = usage.cached_tokens if usage else None
         self.reused_tokens = cached if cached is not None else 0
-        unavailable = ["prefill_ms", "evicted_blocks", "preempted", "recomputed_tokens"]
+        unavailable = ["prefill_ms", "evicted_blocks", "preempted", "recomputed_tokens", "reclaimed_blocks"]
         if cached is None:
             unavailable += ["reused_tokens", "computed_tokens"]
         generated = usage.completion_tokens if usage and usage.completion_tokens is not None else len(reply_ids)
@@ -219,7 +219,7 @@ class VllmChat:
             prefill_ms=None, decode_ms=tuple(decode_ms), positions=tuple(positions),
             stop_reason=finish, reply=reply, mode="cache",
             kv_dtype=b.kv_dtype, policy=self.policy.name, dropped_messages=dropped, evicted_blocks=None,
-            preempted=None, recomputed_tokens=None, cache=b.snapshot(self, wait_for_events=True),
+            preempted=None, recomputed_tokens=None, cache=b.snapshot(self, wait_for_events=True), reclaimed_blocks=None,
             unavailable=tuple(unavailable))
         self.history.append(stats)
         yield stats
