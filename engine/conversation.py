@@ -287,8 +287,8 @@ class Conversation:
     def _stats(self, req: Request, reply: str, dropped: int, marks: tuple[int, int, int]) -> TurnStats:
         eng, ids = self.engine, req.prompt
         evictions0, preemptions0, evicted0 = marks
-        evicted = (max(eng.blocks.evictions - evictions0, 0)
-                   + (self.evicted_tokens - evicted0) // eng.spec.block_size)
+        evicted = (self.evicted_tokens - evicted0) // eng.spec.block_size     # sink-window's, from this conversation
+        reclaimed = max(eng.blocks.evictions - evictions0, 0)                # other prefixes' cached blocks
         return TurnStats(
             turn=self.turns, prompt_tokens=len(ids), reused_tokens=req.reused,
             computed_tokens=len(ids) - req.reused, generated_tokens=len(req.tokens) - len(ids),
@@ -297,4 +297,4 @@ class Conversation:
             mode=self.mode, kv_dtype=eng.kv_dtype, policy=self.policy.name, dropped_messages=dropped,
             evicted_blocks=evicted, preempted=eng.preemptions - preemptions0,
             recomputed_tokens=req.recomputed if self.mode == "cache" else 0, cache=eng.snapshot(self),
-            step_sequences=tuple(req.step_sequences), step_tokens=tuple(req.step_tokens))
+            step_sequences=tuple(req.step_sequences), step_tokens=tuple(req.step_tokens), reclaimed_blocks=reclaimed)

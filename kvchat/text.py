@@ -155,9 +155,12 @@ def stats_line(r: TurnSummary) -> str:
         line += " · cache off"
     if r.dropped_messages:
         line += f" · dropped {r.dropped_messages} old messages"
-    if r.evicted_blocks:
+    if r.evicted_blocks:        # "evicted": sink-window's, from this conversation's middle
         n = r.evicted_blocks
-        line += f" · evicted {n:,} block{'s' if n > 1 else ''}"
+        line += f" · evicted {n:,} block{'s' if n > 1 else ''} from the middle"
+    if r.reclaimed_blocks:      # "reclaimed": other prefixes' cached blocks, taken for this turn
+        n = r.reclaimed_blocks
+        line += f" · reclaimed {n:,} cached block{'s' if n > 1 else ''}"
     if r.preempted:
         n = r.preempted
         line += f" · preempted {n} other conversation{'s' if n > 1 else ''}"
