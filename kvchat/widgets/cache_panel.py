@@ -157,8 +157,16 @@ class CachePanel(Panel, Static):
                              f"{human_bytes(elems)} + {human_bytes(scales)} scales"))
             else:
                 rows.append(("per token", human_bytes(elems), how))
-        rows.append(("reclaimed", _count(s.evictions), "cached blocks given to new content, pool-wide since start"))
-        rows.append(("preempted", _count(s.preemptions), "conversations, pool-wide since start"))
+        if isinstance(s, ServerSnapshot):
+            # the server's own counter counts requests, every client's; no turn record can say
+            # which were this conversation's, so the records' per-turn figure is n/a
+            rows.append(("reclaimed", "n/a", "the server does not report its reclaimed blocks"))
+            rows.append(("preempted", "n/a" if s.preemptions is None else f"{s.preemptions:,}",
+                         "requests, server-wide since it started (per turn: n/a)" if s.preemptions is not None
+                         else "the server's /metrics has no vllm:num_preemptions"))
+        else:
+            rows.append(("reclaimed", _count(s.evictions), "cached blocks given to new content, pool-wide since start"))
+            rows.append(("preempted", _count(s.preemptions), "conversations, pool-wide since start"))
         out = Table.grid()
         out.add_row(_figures(rows, narrow))
         if isinstance(s, ServerSnapshot):

@@ -6,13 +6,15 @@ figures count full blocks only."""
 from __future__ import annotations
 
 import pytest
+from rich.console import Console
 
 from kvchat.backends.vllm import VllmBackend
 from kvchat.engine import SamplingParams, TurnStats
 from kvchat.engine.geometry import KNOWN
 from kvchat.text import stats_line
+from kvchat.widgets.cache_panel import CachePanel
 
-from .fake_vllm import fake_vllm, token
+from .fake_vllm import METRICS, fake_vllm, token
 
 pytestmark = pytest.mark.timeout(30)
 REPLY = 40            # the tokens the server would reply with, unless max_tokens stops it first
@@ -79,3 +81,27 @@ def test_a_reply_stops_at_the_cap_as_in_local_mode_and_the_stats_say_so():
             assert second.stop_reason == "cap" and "stopped at the cap" in stats_line(second)
         finally:
             backend.shutdown()
+
+
+@pytest.mark.parametrize("exported", [False, True], ids=["no-counter", "counter"])
+def test_the_cache_panel_says_what_a_servers_preempted_figure_counts_and_n_a_without_one(exported):
+    """Issue 26: the panel said "preempted 0 conversations" where the turn record says
+    unavailable; a server counts requests, every client's, when its /metrics has the counter."""
+    metrics = METRICS + ("vllm:num_preemptions_total{engine=\"0\",model_name=\"smollm2-135m\"} 3.0\n"
+                         if exported else "")
+    with fake_vllm({"/tokenize": tokenize, "/v1/chat/completions": chat, "/metrics": (200, metrics)}) as s:
+        backend = VllmBackend(s.url, geometry="smollm2-135m", kv_dtype="bf16")
+        try:
+            c = backend.open()
+            turn(c, "hello there")
+            console = Console(width=100, record=True)
+            console.print(CachePanel().render_snapshot(backend.snapshot(c)))
+            text = console.export_text()
+        finally:
+            backend.shutdown()
+    row = next(line for line in text.splitlines() if line.startswith("preempted"))
+    if exported:
+        assert row.split()[1] == "3" and "requests, server-wide" in row and "per turn: n/a" in row
+    else:
+        assert row.split()[1] == "n/a"
+    assert next(line for line in text.splitlines() if line.startswith("reclaimed")).split()[1] == "n/a"
