@@ -20,7 +20,7 @@ import torch
 
 from .detokenizer import Detokenizer
 from .errors import KvchatError
-from .policy import make_policy
+from .policy import make_policy, reply_room
 from .request import Fed, Request
 from .sampler import Sampler, SamplingParams
 from .sequence import Sequence
@@ -193,10 +193,11 @@ class Conversation:
         if not text.strip():
             raise KvchatError("empty message: type something to send")
         messages = self.messages + [{"role": "user", "content": text}]
-        kept = self._fit(messages)
+        sp = sampling or SamplingParams()
+        kept = self._fit(messages, reply_room(sp.max_tokens, self.limit))
         dropped = len(messages) - len(kept)
         before, self.messages = self.messages, kept
-        return self._turn(sampling or SamplingParams(), cancel, dropped, before)
+        return self._turn(sp, cancel, dropped, before)
 
     def regenerate(self, sampling: SamplingParams | None = None,
                    cancel: threading.Event | None = None) -> Iterator:
@@ -207,8 +208,8 @@ class Conversation:
         self.messages.pop()
         return self._turn(sampling or SamplingParams(), cancel, 0, before)
 
-    def _fit(self, messages):
-        return self.policy.fit(messages, lambda m: len(self.render(m)), self.limit, self.limit_name)
+    def _fit(self, messages, room: int = 0):
+        return self.policy.fit(messages, lambda m: len(self.render(m)), self.limit, self.limit_name, room)
 
     def _turn(self, sp: SamplingParams, cancel, dropped: int, before: list[dict[str, str]]) -> Iterator:
         """`before`: the messages to restore if the turn fails before its first token."""

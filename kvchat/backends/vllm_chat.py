@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from kvchat.engine.errors import KvchatError
-from kvchat.engine.policy import make_policy
+from kvchat.engine.policy import make_policy, reply_room
 from kvchat.engine.sampler import SamplingParams
 from kvchat.engine.telemetry import PrefillEvent, TokenEvent, TurnStats
 
@@ -116,7 +116,8 @@ class VllmChat:
         room = None
         if self.cap is not None:
             count = _LastCount(self.backend.count_messages)
-            messages = self.policy.fit(messages, count, self.cap)
+            asked = sampling.max_tokens if sampling is not None else DEFAULT_MAX_TOKENS
+            messages = self.policy.fit(messages, count, self.cap, room=reply_room(asked, self.cap))
             room = self.cap - count(messages)      # the policy counted these last: no second /tokenize
         return self._turn(messages, len(self.messages) + 1 - len(messages), sampling, cancel, room)
 

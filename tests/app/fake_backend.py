@@ -37,7 +37,7 @@ from kvchat.backends.protocol import (BLOCK_MAP, CACHE_TOGGLE, KV_DTYPE, RESET, 
                                       Capabilities, ChatState, Event, Message)
 from kvchat.engine.errors import KvchatError, TurnCancelled
 from kvchat.engine.geometry import DTYPE_BYTES, KNOWN
-from kvchat.engine.policy import POLICIES, make_policy
+from kvchat.engine.policy import POLICIES, make_policy, reply_room
 from kvchat.engine.sampler import SamplingParams
 from kvchat.engine.streaming import DEFAULT_SINK_TOKENS, check_window_cap, sink_blocks
 from kvchat.engine.telemetry import (FREE, HELD, OTHER, PARTIAL, REUSED, CacheSnapshot, PrefillEvent, PrefillProgress,
@@ -172,9 +172,11 @@ class FakeChat:
         if not text.strip():
             raise KvchatError("empty message: type something to send")
         messages = self.messages + [{"role": "user", "content": text}]
-        kept = self.policy.fit(messages, count_tokens, self.cap) if self.cap else messages
+        sp = sampling or SamplingParams()
+        kept = self.policy.fit(messages, count_tokens, self.cap, room=reply_room(sp.max_tokens, self.cap)) \
+            if self.cap else messages
         before, self.messages = self.messages, kept
-        return self._turn(sampling or SamplingParams(), cancel, len(messages) - len(kept), before)
+        return self._turn(sp, cancel, len(messages) - len(kept), before)
 
     def regenerate(self, sampling: SamplingParams | None = None,
                    cancel: threading.Event | None = None) -> Iterator[Event]:
