@@ -48,6 +48,7 @@ from .editing import Editor
 from .generation import Generation, describe
 from .jobs import Busy, JobQueue, Op, RunningTurn, Then
 from .messages import AppCommand, BackendFailed, BackendReady, LogFailed, OpEnded, TurnEnded, TurnProgress
+from .paging import TranscriptPaging
 from .panels import Panels
 from .relay import Governor
 from .session import ChatOptions, Session
@@ -58,7 +59,7 @@ R = TypeVar("R")
 APP_KEYS = frozenset(k.id for k in keys.KEYS if k.app)    # /help, /theme, /quit: the App's, as their keys are
 
 
-class ChatScreen(Screen[None]):
+class ChatScreen(TranscriptPaging, Screen[None]):
     BINDINGS = keys.bindings()
 
     def __init__(self, model: str, sampling: SamplingParams, options: ChatOptions, keymap: dict[str, str],

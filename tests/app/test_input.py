@@ -41,3 +41,30 @@ async def test_a_cap_set_while_a_reply_streams_stops_it_at_the_cap(slow_fake, ru
         turn = app.chat_screen.session.turns[-1]
         assert turn.stop_reason == "cap" and turn.prompt_tokens + turn.generated_tokens <= 30
         assert "stopped at the cap" in app.query("Reply .stats").last().render().plain
+
+
+async def test_page_up_and_down_scroll_the_transcript_while_typing(running_app):
+    """Issue 26: no keyboard way to scroll the transcript; the input keeps focus (typing always
+    reaches it), so PageUp/PageDown page the conversation, not the draft's cursor."""
+    async with running_app() as (app, pilot):
+        for i in range(6):
+            await send(pilot, f"message {i} " + "word\n" * 30)
+        view, field = app.chat_screen.view, app.query_one(ChatInput)
+        await pilot.pause(0.2)
+        assert view.max_scroll_y > 2 * view.size.height and field.has_focus
+        field.load_text("a draft\nof two lines")       # the input grows a line: the transcript's end moves
+        await pilot.pause(0.1)
+        view.scroll_end(animate=False)
+        await pilot.pause(0.1)
+        bottom = view.scroll_y
+        await pilot.press("pageup")
+        await pilot.pause(0.1)
+        assert view.scroll_y < bottom
+        up = view.scroll_y
+        await pilot.press("pageup")
+        await pilot.pause(0.1)
+        assert view.scroll_y < up or view.scroll_y == 0
+        await pilot.press("pagedown", "pagedown")
+        await pilot.pause(0.1)
+        assert view.scroll_y == view.max_scroll_y == bottom
+        assert field.has_focus and field.text == "a draft\nof two lines"
