@@ -119,17 +119,17 @@ def remember_open(paths: list[Path], root: Path | None = None, peers: set[int] |
         lock = os.open(target.with_name(f".{OPEN_FILE}.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
         try:
             fcntl.flock(lock, fcntl.LOCK_EX)           # read, merge and replace as one step
-            others = []
+            lists: list[tuple[int, list[str]]] = [(me, [str(p) for p in paths])]
             for pid, listed in _processes(target):
                 if pid is not None and pid != me and (pid in peers or _running(pid)):
                     if _running(pid):
                         peers.add(pid)
-                    others.append({"pid": pid, "paths": listed})
-            mine = {"pid": me, "paths": [str(p) for p in paths]}
-            union = list(dict.fromkeys(p for e in [mine, *others] for p in e["paths"]))
+                    lists.append((pid, listed))
+            union = list(dict.fromkeys(p for _, listed in lists for p in listed))
             fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{OPEN_FILE}.", suffix=".tmp")   # a new file, 0600
             with os.fdopen(fd, "w", encoding="utf-8") as fh:
-                fh.write(json.dumps({"open": union, "processes": [mine, *others]}))
+                fh.write(json.dumps({"open": union, "processes": [{"pid": pid, "paths": listed}
+                                                                  for pid, listed in lists]}))
             os.replace(tmp, target)
         finally:
             os.close(lock)
