@@ -183,13 +183,14 @@ def eta_text(seconds: float | None) -> str:
     return f"ETA {int(seconds // 60)} min {int(seconds % 60):02d} s"
 
 
-def prefill_line(ev: PrefillProgress, width: int = BAR) -> str:
-    """'prefilling ████████░░░░ 1,024 / 8,073 tokens · 41 tok/s · ETA 2 min 52 s · esc stops'."""
+def prefill_line(ev: PrefillProgress, width: int = BAR, eta_s: float | None = None) -> str:
+    """'prefilling ████████░░░░ 1,024 / 8,073 tokens · 41 tok/s · ETA 2 min 52 s · esc stops'.
+    `eta_s`: from the recent chunks (chat/prefill_eta.py); else the event's, at the rate so far."""
     share = ev.done / ev.total if ev.total else 1.0
     full = round(share * width)
     bar = "█" * full + "░" * (width - full)
     rate = f"{ev.tokens_per_s:,.0f} tok/s" if ev.done else "… tok/s"
-    return (f"prefilling {bar} {ev.done:,} / {ev.total:,} tokens · {rate} · {eta_text(ev.eta_s)} · "
+    return (f"prefilling {bar} {ev.done:,} / {ev.total:,} tokens · {rate} · {eta_text(eta_s if eta_s is not None else ev.eta_s)} · "
             "esc stops")
 
 

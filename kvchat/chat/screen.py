@@ -393,7 +393,7 @@ class ChatScreen(TranscriptPaging, Screen[None]):
         if msg.turn.reply is not None:
             await msg.turn.reply.append(p.text)
         where = f"conversation {view.number} " if view is not self.view else ""
-        state = where + (prefill_line(p.prefill_progress) if p.prefill_progress is not None
+        state = where + (prefill_line(p.prefill_progress, eta_s=p.prefill_eta_s) if p.prefill_progress is not None
                          else f"replying · {p.generated} tokens")
         self.panels.progress(session, bool(p.points), self.kept(msg.focus, p.snapshot), p.snapshot,
                              self.backend.info(), state)
