@@ -97,6 +97,13 @@ class VllmChat:
         if text:
             self.messages.insert(0, {"role": "system", "content": text})
 
+    def history_tokens(self) -> int | None:
+        """The server's count (/tokenize); None where it cannot say."""
+        try:
+            return self.backend.count_messages(self.messages)
+        except ServerError:
+            return None
+
     def truncate(self, n_messages: int) -> None:
         """Keep the first n messages (an edited one is resent); the server's prefix cache
         reuses whatever still matches."""

@@ -135,6 +135,9 @@ class FakeChat:
                 self._drop()
             self.mode = mode
 
+    def history_tokens(self) -> int | None:
+        return count_tokens(self.messages)
+
     def set_system(self, text: str | None) -> None:
         """The prompt's start changes, so nothing cached matches any more."""
         with self.backend.lock:

@@ -26,7 +26,7 @@ async def test_system_sets_the_prompt_says_its_tokens_and_that_the_prefix_change
         await command(pilot, "/system You're a terse pirate.")
         await wait_until(pilot, lambda: app.chat_screen.jobs.busy is None and "system prompt set" in notices(app)[-1], what="the note")
         note = notices(app)[-1]
-        assert "adds 4 tokens" in note and "shared prefix" in note and "prefills the whole history" in note
+        assert "system prompt set: 4 tokens; every prompt +" in note and "shared prefix" in note and "prefills the whole history" in note
         messages = app.chat_screen.session.chat.state().messages
         assert messages[0] == {"role": "system", "content": "You're a terse pirate."}
         assert [m["role"] for m in messages] == ["system", "user", "assistant"]
