@@ -172,6 +172,30 @@ def stats_line(r: TurnSummary) -> str:
     return line
 
 
+# ---- a long message in the transcript -------------------------------------------------------------
+PREVIEW_LINES = 4          # a /load shows its first lines, live and after --resume
+PREVIEW_CHARS = 600
+LONG_LINES, LONG_CHARS = 12, 4000    # a resumed message past either is one a /load sent, or like it
+
+
+def message_preview(text: str, head: str) -> str:
+    """'HEAD (12,345 characters)', the first lines, and how many more: a long message as the
+    transcript shows it (the model and the log have all of it)."""
+    lines = text.splitlines()
+    shown = "\n".join(lines[:PREVIEW_LINES])
+    if len(shown) > PREVIEW_CHARS:
+        shown = shown[:PREVIEW_CHARS] + "…"
+    more = f"\n… ({len(lines) - PREVIEW_LINES:,} more lines)" if len(lines) > PREVIEW_LINES else ""
+    return f"{head} ({len(text):,} characters)\n{shown}{more}"
+
+
+def collapsed(text: str) -> str:
+    """A resumed message as its /load showed it live: a long one collapsed to its preview."""
+    if text.count("\n") < LONG_LINES and len(text) <= LONG_CHARS:
+        return text
+    return message_preview(text, "a long message, collapsed")
+
+
 # ---- the prefill progress line -------------------------------------------------------------------
 
 

@@ -25,7 +25,7 @@ from ..commands import Command, CommandError, read_message_file, token_count
 from ..screens.policy_picker import PolicyPicker
 from ..screens.model_info import ModelInfoScreen
 from ..store.log import export
-from ..text import per_token, what_if_command
+from ..text import message_preview, per_token, what_if_command
 from .browser import Browser
 from .conversations import Conversations
 from .crowd import CrowdControl
@@ -254,9 +254,7 @@ class Controls:
         except CommandError as err:
             self.host.notice(str(err), error=True)
             return
-        lines = text.splitlines()
-        preview = "\n".join(lines[:4]) + (f"\n… ({len(lines) - 4:,} more lines)" if len(lines) > 4 else "")
-        self.host.send(text, shown=f"/load {path} ({len(text):,} characters)\n{preview}", typed=f"/load {path}")
+        self.host.send(text, shown=message_preview(text, f"/load {path}"), typed=f"/load {path}")
 
     def what_if(self, model: str, tokens: str, *rest: str | None) -> None:
         """/whatif MODEL TOKENS [USERS] [BUDGET]: a bare number is users, a size with a unit the budget."""
