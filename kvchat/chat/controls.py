@@ -143,10 +143,17 @@ class Controls:
             host.notice(f"not with this backend: {why}", error=True)
             return
 
+        old = POLICIES.get(session.state.policy)
+        # sink-window's cache is its own (shifted windows are no prefix of the text): entering or
+        # leaving it, the next turn computes the whole history again; say what that costs first
+        again = (old is not None and old.streaming != POLICIES[name].streaming and session.context_tokens > 0)
+
         def apply() -> str:
             session.chat.set_policy(name)
             session.log.event("policy", value=name)
-            return f"policy {name}: {POLICIES[name].description}"
+            cost = (f"; the next turn prefills the whole history again, {session.context_tokens:,} tokens, as "
+                    "sink-window's cache is no prefix of the text" if again else "")
+            return f"policy {name}: {POLICIES[name].description}{cost}"
         if host.jobs.busy is not None:
             host.run_op(f"switch to policy {name}", apply, interrupt=False)
             return

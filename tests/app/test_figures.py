@@ -68,3 +68,19 @@ async def test_evicted_reclaimed_and_preempted_are_one_word_each(running_app):
     summary = TurnSummary(evicted_blocks=2, reclaimed_blocks=3, generated_tokens=1)
     line = stats_line(summary)
     assert "evicted 2 blocks from the middle" in line and "reclaimed 3 cached blocks" in line
+
+
+async def test_switching_to_sink_window_says_the_history_it_will_prefill_again(running_app):
+    """Issue 26: switching to sink-window re-prefilled the whole history without a word (44 s
+    at 8k); the note says so, with its tokens, before the turn that pays it."""
+    async with running_app(cap=4096) as (app, pilot):
+        await send(pilot, "tell me about caches")
+        await send(pilot, "and about blocks")
+        session, notes = app.chat_screen.session, app.chat_screen.panels.notes
+        app.chat_screen.controls.set_policy("drop-oldest")
+        await pilot.pause()
+        assert notes[-1].startswith("policy drop-oldest") and "again" not in notes[-1]
+        app.chat_screen.controls.set_policy("sink-window")
+        await pilot.pause()
+        assert (f"the next turn prefills the whole history again, {session.context_tokens:,} tokens"
+                in notes[-1]) and session.context_tokens > 0
