@@ -146,15 +146,15 @@ STOP_WORDS = {None: "", "eos": "", "max_tokens": "max tokens reached", "cap": "s
 def stats_line(r: TurnSummary) -> str:
     """The line under a reply: tokens, TTFT, speed, prompt reuse."""
     line = (f"{plural(r.generated_tokens, 'token')} · TTFT {duration(r.ttft_ms)} · "
-            f"{r.tokens_per_s:.1f} tok/s · prompt {r.prompt_tokens}: ")
+            f"{r.tokens_per_s:.1f} tok/s · prompt {r.prompt_tokens:,}: ")
     if r.reused_tokens is None or r.computed_tokens is None:     # a server that does not report it
         line += "reuse not reported"
     else:
-        line += f"{r.reused_tokens} reused, {r.computed_tokens} computed"
+        line += f"{r.reused_tokens:,} reused, {r.computed_tokens:,} computed"
     if r.mode == "off":
         line += " · cache off"
     if r.dropped_messages:
-        line += f" · dropped {r.dropped_messages} old messages"
+        line += f" · dropped {plural(r.dropped_messages, 'old message')}"
     if r.evicted_blocks:        # "evicted": sink-window's, from this conversation's middle
         n = r.evicted_blocks
         line += f" · evicted {n:,} block{'s' if n > 1 else ''} from the middle"
@@ -163,7 +163,7 @@ def stats_line(r: TurnSummary) -> str:
         line += f" · reclaimed {n:,} cached block{'s' if n > 1 else ''}"
     if r.preempted:
         n = r.preempted
-        line += f" · preempted {n} other conversation{'s' if n > 1 else ''}"
+        line += f" · preempted {n:,} other conversation{'s' if n > 1 else ''}"
     if r.recomputed_tokens:
         line += f" · recomputed {r.recomputed_tokens:,} tokens lost to preemption"
     reason = STOP_WORDS.get(r.stop_reason, inert(r.stop_reason or ""))

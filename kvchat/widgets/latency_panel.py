@@ -309,6 +309,7 @@ class LatencyPanel(Panel, Vertical):
                 bar = [Text("░" * bar_w, style="dim")]
             else:
                 r = round(bar_w * share)
-                bar = [Text("█" * r, style="green") + Text("█" * (bar_w - r), style="yellow")]
+                # two glyphs as well as two colours: reused █, computed ▒ (a monochrome terminal too)
+                bar = [Text("█" * r, style="green") + Text("▒" * (bar_w - r), style="yellow")]
             t.add_row(*(row[i] for i in cols), *bar)
         return t

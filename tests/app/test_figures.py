@@ -84,3 +84,11 @@ async def test_switching_to_sink_window_says_the_history_it_will_prefill_again(r
         await pilot.pause()
         assert (f"the next turn prefills the whole history again, {session.context_tokens:,} tokens"
                 in notes[-1]) and session.context_tokens > 0
+
+
+def test_the_stats_line_counts_with_separators_and_singulars():
+    """Issue 26 low: '3423' and 'dropped 1 old messages'."""
+    line = stats_line(TurnSummary(prompt_tokens=3423, reused_tokens=1024, computed_tokens=2399, generated_tokens=1,
+                                  dropped_messages=1))
+    assert "prompt 3,423: 1,024 reused, 2,399 computed" in line and "dropped 1 old message" in line
+    assert "old messages" not in line
