@@ -46,9 +46,9 @@ from .conversations import Conversations, read_the_cache
 from .draft import DraftCounter
 from .editing import Editor
 from .generation import Generation, describe
+from .input_keys import InputKeys
 from .jobs import Busy, JobQueue, Op, RunningTurn, Then
 from .messages import AppCommand, BackendFailed, BackendReady, LogFailed, OpEnded, TurnEnded, TurnProgress
-from .paging import TranscriptPaging
 from .panels import Panels
 from .relay import Governor
 from .session import ChatOptions, Session
@@ -59,7 +59,7 @@ R = TypeVar("R")
 APP_KEYS = frozenset(k.id for k in keys.KEYS if k.app)    # /help, /theme, /quit: the App's, as their keys are
 
 
-class ChatScreen(TranscriptPaging, Screen[None]):
+class ChatScreen(InputKeys, Screen[None]):
     BINDINGS = keys.bindings()
 
     def __init__(self, model: str, sampling: SamplingParams, options: ChatOptions, keymap: dict[str, str],

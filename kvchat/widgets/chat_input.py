@@ -7,7 +7,8 @@ from textual.message import Message
 from textual.widgets import TextArea
 
 SEND_KEYS = ("enter",)
-PAGE_KEYS = {"pageup": False, "pagedown": True}         # the transcript's, not the draft's (chat/paging.py)
+PAGE_KEYS = {"pageup": False, "pagedown": True}         # the transcript's, not the draft's (chat/input_keys.py)
+INTERRUPT_KEY = "ctrl+c"                                # with nothing selected: stop the reply
 NEWLINE_KEYS = ("ctrl+j", "shift+enter", "alt+enter")   # ctrl+j works in every terminal
 
 
@@ -27,6 +28,9 @@ class ChatInput(TextArea):
         def __init__(self, text: str) -> None:
             super().__init__()
             self.text = text
+
+    class Interrupt(Message):
+        """ctrl+c with nothing selected (it would copy nothing): the screen stops the reply."""
 
     class Page(Message):
         """PageUp or PageDown while typing: the screen pages the transcript."""
@@ -52,6 +56,11 @@ class ChatInput(TextArea):
             event.stop()
             event.prevent_default()
             self.action_newline()
+            return
+        if event.key == INTERRUPT_KEY and self.selection.is_empty:
+            event.stop()
+            event.prevent_default()
+            self.post_message(self.Interrupt())
             return
         if event.key in PAGE_KEYS:
             event.stop()
