@@ -16,9 +16,22 @@ from typing import Any
 from kvchat.engine.errors import KvchatError
 from kvchat.engine.sampler import SamplingParams
 
+from ..store.log import Restored
 from ..text import plural
 from .conversations import Conversations
 from .host import Host
+
+
+def resumed(sp: SamplingParams, restored: Restored | None) -> SamplingParams:
+    """--resume: the conversation's last /temperature, /top-p and /seed, each where the
+    command line left it at its default (a flag given says otherwise)."""
+    saved = restored.sampling if restored is not None and restored.sampling else {}
+    defaults = SamplingParams()
+    keep = {k: v for k, v in saved.items() if getattr(sp, k) == getattr(defaults, k)}
+    try:
+        return replace(sp, **keep)
+    except KvchatError:      # a hand-edited value out of range: the flags' sampling
+        return sp
 
 
 def describe(sp: SamplingParams) -> str:
@@ -73,6 +86,8 @@ class Generation:
             self.host.notice(str(err), error=True)
             return
         setattr(self.sampling, name, getattr(new, name))
+        sp = self.sampling      # kept in the log, so --resume samples as the conversation did
+        self.host.session.log.event("sampling", value={"temperature": sp.temperature, "top_p": sp.top_p, "seed": sp.seed})
         note = f"sampling: {describe(self.sampling)}"
         if self.sampling.temperature == 0 and name in ("top_p", "seed"):
             note += " (top-p and seed apply once /temperature is above 0)"

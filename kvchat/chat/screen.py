@@ -45,7 +45,7 @@ from .controls import Controls
 from .conversations import Conversations, read_the_cache
 from .draft import DraftCounter
 from .editing import Editor
-from .generation import Generation, describe
+from .generation import Generation, describe, resumed
 from .input_keys import InputKeys
 from .jobs import Busy, JobQueue, Op, RunningTurn, Then
 from .messages import AppCommand, BackendFailed, BackendReady, LogFailed, OpEnded, TurnEnded, TurnProgress
@@ -77,7 +77,7 @@ class ChatScreen(InputKeys, Screen[None]):
         self.conversations = Conversations(self, data_root)
         self.browser = Browser(self, self.conversations, data_root)
         self.editor = Editor(self)
-        self.generation = Generation(self, self.conversations, sampling)
+        self.generation = Generation(self, self.conversations, resumed(sampling, restored))
         self.controls = Controls(self, self.conversations, self.browser, self.editor, self.generation)
         self.conversations.on_change = self.browser.remember
         self.closing = False        # the app exits: worker messages still queued are dropped

@@ -75,6 +75,7 @@ class Restored:
     started: float = 0.0            # seconds since the epoch, from its start record
     dropped: int = 0                # the oldest messages after the system prompt that drop-oldest dropped
     replies: dict[int, TurnRecord] = field(default_factory=dict)   # index in messages -> its reply's turn
+    sampling: dict[str, Any] | None = None   # the last /temperature, /top-p, /seed: {"temperature": ...}
 
     @property
     def skipped(self) -> int:
@@ -368,6 +369,8 @@ def restore(path: Path) -> Restored:
             history.dropped = value
         elif isinstance(rec, Event) and rec.name in SETTINGS:
             setattr(out, rec.name, rec.value)
+        elif isinstance(rec, Event) and rec.name == "sampling":
+            out.sampling = dict(rec.value)
         elif isinstance(rec, Event) and rec.name == "title":
             out.title = rec.value.strip()
         elif isinstance(rec, Event) and rec.name == "model":
