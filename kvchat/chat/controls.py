@@ -245,6 +245,7 @@ class Controls:
     def save_to(self, path: Path | None, overwrite: bool = False) -> None:
         """/save [FILE], /save! FILE (overwrite), ctrl+s: the transcript and telemetry."""
         host, session = self.host, self.host.session
+        named = path is not None
         path = path or Path.cwd() / f"kvchat-{time.strftime('%Y%m%d-%H%M%S')}"
         session.log.sync(list(session.refresh().messages))     # a /system since the last turn, say
         try:
@@ -252,6 +253,10 @@ class Controls:
                             overwrite=overwrite)
         except OSError as err:
             host.notice(f"cannot save to {path}: {err.strerror or err}", error=True)
+            return
+        if not named:       # ctrl+s, /save: say where that is, and how to choose
+            host.notice(f"saved the transcript {md.name} and the telemetry {jl.name} in the folder kvchat was "
+                        f"started in, {md.parent}; /save FILE saves elsewhere")
             return
         host.notice(f"saved the transcript to {md} and the telemetry to {jl}")
 

@@ -288,3 +288,17 @@ async def test_a_resumed_load_message_is_collapsed_as_it_was_live(running_app, t
         assert shown[0].splitlines()[1:] == live.splitlines()[1:]
         assert shown[1] == "a short one\nof two lines"
         assert app.chat_screen.session.chat.state().messages[0]["content"] == long_file.read_text()
+
+
+async def test_ctrl_s_says_it_saved_in_the_folder_kvchat_started_in(running_app, tmp_path, monkeypatch):
+    """Issue 26 low: ctrl+s wrote into the working directory and said only an absolute path."""
+    monkeypatch.chdir(tmp_path)
+    async with running_app() as (app, pilot):
+        await send(pilot, "hello")
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        note = app.chat_screen.view.query("Notice").last().text
+        md = next(tmp_path.glob("kvchat-*.md"))
+        assert f"saved the transcript {md.name} and the telemetry {md.stem}.jsonl in the folder kvchat was started " \
+               f"in, {tmp_path}; /save FILE saves elsewhere" == note
+        app.chat_screen.session.log.close()
