@@ -169,6 +169,10 @@ class VllmChat:
                     c = chunk(event)
                 except ShapeError as err:
                     raise ServerError(f"{b.api.url}: {err}") from None
+                if c.prompt_ids and not prompt_ids:
+                    # the block map counts this turn's prompt blocks as this conversation's while
+                    # it replies (they showed as other prefixes' "cached" until the reply ended)
+                    self.token_ids = tuple(c.prompt_ids)
                 prompt_ids = list(c.prompt_ids) or prompt_ids
                 usage = c.usage or usage
                 for piece in c.pieces:

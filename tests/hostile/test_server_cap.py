@@ -105,3 +105,38 @@ def test_the_cache_panel_says_what_a_servers_preempted_figure_counts_and_n_a_wit
     else:
         assert row.split()[1] == "n/a"
     assert next(line for line in text.splitlines() if line.startswith("reclaimed")).split()[1] == "n/a"
+
+
+def test_while_a_reply_streams_the_block_map_counts_its_prompt_blocks_as_this_conversations():
+    """Issue 26 low: in server mode the running conversation's blocks showed as "cached" (other
+    prefixes') until the reply ended. The KV events here are fed to the backend's store as the
+    server would publish them once it has computed the prompt's blocks."""
+    import msgspec
+
+    from kvchat.backends.kv_events import KvEventStore
+    from kvchat.engine.telemetry import CACHED, HELD, TokenEvent
+
+    def slow(h):
+        n = count(h.body["messages"])
+        h.stream([{"prompt_token_ids": list(range(n)), "choices": []},
+                  *[token(" w", 500 + i, "stop" if i == 5 else None) for i in range(6)]], delay=0.05)
+
+    with fake_vllm({"/tokenize": tokenize, "/v1/chat/completions": slow}) as s:
+        backend = VllmBackend(s.url, geometry="smollm2-135m", kv_dtype="bf16")
+        store = KvEventStore()
+        backend.events = type("Events", (), {"store": store, "stop": lambda self: None})()
+        try:
+            c = backend.open()
+            text = " ".join(f"word{i}" for i in range(40))     # 45 prompt tokens: 2 full blocks of 16
+            n = count([{"role": "user", "content": text}])
+            ids = list(range(n))
+            store.apply_message([b"", (0).to_bytes(8, "big"), msgspec.msgpack.encode([1.0, [
+                {"type": "BlockStored", "block_hashes": [1, 2], "parent_block_hash": None,
+                 "token_ids": ids[:32], "block_size": 16}], None])])
+            turn_events = c.send(text, SamplingParams(max_tokens=20))
+            next(e for e in turn_events if isinstance(e, TokenEvent))
+            live = backend.snapshot(c).block_map
+            list(turn_events)
+        finally:
+            backend.shutdown()
+    assert live.count(HELD) == 2 and live.count(CACHED) == 0
