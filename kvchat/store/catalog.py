@@ -86,11 +86,11 @@ def list_conversations(root: Path | None = None) -> list[Summary]:
 def rename(path: Path, title: str, log: ConversationLog | None = None) -> None:
     """Give a conversation a title (an event in its log; `log` if it is open here)."""
     if log is not None:
-        log.event("title", value=title)
+        log.mark("title", value=title)          # a rename is no use: "last used" stays
         return
     closed = ConversationLog(path)
     try:
-        closed.event("title", value=title)
+        closed.mark("title", value=title)
     finally:
         closed.close()
 

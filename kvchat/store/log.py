@@ -303,6 +303,18 @@ class ConversationLog:
     def event(self, name: str, **fields: Any) -> None:
         self.write({"type": "event", "event": name, "time": time.time(), **fields})
 
+    def mark(self, name: str, **fields: Any) -> None:
+        """An event that is no use of the conversation (reopening it, a rename): the file's
+        modification time, which the chat browser lists as "last used", stays as it was."""
+        try:
+            before = os.stat(self.path, follow_symlinks=False).st_mtime_ns
+        except OSError:
+            before = None
+        self.event(name, **fields)
+        if before is not None:
+            with contextlib.suppress(OSError):
+                os.utime(self.path, ns=(time.time_ns(), before), follow_symlinks=False)
+
     def close(self) -> None:
         with self._lock:
             if self._file is not None:

@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from kvchat.store import catalog
-from kvchat.store.log import ConversationBusy, conversations_dir, restore
+from kvchat.store.log import ConversationBusy, ConversationLog, conversations_dir, restore
 
 
 def write_log(name: str, *records: dict, mtime: float | None = None):
@@ -124,3 +124,16 @@ def test_two_processes_keep_each_others_open_conversations_for_resume():
         other.kill()
     assert catalog.remember_open([mine], peers=peers) is None   # it quit while we ran: its list stays
     assert catalog.resume_paths() == (mine, [theirs])
+
+
+def test_a_rename_or_a_reopen_leaves_last_used_as_it_was():
+    """Issue 26 low: the browser's "last used" was rewritten by a rename and by --resume."""
+    path = write_log("used", START, {"type": "message", "role": "user", "content": "hi"}, mtime=1_000)
+    catalog.rename(path, "a title")
+    assert catalog.summarize(path).modified == 1_000 and catalog.summarize(path).title == "a title"
+    log = ConversationLog(path)
+    log.mark("resumed")
+    assert catalog.summarize(path).modified == 1_000
+    log.sync(log.messages + [{"role": "assistant", "content": "hello"}])     # a use: it moves
+    log.close()
+    assert catalog.summarize(path).modified > 1_000
