@@ -17,6 +17,8 @@ from pathlib import Path
 
 import pytest
 
+from kvchat.store.log import restore
+
 from .test_tmux import REPO, Tmux
 
 pytestmark = [pytest.mark.slow,
@@ -126,7 +128,8 @@ def test_drop_oldest_export_resume_and_a_second_kvchat_that_cannot_delete_an_ope
         # 4. the first kvchat's next turn lands in the same file, which is still there
         say(tmux, "resumed", "One more question about bread.")
         quit_and_wait(tmux, tmp_path, "resumed")
-        records = [json.loads(x) for x in log.read_text().splitlines()]
-        assert any(r["type"] == "message" and r.get("content") == "One more question about bread." for r in records)
+        kept = restore(log)
+        assert "One more question about bread." in [m["content"] for m in kept.messages] + [kept.unanswered]
+        assert kept.messages[len(kept.history.system)]["content"] == FIRST       # the dropped turn is still there
     finally:
         tmux.run("kill-server", check=False)
