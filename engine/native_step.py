@@ -21,6 +21,7 @@ import weakref
 import torch
 
 from . import native, threads
+from .attention import triton_kernels
 from .native import FP8, GEMV_MAX_ROWS, lib
 from .native_abi import LayerArgs, StepArgs
 
@@ -58,7 +59,8 @@ def rope_serves(qkv: torch.Tensor, cos: torch.Tensor, k_cache: torch.Tensor, pos
     return (qkv.device.type == "cpu" and qkv.dtype == torch.float32 and qkv.dim() == 2 and qkv.stride(1) == 1
             and cos.dtype == torch.float32 and cos.is_contiguous() and k_cache.device.type == "cpu"
             and k_cache.dtype in (torch.float32, FP8) and k_cache.stride(-1) == 1 and d % 2 == 0 and d <= 1024
-            and positions.device.type == "cpu" and slots.device.type == "cpu" and lib() is not None)
+            and positions.device.type == "cpu" and slots.device.type == "cpu" and lib() is not None
+            and triton_kernels(k_cache) is None)     # tests that force the Triton kernels onto CPU tensors
 
 
 def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
@@ -116,12 +118,14 @@ def _layer_args(model, pool):
 
 def step_serves(x: torch.Tensor, batch) -> bool:
     """Whether decode_step may take this batch: decode rows only, 1 to GEMV_MAX_ROWS fp32 CPU
-    rows, their tables and lengths int32 on the CPU, and the kernels loaded."""
+    rows, their tables and lengths int32 on the CPU, the kernels loaded and the Triton ones
+    not forced onto CPU tensors."""
     b = batch.decode
     return (not batch.prefills and 0 < b <= GEMV_MAX_ROWS and x.shape[0] == b and x.dtype == torch.float32
             and x.device.type == "cpu" and batch.block_tables is not None and batch.context_lens is not None
             and batch.block_tables.dtype == torch.int32 and batch.context_lens.dtype == torch.int32
-            and batch.block_tables.device.type == "cpu" and lib() is not None)
+            and batch.block_tables.device.type == "cpu" and lib() is not None
+            and triton_kernels(x) is None)           # tests that force the Triton kernels onto CPU tensors
 
 
 def decode_step(model, x: torch.Tensor, positions: torch.Tensor, batch, pool) -> torch.Tensor | None:
