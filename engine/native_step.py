@@ -83,7 +83,7 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
 
 
 # ---- the whole step ---------------------------------------------------------------------------
-_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> (key, LayerArgs array or None)
+_LAYERS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()   # model -> (its tensors' weakrefs, LayerArgs array or None)
 
 
 def _weights_serve(model) -> bool:
@@ -95,13 +95,21 @@ def _weights_serve(model) -> bool:
             and all(t.device.type == "cpu" for t in mats + norms))
 
 
+def _tensors(model, pool) -> list[torch.Tensor]:
+    """Every tensor whose address the C step is given."""
+    out = [pool.data, model.norm, model.lm_head] + ([pool.scales] if pool.scales is not None else [])
+    for ly in model.layers:
+        out += (ly.wqkv, ly.wo, ly.w_gate_up, ly.w_down, ly.attn_norm, ly.mlp_norm)
+    return out
+
+
 def _layer_args(model, pool):
-    """The LayerArgs array for this model and pool (made once; None where they do not serve)."""
-    key = (id(pool), pool.data.data_ptr(), tuple(pool.data.shape), pool.data.dtype,
-           pool.scales.data_ptr() if pool.scales is not None else 0, model.norm.data_ptr(),
-           model.lm_head.data_ptr(), model.layers[0].attn_norm.data_ptr() if model.layers else 0)
+    """The LayerArgs array for this model and pool, or None where they do not serve: made once,
+    and again when any of their tensors is another object (a new pool, weights replaced). Held
+    by weak references, so a dropped pool or weight is freed at once and never read again."""
+    tensors = _tensors(model, pool)
     held = _LAYERS.get(model)
-    if held is not None and held[0] == key:
+    if held is not None and len(held[0]) == len(tensors) and all(r() is t for r, t in zip(held[0], tensors)):
         return held[1]
     arr = None
     k0 = pool.layer(0)[0] if model.layers else None
@@ -112,7 +120,7 @@ def _layer_args(model, pool):
             arr[i] = LayerArgs(ly.wqkv.data_ptr(), ly.wo.data_ptr(), ly.w_gate_up.data_ptr(), ly.w_down.data_ptr(),
                                ly.attn_norm.data_ptr(), ly.mlp_norm.data_ptr(), k.data_ptr(), v.data_ptr(),
                                ks.data_ptr() if ks is not None else None, vs.data_ptr() if vs is not None else None)
-    _LAYERS[model] = (key, arr)
+    _LAYERS[model] = ([weakref.ref(t) for t in tensors], arr)
     return arr
 
 

@@ -271,3 +271,20 @@ def test_the_torch_path_serves_without_the_c_kernels():
         assert not native_step.rows_serve(torch.randn(2, 8))
         want = model.forward(nxt[[0, 2]], pos, batch, other)
     assert float((got - want).abs().max() / want.abs().max()) < 1e-3
+
+
+def test_the_step_reads_weights_put_in_place_of_others(monkeypatch):
+    """Its per-layer addresses are kept between steps; a weight replaced on the model (a new
+    tensor) is read at once, not the freed old one: the layer-by-layer path's bits again."""
+    model = tiny_model("fp32")
+    pool, tabs, nxt = prefilled(model, "fp32")
+    pos, batch = decode_batch([0, 1], tabs=tabs)
+    layered = clone_pool(pool)
+    model.forward(nxt[:2], pos, batch, clone_pool(pool))                       # the addresses are kept
+    gen = torch.Generator().manual_seed(4)
+    model.layers[1].w_down = torch.randn(model.layers[1].w_down.shape, generator=gen) * 0.05
+    got = model.forward(nxt[:2], pos, batch, pool)
+    with monkeypatch.context() as m:
+        m.setattr(native_step, "step_serves", lambda *a: False)
+        want = model.forward(nxt[:2], pos, batch, layered)
+    assert torch.equal(got, want)
