@@ -117,8 +117,8 @@ def loop_ab(args) -> int:
     before_pkg = load_engine_package(args.before.resolve())
     from importlib import import_module
     engines = {"before": import_module("before_engine.engine").Engine(
-        import_module("before_engine.engine").EngineConfig(kv_budget="256MiB")),
-        "after": Engine(EngineConfig(kv_budget="256MiB"))}
+        import_module("before_engine.engine").EngineConfig(kv_budget="256MiB", dtype=args.dtype)),
+        "after": Engine(EngineConfig(kv_budget="256MiB", dtype=args.dtype))}
     sampling = {"before": import_module("before_engine.sampler").SamplingParams,
                 "after": import_module("kvchat.engine.sampler").SamplingParams}
     del before_pkg
