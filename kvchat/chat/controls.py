@@ -26,6 +26,7 @@ from ..screens.policy_picker import PolicyPicker
 from ..screens.model_info import ModelInfoScreen
 from ..store.log import export
 from ..text import per_token, what_if_command
+from . import planning
 from .browser import Browser
 from .conversations import Conversations
 from .crowd import CrowdControl
@@ -79,6 +80,7 @@ class Controls:
             "system": gen.set_system, "temperature": partial(gen.set, "temperature"),
             "top-p": partial(gen.set, "top_p"), "seed": partial(gen.set, "seed"),
             "model": lambda _: self.model_info(), "copy": host.copy, "whatif": lambda arg: self.what_if(*arg),
+            "plan": self.plan,
         }
 
     def can(self, capability: str) -> bool:
@@ -257,6 +259,15 @@ class Controls:
         lines = text.splitlines()
         preview = "\n".join(lines[:4]) + (f"\n… ({len(lines) - 4:,} more lines)" if len(lines) > 4 else "")
         self.host.send(text, shown=f"/load {path} ({len(text):,} characters)\n{preview}", typed=f"/load {path}")
+
+    def plan(self, words: list[str]) -> None:
+        """/plan: the flags checked now, the simulation after the current turn (a worker)."""
+        try:
+            args = planning.parse(words)
+        except CommandError as err:
+            self.host.notice(str(err), error=True)
+            return
+        self.host.run_op("simulate the plan", lambda: planning.run_plan_lines(args), interrupt=False)
 
     def what_if(self, model: str, tokens: str, *rest: str | None) -> None:
         """/whatif MODEL TOKENS [USERS] [BUDGET]: a bare number is users, a size with a unit the budget."""
