@@ -11,6 +11,8 @@ one-row product and its per-piece attention calls left a step at 2.7x the memory
 - `write(...)`: a step's new K/V rows into their slots, quantized for an fp8 cache with the
   bytes torch's own conversion gives (write.c).
 A row or sequence of a batch gets the bits it gets alone.
+What surrounds them in a decode step (the residual adds and norms, RoPE, SiLU), and the
+whole step as one C call: engine/native_step.py.
 
 The sources are compiled with the system's C compiler (`cc`, or $CC) with -O3 -march=native
 -fopenmp into the kvchat cache folder, once per machine and version (about 4 s), checked, and
