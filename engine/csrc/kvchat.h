@@ -1,6 +1,6 @@
 /* The C kernels' interface: what engine/native_abi.py mirrors with ctypes and
  * tests/csrc/driver.c calls directly. Plain C, no torch headers: torch's C++ ABI differs
- * between versions, C's does not. kv_sizes() lets a caller check that its copies of the two
+ * between versions, C's does not. kv_sizes() lets a caller check that its copies of the four
  * structures have this layout before it calls anything. */
 #ifndef KVCHAT_H
 #define KVCHAT_H
