@@ -129,10 +129,10 @@ def check(path: str) -> str | None:
         for c in range(k):
             if not _near(yn[i * k + c], x[i * k + c] * r * w[c], 1):
                 return "kv_rms_norm gave a wrong value"
-    xs, r = _floats(x), w[k:k + b * k]            # the add and norm: x += r, then the norm of the sum
-    lib.kv_add_rms_norm(xs, _floats(r), _floats(w[:k]), yn, b, k, 1e-5)
+    xs, res = _floats(x), w[k:k + b * k]          # the add and norm: x += res, then the norm of the sum
+    lib.kv_add_rms_norm(xs, _floats(res), _floats(w[:k]), yn, b, k, 1e-5)
     for i in range(b):
-        row = [x[i * k + c] + r[i * k + c] for c in range(k)]
+        row = [x[i * k + c] + res[i * k + c] for c in range(k)]
         inv = 1 / math.sqrt(math.fsum(v * v for v in row) / k + 1e-5)
         if any(not _near(xs[i * k + c], row[c], 1) or not _near(yn[i * k + c], row[c] * inv * w[c], 1)
                for c in range(k)):
