@@ -4,7 +4,7 @@ weights, the same pool and the same tokens, taken in turn round after round so t
 changing load touches both alike.
 
     python benchmarks/cpu_decode_ab.py --before /path/to/other/checkout/engine \
-        [--contexts 1024,4096,8192] [--kv fp32,fp8] [--steps 8] [--rounds 5] [--threads 2]
+        [--contexts 1024,4096,8192] [--kv fp32,fp8] [--steps 8] [--rounds 5] [--threads 2] [--dtype fp32]
 
 Prints, per context and KV dtype, the median over rounds of each round's median ms/step for
 both, their ratio, and the 1-minute load before and after.
@@ -59,24 +59,27 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--dtype", default="auto", help="model weights: auto, fp32, bf16 (EngineConfig.dtype)")
     ap.add_argument("--loop", action="store_true", help="time the engines' turn loops, not the forward")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.loop:
         return loop_ab(args)
     load0 = os.getloadavg()[0]
-    eng = Engine(EngineConfig(kv_budget="16MiB"))
+    eng = Engine(EngineConfig(kv_budget="16MiB", dtype=args.dtype))
     m, g = eng.model, eng.geometry
     before_pkg = load_engine_package(args.before.resolve())
     from importlib import import_module
     bmodel = import_module("before_engine.model")
     old = bmodel.Llama(g, m.embed, m.layers, m.norm, m.lm_head)
+    if m.act_dtype != old.act_dtype and hasattr(old, "fp32_rows"):
+        old.fp32_rows()        # bf16 weights, fp32 rows: the same setup as this checkout's engine
     contexts = [int(c) for c in args.contexts.split(",")]
     kvs = args.kv.split(",")
     gen = torch.Generator().manual_seed(0)
     ids = torch.randint(0, g.vocab_size, (max(contexts) + args.steps,), generator=gen)
     print(f"# decode ms/step, before ({args.before}) and after ({ROOT}), {args.threads} threads, "
-          f"torch {torch.__version__}", flush=True)
+          f"{str(m.lm_head.dtype).replace('torch.', '')} weights, torch {torch.__version__}", flush=True)
     rows = []
     for kv in kvs:
         for c in contexts:
@@ -114,8 +117,8 @@ def loop_ab(args) -> int:
     before_pkg = load_engine_package(args.before.resolve())
     from importlib import import_module
     engines = {"before": import_module("before_engine.engine").Engine(
-        import_module("before_engine.engine").EngineConfig(kv_budget="256MiB")),
-        "after": Engine(EngineConfig(kv_budget="256MiB"))}
+        import_module("before_engine.engine").EngineConfig(kv_budget="256MiB", dtype=args.dtype)),
+        "after": Engine(EngineConfig(kv_budget="256MiB", dtype=args.dtype))}
     sampling = {"before": import_module("before_engine.sampler").SamplingParams,
                 "after": import_module("kvchat.engine.sampler").SamplingParams}
     del before_pkg

@@ -20,7 +20,7 @@ import torch
 
 from .detokenizer import Detokenizer
 from .errors import KvchatError
-from .policy import make_policy
+from .policy import make_policy, reply_room
 from .request import Fed, Request
 from .sampler import Sampler, SamplingParams
 from .sequence import Sequence
@@ -193,10 +193,11 @@ class Conversation:
         if not text.strip():
             raise KvchatError("empty message: type something to send")
         messages = self.messages + [{"role": "user", "content": text}]
-        kept = self._fit(messages)
+        sp = sampling or SamplingParams()
+        kept = self._fit(messages, reply_room(sp.max_tokens, self.limit))
         dropped = len(messages) - len(kept)
         before, self.messages = self.messages, kept
-        return self._turn(sampling or SamplingParams(), cancel, dropped, before)
+        return self._turn(sp, cancel, dropped, before)
 
     def regenerate(self, sampling: SamplingParams | None = None,
                    cancel: threading.Event | None = None) -> Iterator:
@@ -207,8 +208,8 @@ class Conversation:
         self.messages.pop()
         return self._turn(sampling or SamplingParams(), cancel, 0, before)
 
-    def _fit(self, messages):
-        return self.policy.fit(messages, lambda m: len(self.render(m)), self.limit, self.limit_name)
+    def _fit(self, messages, room: int = 0):
+        return self.policy.fit(messages, lambda m: len(self.render(m)), self.limit, self.limit_name, room)
 
     def _turn(self, sp: SamplingParams, cancel, dropped: int, before: list[dict[str, str]]) -> Iterator:
         """`before`: the messages to restore if the turn fails before its first token."""
@@ -287,8 +288,8 @@ class Conversation:
     def _stats(self, req: Request, reply: str, dropped: int, marks: tuple[int, int, int]) -> TurnStats:
         eng, ids = self.engine, req.prompt
         evictions0, preemptions0, evicted0 = marks
-        evicted = (max(eng.blocks.evictions - evictions0, 0)
-                   + (self.evicted_tokens - evicted0) // eng.spec.block_size)
+        evicted = (self.evicted_tokens - evicted0) // eng.spec.block_size     # sink-window's, from this conversation
+        reclaimed = max(eng.blocks.evictions - evictions0, 0)                # other prefixes' cached blocks
         return TurnStats(
             turn=self.turns, prompt_tokens=len(ids), reused_tokens=req.reused,
             computed_tokens=len(ids) - req.reused, generated_tokens=len(req.tokens) - len(ids),
@@ -297,4 +298,4 @@ class Conversation:
             mode=self.mode, kv_dtype=eng.kv_dtype, policy=self.policy.name, dropped_messages=dropped,
             evicted_blocks=evicted, preempted=eng.preemptions - preemptions0,
             recomputed_tokens=req.recomputed if self.mode == "cache" else 0, cache=eng.snapshot(self),
-            step_sequences=tuple(req.step_sequences), step_tokens=tuple(req.step_tokens))
+            step_sequences=tuple(req.step_sequences), step_tokens=tuple(req.step_tokens), reclaimed_blocks=reclaimed)

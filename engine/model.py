@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from . import native
+from . import native, native_step
 from .attention import causal_attention, paged_decode, paged_prefill, write_kv
 from .geometry import Geometry
 from .kv_cache import KVPool
@@ -120,6 +120,41 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 _FUSED_RMS_NORM = hasattr(F, "rms_norm")
 
 
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """x: (T, hidden), set to x + residual in place when residual is given; returns
+    RMSNorm(x) * w. A decode step's rows take one C call for both (native_step)."""
+    if native.gemv_serves(x, w) and (residual is None or native_step.rows_serve(residual)):
+        return native_step.add_rms_norm(x, residual, w, eps)
+    if residual is not None:
+        x.add_(residual)
+    return rms_norm(x, w, eps)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up: (T, 2 inter), gate then up -> silu(gate) * up (T, inter): one C call for a
+    decode step's rows, two torch ops otherwise."""
+    if native_step.rows_serve(gate_up):
+        return native_step.silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, dim=-1)                                    # (T, inter) each
+    return F.silu(gate) * up
+
+
+def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, positions: torch.Tensor,
+               k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k_scale: torch.Tensor | None,
+               v_scale: torch.Tensor | None, n_heads: int) -> torch.Tensor:
+    """qkv: (T, (hq + 2 hk) d); cos, sin: the whole tables (max_pos, 1, d). Writes RoPE(k) and
+    v into their slots, returns RoPE(q) (T, hq, d): one C call (native_step.rope_write) where
+    it serves, else apply_rope and write_kv."""
+    t = qkv.shape[0]
+    hk, d = k_cache.shape[2], k_cache.shape[3]
+    if t <= native.GEMV_MAX_ROWS and native_step.rope_serves(qkv, cos, k_cache, positions, slots):
+        return native_step.rope_write(qkv, cos, sin, positions, k_cache, v_cache, slots, k_scale, v_scale, n_heads)
+    qk = apply_rope(qkv[:, :(n_heads + hk) * d].view(t, n_heads + hk, d), cos[positions], sin[positions])
+    q, k = qk[:, :n_heads], qk[:, n_heads:]                                # (T, hq, d), (T, hk, d)
+    write_kv(k_cache, v_cache, k, qkv[:, (n_heads + hk) * d:].view(t, hk, d), slots, k_scale, v_scale)
+    return q
+
+
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x @ w.T. A decode step's fp32 CPU rows (1 to native.GEMV_MAX_ROWS, one per sequence)
     take the C kernel (engine/native.py) where it compiled: each weight row read once for all.
@@ -199,9 +234,15 @@ class Llama:
         return self._cos, self._sin
 
     def rope(self, positions: torch.Tensor, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.rope_cover(max_pos)
+        return cos[positions], sin[positions]
+
+    def rope_cover(self, max_pos: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The whole tables, covering positions 0 .. max_pos at least (doubled when they grow,
+        so that a conversation does not rebuild them every step)."""
         if max_pos >= self._cos.shape[0]:
             self._extend_rope(max(2 * self._cos.shape[0], max_pos + 1))
-        return self._cos[positions], self._sin[positions]
+        return self._cos, self._sin
 
     # ---- forward -----------------------------------------------------------------------------
     @torch.inference_mode()
@@ -209,29 +250,36 @@ class Llama:
                 last_only: bool = True) -> torch.Tensor:
         """ids, positions: (T,). Writes the T new K/V rows and returns fp32 logits: with
         last_only, one row per decode row and one per prefill chunk (its last token), in
-        order; else (T, vocab)."""
+        order; else (T, vocab).
+
+        A batch of decode rows alone, on a CPU with the C kernels, runs as one C call
+        (native_step.decode_step); otherwise layer by layer here, the residual add fused into
+        the next norm, RoPE into the cache write, SiLU-and-multiply into one op (each one C
+        call where the rows take the C products, torch ops otherwise)."""
         g = self.geom
         t = ids.shape[0]
         batch = step.batch(t) if isinstance(step, Step) else step
-        hq, hk, d = g.n_heads, g.n_kv_heads, g.head_dim
-        cos, sin = self.rope(positions, batch.max_position)
-        x = self.embed[ids].to(self.act_dtype)                            # (T, hidden)
+        hq, d = g.n_heads, g.head_dim
+        x = self.embed[ids].to(self.act_dtype)                            # (T, hidden): a copy, the residual stream
+        if native_step.step_serves(x, batch):
+            logits = native_step.decode_step(self, x, positions, batch, pool)
+            if logits is not None:
+                return logits
+        cos, sin = self.rope_cover(batch.max_position)                    # (max_pos, 1, d) each
         last = len(self.layers) - 1
+        h = add_rms_norm(x, None, self.layers[0].attn_norm, g.norm_eps)
         for i, layer in enumerate(self.layers):
             k_cache, v_cache, k_scale, v_scale = pool.layer(i)
-            h = rms_norm(x, layer.attn_norm, g.norm_eps)
-            qkv = linear(h, layer.wqkv)                                   # (T, (hq+2hk)*d)
-            qk = apply_rope(qkv[:, :(hq + hk) * d].view(t, hq + hk, d), cos, sin)  # (T, hq+hk, d)
-            q, k = qk[:, :hq], qk[:, hq:]                                 # (T, hq, d), (T, hk, d)
-            v = qkv[:, (hq + hk) * d:].view(t, hk, d)                     # (T, hk, d)
-            write_kv(k_cache, v_cache, k, v, batch.slots, k_scale, v_scale)
+            q = rope_write(linear(h, layer.wqkv), cos, sin, positions, k_cache, v_cache, batch.slots,
+                           k_scale, v_scale, hq)                          # (T, hq, d); K/V written
             keep = last_only and i == last and t > batch.decode + len(batch.prefills)
             if keep:  # the last layer's K/V are written; only the rows with logits go on
                 x, q = self._last_rows(x, batch), self._last_rows(q, batch)  # (R, hidden), (R, hq, d)
             o = self._attend(q, batch, (k_cache, v_cache, k_scale, v_scale), keep)  # (T or R, hq, d)
-            x = x + linear(o.reshape(x.shape[0], hq * d), layer.wo)
-            x = x + self._mlp(x, layer)
-        return self._logits(x)
+            h = add_rms_norm(x, linear(o.reshape(x.shape[0], hq * d), layer.wo), layer.mlp_norm, g.norm_eps)
+            after = self.layers[i + 1].attn_norm if i < last else self.norm
+            h = add_rms_norm(x, linear(silu_mul(linear(h, layer.w_gate_up)), layer.w_down), after, g.norm_eps)
+        return linear(h, self.lm_head).float()                            # (T or R, vocab)
 
     def _attend(self, q: torch.Tensor, batch: Batch, cache, last_rows: bool) -> torch.Tensor:
         """q: (T, hq, d), or with last_rows (decode + chunks, hq, d): the decode rows, then

@@ -11,6 +11,8 @@ one-row product and its per-piece attention calls left a step at 2.7x the memory
 - `write(...)`: a step's new K/V rows into their slots, quantized for an fp8 cache with the
   bytes torch's own conversion gives (write.c).
 A row or sequence of a batch gets the bits it gets alone.
+What surrounds them in a decode step (the residual adds and norms, RoPE, SiLU), and the
+whole step as one C call: engine/native_step.py.
 
 The sources are compiled with the system's C compiler (`cc`, or $CC) with -O3 -march=native
 -fopenmp into the kvchat cache folder, once per machine and version (about 4 s), checked, and
@@ -158,27 +160,39 @@ def decode_serves(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
             and lib() is not None)
 
 
-def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-            table_stride: int, lens: int | None, length: int, batch: int, scale: float,
-            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> torch.Tensor | None:
-    """lens: the address of B int32 lengths, or None for one sequence of `length` rows."""
-    hq, d = q.shape[-2:]
+def decode_args(q_shape: tuple[int, ...], q_stride: int, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                tables: torch.Tensor, table_stride: int, lens: int | None, length: int, batch: int, scale: float,
+                k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> DecodeArgs:
+    """kv_decode's arguments. lens: the address of B int32 lengths, or None for one sequence
+    of `length` rows; q_stride: elements between sequences in q (heads and dims contiguous)."""
+    hq, d = q_shape[-2:]
     nb, bs, hk, _ = k_cache.shape
     if v_cache.stride() != k_cache.stride():
         raise ValueError(f"K and V caches differ in strides: {k_cache.stride()} vs {v_cache.stride()}")
+    return DecodeArgs(k_cache.data_ptr(), v_cache.data_ptr(),
+                      k_scale.data_ptr() if k_scale is not None else None,
+                      v_scale.data_ptr() if v_scale is not None else None, tables.data_ptr(), lens,
+                      table_stride, tables.shape[-1], nb,
+                      k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *_scale_strides(k_scale),
+                      batch, bs, hk, hq // hk, d, q_stride, length, scale)
+
+
+def splits(n_kv_heads: int) -> int:
+    """Work items per (sequence, KV head), from the most threads, not the current count: the
+    bits stay put while the load changes."""
+    return max(1, -(-SPLITS_PER_THREAD * threads.most() // n_kv_heads))
+
+
+def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+            table_stride: int, lens: int | None, length: int, batch: int, scale: float,
+            k_scale: torch.Tensor | None, v_scale: torch.Tensor | None) -> torch.Tensor | None:
+    d = q.shape[-1]
     if q.stride(-1) != 1 or q.stride(-2) != d:
         q = q.contiguous()
-    a = DecodeArgs(k_cache.data_ptr(), v_cache.data_ptr(),
-                   k_scale.data_ptr() if k_scale is not None else None,
-                   v_scale.data_ptr() if v_scale is not None else None, tables.data_ptr(), lens,
-                   table_stride, tables.shape[-1], nb,
-                   k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *_scale_strides(k_scale),
-                   batch, bs, hk, hq // hk, d, q.stride(0) if q.dim() == 3 else 0, length, scale)
-    n_threads = threads.count()
-    # work items from the most threads, not the current count: the bits stay put while the load changes
-    splits = max(1, -(-SPLITS_PER_THREAD * threads.most() // hk))
+    a = decode_args(q.shape, q.stride(0) if q.dim() == 3 else 0, k_cache, v_cache, tables, table_stride, lens,
+                    length, batch, scale, k_scale, v_scale)
     out = torch.empty(q.shape)                                              # ([B,] n_heads, head_dim)
-    if lib().kv_decode(ctypes.byref(a), q.data_ptr(), out.data_ptr(), splits, n_threads) != 0:
+    if lib().kv_decode(ctypes.byref(a), q.data_ptr(), out.data_ptr(), splits(k_cache.shape[2]), threads.count()) != 0:
         return None
     return out
 
@@ -226,14 +240,22 @@ def write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torc
     many (each row carries its slot): copied, or for an fp8 cache quantized per (row, head)
     with the bytes and scales attention.quantize_fp8 gives. A slot outside the pool raises
     IndexError before anything is written."""
+    slots = slots.contiguous()
+    a = write_args(k_cache, v_cache, k_scale, v_scale, k, v)
+    if lib().kv_write(ctypes.byref(a), slots.data_ptr(), slots.shape[0], threads.count()) != 0:
+        raise IndexError(f"a slot is outside the pool's {a.num_blocks * a.block_size} slots")
+
+
+def write_args(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+               v_scale: torch.Tensor | None, k: torch.Tensor | None = None, v: torch.Tensor | None = None) -> WriteArgs:
+    """kv_write's arguments; without k and v, the cache's alone (kv_rope_write, the step)."""
     nb, bs, hk, d = k_cache.shape
     if v_cache.stride() != k_cache.stride():
         raise ValueError(f"K and V caches differ in strides: {k_cache.stride()} vs {v_cache.stride()}")
-    slots = slots.contiguous()
-    a = WriteArgs(k_cache.data_ptr(), v_cache.data_ptr(),
-                  k_scale.data_ptr() if k_scale is not None else None,
-                  v_scale.data_ptr() if v_scale is not None else None,
-                  k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *_scale_strides(k_scale),
-                  nb, bs, hk, d, k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k.stride(1))
-    if lib().kv_write(ctypes.byref(a), slots.data_ptr(), slots.shape[0], threads.count()) != 0:
-        raise IndexError(f"a slot is outside the pool's {nb * bs} slots")
+    src = (k.data_ptr(), v.data_ptr(), k.stride(0), v.stride(0), k.stride(1)) if k is not None and v is not None \
+        else (None, None, 0, 0, 0)
+    return WriteArgs(k_cache.data_ptr(), v_cache.data_ptr(),
+                     k_scale.data_ptr() if k_scale is not None else None,
+                     v_scale.data_ptr() if v_scale is not None else None,
+                     k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *_scale_strides(k_scale),
+                     nb, bs, hk, d, *src)

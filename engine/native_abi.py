@@ -31,6 +31,21 @@ class WriteArgs(ctypes.Structure):
         ("v_row_stride", ctypes.c_int64), ("src_head_stride", ctypes.c_int64)]
 
 
+class LayerArgs(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_void_p) for name in
+                ("wqkv", "wo", "w_gate_up", "w_down", "attn_norm", "mlp_norm", "k", "v", "ks", "vs")]
+
+
+class StepArgs(ctypes.Structure):
+    _fields_ = [("attn", DecodeArgs), ("write", WriteArgs)] + [
+        (name, ctypes.c_void_p) for name in ("layers", "final_norm", "lm_head", "cos", "sin", "pos", "slots")] + [
+        (name, ctypes.c_int64) for name in ("n_layers", "hidden", "heads", "inter", "vocab", "n_pos", "bf16")] + [
+        ("eps", ctypes.c_float)]
+
+
+STRUCTS = (DecodeArgs, WriteArgs, LayerArgs, StepArgs)
+
+
 def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     """Declare the kernels' signatures on a loaded library. Raises AttributeError when one is
     missing and OSError when the library's structures differ from these."""
@@ -47,13 +62,22 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kv_decode.restype = ctypes.c_int
     lib.kv_write.argtypes = [ctypes.POINTER(WriteArgs), ptr, i64, ctypes.c_int]
     lib.kv_write.restype = ctypes.c_int
+    lib.kv_add_rms_norm.argtypes = [ptr] * 4 + [i64, i64, ctypes.c_float]
+    lib.kv_add_rms_norm.restype = None
+    lib.kv_silu_mul.argtypes = [ptr, ptr, i64, i64]
+    lib.kv_silu_mul.restype = None
+    lib.kv_rope_write.argtypes = [ctypes.POINTER(WriteArgs), ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, i64,
+                                  ctypes.c_int]
+    lib.kv_rope_write.restype = ctypes.c_int
+    lib.kv_decode_step.argtypes = [ctypes.POINTER(StepArgs), ptr, ptr, ptr, ctypes.c_int, ctypes.c_int]
+    lib.kv_decode_step.restype = ctypes.c_int
     lib.kv_sizes.argtypes = [ptr]
     lib.kv_sizes.restype = None
-    sizes = (i64 * 2)()
+    sizes = (i64 * len(STRUCTS))()
     lib.kv_sizes(sizes)
-    if tuple(sizes) != (ctypes.sizeof(DecodeArgs), ctypes.sizeof(WriteArgs)):
-        raise OSError(f"its structures are {tuple(sizes)} bytes, ctypes expects "
-                      f"{(ctypes.sizeof(DecodeArgs), ctypes.sizeof(WriteArgs))}")
+    want = tuple(ctypes.sizeof(s) for s in STRUCTS)
+    if tuple(sizes) != want:
+        raise OSError(f"its structures are {tuple(sizes)} bytes, ctypes expects {want}")
     return lib
 
 
@@ -105,6 +129,22 @@ def check(path: str) -> str | None:
         for c in range(k):
             if not _near(yn[i * k + c], x[i * k + c] * r * w[c], 1):
                 return "kv_rms_norm gave a wrong value"
+    xs, res = _floats(x), w[k:k + b * k]          # the add and norm: x += res, then the norm of the sum
+    lib.kv_add_rms_norm(xs, _floats(res), _floats(w[:k]), yn, b, k, 1e-5)
+    for i in range(b):
+        row = [x[i * k + c] + res[i * k + c] for c in range(k)]
+        inv = 1 / math.sqrt(math.fsum(v * v for v in row) / k + 1e-5)
+        if any(not _near(xs[i * k + c], row[c], 1) or not _near(yn[i * k + c], row[c] * inv * w[c], 1)
+               for c in range(k)):
+            return "kv_add_rms_norm gave a wrong value"
+    gu = [rng.uniform(-30, 30) for _ in range(b * 2 * k)]   # silu(gate) * up, past exp's easy range
+    ys = _floats([0.0] * (b * k))
+    lib.kv_silu_mul(_floats(gu), ys, b, k)
+    for i in range(b):
+        for c in range(k):
+            gate, up = gu[i * 2 * k + c], gu[i * 2 * k + k + c]
+            if not _near(ys[i * k + c], gate / (1 + math.exp(-gate)) * up, abs(gate * up)):
+                return "kv_silu_mul gave a wrong value"
     # decode: 2 sequences of 20 and 3 rows, blocks of 4, 1 KV head of 2 queries, d 16
     bs, d, g, lens, table = 4, 16, 2, [20, 3], [[4, 0, 2, 5, 1], [3, 6, 6, 6, 6]]
     nb = 7

@@ -18,8 +18,10 @@ class CapPolicy:
     description = ""
     streaming = False  # True: the cache itself evicts blocks mid-sequence (engine/streaming.py)
 
-    def fit(self, messages: Messages, count: CountFn, cap: int, limit: str = "the cap") -> Messages:
-        """`limit` names the cap in messages: "the cap", or "the model's maximum context"."""
+    def fit(self, messages: Messages, count: CountFn, cap: int, limit: str = "the cap", room: int = 0) -> Messages:
+        """`limit` names the cap in messages: "the cap", or "the model's maximum context".
+        `room`: the tokens a policy that drops history leaves free for the reply (see
+        reply_room); a policy that refuses only refuses past the cap itself."""
         raise NotImplementedError
 
 
@@ -27,7 +29,7 @@ class StopPolicy(CapPolicy):
     name = "stop"
     description = "refuse a turn that would pass the cap"
 
-    def fit(self, messages: Messages, count: CountFn, cap: int, limit: str = "the cap") -> Messages:
+    def fit(self, messages: Messages, count: CountFn, cap: int, limit: str = "the cap", room: int = 0) -> Messages:
         n = count(messages)
         if n > cap:
             # /reset would not help: the history itself is too long, cached or not
@@ -40,11 +42,16 @@ class DropOldestPolicy(CapPolicy):
     name = "drop-oldest"
     description = "drop whole oldest turns (keeping the system prompt) until the chat fits"
 
-    def fit(self, messages: Messages, count: CountFn, cap: int, limit: str = "the cap") -> Messages:
+    def fit(self, messages: Messages, count: CountFn, cap: int, limit: str = "the cap", room: int = 0) -> Messages:
+        """Drops until the prompt leaves `room` for the reply (dropping only to fit the prompt
+        let the reply stop at the cap a few tokens in); the newest message is kept whenever
+        it fits the cap itself, with whatever room that leaves."""
         kept = list(messages)
         head = 1 if kept and kept[0]["role"] == "system" else 0
-        while count(kept) > cap:
+        while count(kept) > cap - room:
             # the oldest turn: a user message and the replies up to the next user message
+            if len(kept) - head <= 1 and count(kept) <= cap:
+                break
             if len(kept) - head <= 1:
                 raise CapExceeded(f"the newest message alone needs {count(kept):,} tokens, over {limit} "
                                   f"of {cap:,}; {'raise the cap or ' if limit == 'the cap' else ''}send less")
@@ -60,8 +67,14 @@ class SinkWindowPolicy(CapPolicy):
     description = "keep the first tokens (attention sinks) and a recent window; evict blocks between"
     streaming = True
 
-    def fit(self, messages: Messages, count: CountFn, cap: int, limit: str = "the cap") -> Messages:
+    def fit(self, messages: Messages, count: CountFn, cap: int, limit: str = "the cap", room: int = 0) -> Messages:
         return messages  # nothing is dropped from the text; the cache evicts instead
+
+
+def reply_room(max_tokens: int, cap: int) -> int:
+    """The tokens a policy that drops history keeps free for the reply: the reply's max
+    tokens, but never more than a quarter of the cap (a small cap keeps most of its history)."""
+    return max(0, min(max_tokens, cap // 4))
 
 
 def _remedies(limit: str) -> str:

@@ -218,6 +218,9 @@ class TurnSummary:
     # conversations shared it) and the cached tokens it read over all of them
     step_sequences: tuple[int, ...] = ()
     step_tokens: tuple[int, ...] = ()
+    # cached blocks (a closed or idle conversation's prefix) the pool reclaimed for this turn's
+    # new content; evicted_blocks counts only sink-window's evictions from this conversation
+    reclaimed_blocks: int | None = 0
 
     def to_dict(self) -> dict[str, Any]:
         """The JSON object: the fields in order, the tuples as lists."""
@@ -263,6 +266,7 @@ class TurnStats:
     # conversations shared it) and the cached tokens it read over all of them
     step_sequences: tuple[int, ...] = ()
     step_tokens: tuple[int, ...] = ()
+    reclaimed_blocks: int | None = 0    # cached blocks reclaimed for this turn (evicted_blocks: sink-window's)
 
     @property
     def tokens_per_s(self) -> float:
@@ -286,7 +290,8 @@ class TurnStats:
             dropped_messages=self.dropped_messages, evicted_blocks=self.evicted_blocks,
             preempted=self.preempted, recomputed_tokens=self.recomputed_tokens,
             unavailable=tuple(sorted(set(self.unavailable) | {_SUMMARY_KEYS.get(k, k) for k in c.unavailable})),
-            step_sequences=tuple(self.step_sequences), step_tokens=tuple(self.step_tokens))
+            step_sequences=tuple(self.step_sequences), step_tokens=tuple(self.step_tokens),
+            reclaimed_blocks=self.reclaimed_blocks)
 
     def summary(self) -> dict[str, Any]:
         """The flat record `kvchat ask --json` prints and the JSON Lines log keeps."""

@@ -186,6 +186,11 @@ def _whatif(args, _themes) -> tuple[str | None, ...]:
     return tuple(args) if len(args) > 2 else (args[0], args[1], None)
 
 
+def _words(args, _themes) -> list[str]:
+    """The words as typed (the command checks them: /plan's short form and flags)."""
+    return list(args)
+
+
 MAX_CROWD = 64
 
 
@@ -231,6 +236,8 @@ COMMANDS: dict[str, Spec] = {s.name: s for s in (
     Spec("whatif", "/whatif MODEL TOKENS [USERS] [BUDGET]", "the KV cache USERS conversations of TOKENS take on "
          "MODEL (bf16), against its weights and a budget",
          _whatif),
+    Spec("plan", "/plan [MODEL] [GPU] [USERS] [FLAGS]", "simulate USERS chatting with MODEL on GPU (kvchat plan's "
+         "simulator; its flags too, e.g. --long 30000 --pool 15GB): TTFT, TPOT, preemptions, the pool", _words),
     Spec("crowd", "/crowd N [long] | off", "N simulated users chat in this pool beside you (long: one pastes a "
          "long report); the crowd panel shows each and the pool's totals; off ends them", _crowd),
     Spec("quit", "/quit", "quit", _no_arg("quit")),

@@ -146,27 +146,54 @@ STOP_WORDS = {None: "", "eos": "", "max_tokens": "max tokens reached", "cap": "s
 def stats_line(r: TurnSummary) -> str:
     """The line under a reply: tokens, TTFT, speed, prompt reuse."""
     line = (f"{plural(r.generated_tokens, 'token')} · TTFT {duration(r.ttft_ms)} · "
-            f"{r.tokens_per_s:.1f} tok/s · prompt {r.prompt_tokens}: ")
+            f"{r.tokens_per_s:.1f} tok/s · prompt {r.prompt_tokens:,}: ")
     if r.reused_tokens is None or r.computed_tokens is None:     # a server that does not report it
         line += "reuse not reported"
     else:
-        line += f"{r.reused_tokens} reused, {r.computed_tokens} computed"
+        line += f"{r.reused_tokens:,} reused, {r.computed_tokens:,} computed"
     if r.mode == "off":
         line += " · cache off"
     if r.dropped_messages:
-        line += f" · dropped {r.dropped_messages} old messages"
-    if r.evicted_blocks:
+        line += f" · dropped {plural(r.dropped_messages, 'old message')}"
+    if r.evicted_blocks:        # "evicted": sink-window's, from this conversation's middle
         n = r.evicted_blocks
-        line += f" · evicted {n:,} block{'s' if n > 1 else ''}"
+        line += f" · evicted {n:,} block{'s' if n > 1 else ''} from the middle"
+    if r.reclaimed_blocks:      # "reclaimed": other prefixes' cached blocks, taken for this turn
+        n = r.reclaimed_blocks
+        line += f" · reclaimed {n:,} cached block{'s' if n > 1 else ''}"
     if r.preempted:
         n = r.preempted
-        line += f" · preempted {n} other conversation{'s' if n > 1 else ''}"
+        line += f" · preempted {n:,} other conversation{'s' if n > 1 else ''}"
     if r.recomputed_tokens:
         line += f" · recomputed {r.recomputed_tokens:,} tokens lost to preemption"
     reason = STOP_WORDS.get(r.stop_reason, inert(r.stop_reason or ""))
     if reason:
         line += f" · {reason}"
     return line
+
+
+# ---- a long message in the transcript -------------------------------------------------------------
+PREVIEW_LINES = 4          # a /load shows its first lines, live and after --resume
+PREVIEW_CHARS = 600
+LONG_LINES, LONG_CHARS = 12, 4000    # a resumed message past either is one a /load sent, or like it
+
+
+def message_preview(text: str, head: str) -> str:
+    """'HEAD (12,345 characters)', the first lines, and how many more: a long message as the
+    transcript shows it (the model and the log have all of it)."""
+    lines = text.splitlines()
+    shown = "\n".join(lines[:PREVIEW_LINES])
+    if len(shown) > PREVIEW_CHARS:
+        shown = shown[:PREVIEW_CHARS] + "…"
+    more = f"\n… ({len(lines) - PREVIEW_LINES:,} more lines)" if len(lines) > PREVIEW_LINES else ""
+    return f"{head} ({len(text):,} characters)\n{shown}{more}"
+
+
+def collapsed(text: str) -> str:
+    """A resumed message as its /load showed it live: a long one collapsed to its preview."""
+    if text.count("\n") < LONG_LINES and len(text) <= LONG_CHARS:
+        return text
+    return message_preview(text, "a long message, collapsed")
 
 
 # ---- the prefill progress line -------------------------------------------------------------------
@@ -180,13 +207,14 @@ def eta_text(seconds: float | None) -> str:
     return f"ETA {int(seconds // 60)} min {int(seconds % 60):02d} s"
 
 
-def prefill_line(ev: PrefillProgress, width: int = BAR) -> str:
-    """'prefilling ████████░░░░ 1,024 / 8,073 tokens · 41 tok/s · ETA 2 min 52 s · esc stops'."""
+def prefill_line(ev: PrefillProgress, width: int = BAR, eta_s: float | None = None) -> str:
+    """'prefilling ████████░░░░ 1,024 / 8,073 tokens · 41 tok/s · ETA 2 min 52 s · esc stops'.
+    `eta_s`: from the recent chunks (chat/prefill_eta.py); else the event's, at the rate so far."""
     share = ev.done / ev.total if ev.total else 1.0
     full = round(share * width)
     bar = "█" * full + "░" * (width - full)
     rate = f"{ev.tokens_per_s:,.0f} tok/s" if ev.done else "… tok/s"
-    return (f"prefilling {bar} {ev.done:,} / {ev.total:,} tokens · {rate} · {eta_text(ev.eta_s)} · "
+    return (f"prefilling {bar} {ev.done:,} / {ev.total:,} tokens · {rate} · {eta_text(eta_s if eta_s is not None else ev.eta_s)} · "
             "esc stops")
 
 

@@ -92,7 +92,7 @@ class Chats(RuleBasedStateMachine):
             return
         stats = events[-1]
         for what, n in (("preempted", stats.preempted), ("reused", stats.reused_tokens),
-                        ("evicted", stats.evicted_blocks), ("cancelled", stats.stop_reason == "cancelled"),
+                        ("evicted", stats.evicted_blocks), ("reclaimed", stats.reclaimed_blocks), ("cancelled", stats.stop_reason == "cancelled"),
                         (f"{stats.kv_dtype} {stats.mode} {stats.policy}", 1)):
             if n:
                 event(f"a turn: {what}")

@@ -103,3 +103,28 @@ def test_the_users_own_cost_reads_its_turns_steps():
     assert own_cost(rec) == (12.0, 1100.0, 100.5)
     assert own_cost(rec.to_dict()) == (12.0, 1100.0, 100.5)       # a restored record reads the same
     assert own_cost(TurnSummary()) is None and own_cost(None) is None
+
+
+def test_an_idle_conversation_whose_cache_was_freed_still_shows_its_tokens(engine):
+    """An idle conversation whose blocks were taken (here by a reset; in a full pool by another
+    user's turn) holds no token: the crowd panel's ctx is still the conversation's last prompt
+    and reply, and its pool share 0 says it holds nothing."""
+    from kvchat.crowd.figures import Meter
+    backend = LocalBackend(engine)
+    own = backend.open()
+    stats = [ev for ev in own.send("Name a colour.", SamplingParams(max_tokens=6)) if isinstance(ev, TurnStats)][-1]
+    tokens = stats.prompt_tokens + stats.generated_tokens
+    me = own.state().conversation
+
+    def row_and_view():
+        sched = backend.scheduler()
+        view = next(v for v in sched.conversations if v.conversation == me)
+        return Meter().figures([], sched, backend.snapshot(own), me).rows[0], view
+    row, view = row_and_view()
+    assert row.own and view.state == "idle" and 0 < view.context_tokens <= tokens == row.context_tokens
+    assert row.blocks_held > 0
+    own.reset_cache()
+    row, view = row_and_view()
+    assert view.context_tokens == 0 and row.context_tokens == tokens          # what it holds; what it is
+    assert row.blocks_held == 0 and row.pool_share == 0
+    backend.close(own)

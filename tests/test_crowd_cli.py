@@ -11,7 +11,7 @@ from kvchat.cli.command import main
 
 def test_a_short_crowd_run_writes_its_turns_steps_and_plot(tmp_path, capsys):
     out, png = tmp_path / "crowd.json", tmp_path / "crowd.png"
-    rc = main(["crowd", "--users", "1,2", "--minutes", "0.08", "--think", "0.05", "--reply-tokens", "3",
+    rc = main(["crowd", "--users", "1,2", "--minutes", "0.12", "--think", "0.05", "--reply-tokens", "3",
                "--kv-budget", "32MiB", "--json", str(out), "--plot", str(png), "--quiet"])
     printed = capsys.readouterr().out
     assert rc == 0

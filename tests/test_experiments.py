@@ -8,6 +8,7 @@ import torch
 from kvchat.engine import Engine, EngineConfig, SamplingParams, TokenEvent, TurnStats
 from kvchat.engine.kv_cache import KVPool, plan_pool
 from kvchat.engine.model import Step
+from kvchat.text import stats_line
 
 STORY = "Write a long story about a lighthouse keeper and a storm."
 
@@ -122,7 +123,9 @@ def test_cached_blocks_are_evicted_before_any_conversation_is_preempted(small_en
     b = eng.new_conversation()
     text = prompt_needing(b, eng.blocks.num_free + 2)
     _, stats = reply_tokens(b, text, 1)
-    assert stats.evicted_blocks >= 2
+    assert stats.reclaimed_blocks >= 2 and stats.evicted_blocks == 0   # reclaimed, not sink-window's eviction
+    assert f"reclaimed {stats.reclaimed_blocks:,} cached blocks" in stats_line(stats.summarized())
+    assert "evicted" not in stats_line(stats.summarized())
     assert stats.preempted == 0 and a.tokens_held > 0, "preempted while cached blocks could be evicted"
     for c in (a, b):
         eng.close_conversation(c)

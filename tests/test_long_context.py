@@ -99,3 +99,22 @@ def test_drop_oldest_makes_room_under_the_models_maximum(conv, small_max):
              if isinstance(e, TurnStats)][0]
     assert stats.dropped_messages == 2 and stats.prompt_tokens <= first_len + 10
     assert conv.messages[0]["content"] != "Name a colour."
+
+
+def test_drop_oldest_leaves_room_for_the_reply(conv):
+    """Issue 26: drop-oldest dropped only enough for the prompt, so the reply stopped at the cap
+    a few tokens in. Here the cap is set so that dropping the oldest turn fits the prompt with
+    8 tokens to spare: the reply's 16 need one more turn dropped."""
+    conv.set_policy("drop-oldest")
+    for text in ("Name a colour.", "Name a fruit.", "Name a river."):
+        [e for e in conv.send(text, SamplingParams(max_tokens=16))]
+    new = "Name a mountain, and say where it is."
+    msgs = conv.messages + [{"role": "user", "content": new}]
+    head = 1 if msgs[0]["role"] == "system" else 0
+    one_dropped = len(conv.render(msgs[:head] + msgs[head + 2:]))
+    cap = one_dropped + 8
+    assert cap // 4 >= 16
+    conv.set_cap(cap)
+    stats = [e for e in conv.send(new, SamplingParams(max_tokens=16)) if isinstance(e, TurnStats)][0]
+    assert stats.dropped_messages == 4 and stats.prompt_tokens + 16 <= cap
+    assert stats.stop_reason != "cap"

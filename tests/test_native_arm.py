@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from test_native_batch import BS, paged_batch
-from tolerance import assert_within, gemv_reference, paged_decode_reference, rms_norm_reference
+from tolerance import assert_within, gemv_reference, paged_decode_reference, rms_norm_reference, silu_mul_reference
 from kvchat.engine import attention as A
 from kvchat.engine import native_build as nb
 
@@ -130,3 +130,19 @@ def test_decode_and_write_run_on_aarch64(driver, fp8):
     expected = b"".join(t.view(torch.uint8).numpy().tobytes() for t in want)
     expected += b"".join(f32(s) for s in scales if s is not None)
     assert rest[4:] == expected, "aarch64 write: bytes differ from torch's"
+
+
+def test_the_fused_add_norm_and_silu_run_on_aarch64(driver):
+    """engine/csrc/step.c's residual add + RMSNorm and SiLU(gate) * up (its exp built from the
+    vector extensions alone) on aarch64, within their float64 bounds."""
+    gen = torch.Generator().manual_seed(7)
+    b, k, n = 3, 100, 1536 + 5
+    x, r, w = torch.randn(b, k, generator=gen) * 3, torch.randn(b, k, generator=gen), torch.randn(k, generator=gen)
+    gu = torch.randn(2, 2 * n, generator=gen) * 20
+    cmds = struct.pack("<3qf", 5, b, k, 1e-5) + f32(x) + f32(r) + f32(w) + struct.pack("<3q", 6, 2, n) + f32(gu)
+    out = run(driver, cmds)
+    vals = torch.frombuffer(bytearray(out), dtype=torch.float32)
+    assert vals.numel() == 2 * b * k + 2 * n
+    assert torch.equal(vals[:b * k].view(b, k), x + r)
+    assert_within(vals[b * k:2 * b * k].view(b, k), *rms_norm_reference(x + r, w, 1e-5), what="aarch64 add+norm")
+    assert_within(vals[2 * b * k:].view(2, n), *silu_mul_reference(gu), what="aarch64 silu*up")

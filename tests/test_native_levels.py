@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from test_native_batch import BS, paged_batch
+from test_native_fused import check_add_rms_norm, check_rope_write, check_silu_mul, check_step
 from tolerance import assert_within, gemv_bf16_reference, gemv_reference, paged_decode_reference, rms_norm_reference
 from kvchat.engine import attention as A
 from kvchat.engine import native, native_build
@@ -86,3 +87,21 @@ def test_each_level_writes_the_bytes_of_the_torch_path(level, kv):
         if gt is not None:
             assert torch.equal(gt.view(torch.uint8) if gt.dtype == dtype else gt,
                                wt.view(torch.uint8) if wt.dtype == dtype else wt), level
+
+
+def test_each_level_computes_the_fused_ops(level):
+    """The residual add + norm, SiLU-and-multiply, and RoPE + cache write of this level's build
+    (engine/csrc/step.c, write.c), each within its float64 bound (tests/test_native_fused.py)."""
+    gen = torch.Generator().manual_seed(6)
+    for b, k in ((1, 576), (3, 100), (17, 4096)):
+        check_add_rms_norm(gen, b, k, level)
+    for b, n in ((1, 1536), (5, 9)):
+        check_silu_mul(gen, b, n, level)
+    for hq, hk, d, kv, head_major in ((9, 3, 64, "fp32", True), (32, 8, 128, "fp8", False), (5, 1, 96, "fp8", True)):
+        check_rope_write(gen, hq, hk, d, 7, kv, head_major, f"{level} {hq}x{hk}x{d} {kv}")
+
+
+@pytest.mark.parametrize("weights, kv", [("fp32", "fp32"), ("fp32", "fp8"), ("bf16", "fp32")])
+def test_each_level_runs_the_whole_decode_step(level, weights, kv, monkeypatch):
+    """kv_decode_step of this level's build: the layer-by-layer path's bits, batched == alone."""
+    check_step(weights, kv, monkeypatch, f"{level} {weights} weights, {kv} cache")

@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from test_native_batch import BS, paged_batch
 from tolerance import (assert_within, attention_reference, decode_reference, gemv_bf16_reference, gemv_reference,
                        lse_reference,
-                       paged_decode_reference, paged_rows, rms_norm_reference, silu_mul_reference, slack)
+                       paged_decode_reference, paged_rows, rms_norm_reference, rope_reference, silu_mul_reference, slack)
 from kvchat.engine import attention as A
 from kvchat.engine import cpu_attention as C
 from kvchat.engine import native
@@ -211,3 +211,26 @@ def test_the_log_sum_exp_bound_catches_log2_units_and_a_missing_window():
     assert fails(got * 1.4426950408889634, *ref), "log2 units"
     _, short = C.partial_attention(q, k[:, :, :-16], v[:, :, :-16], 0.125)
     assert fails(short[0].reshape(9, 1), *ref), "16 keys missing"
+
+
+# ---- RoPE -----------------------------------------------------------------------------------------
+def test_the_rope_bound_catches_a_wrong_sign_the_next_position_and_swapped_halves():
+    """The C rotation (native_step.rope_write) within rope_reference's bound, and the same
+    kernel fed what a bug would give it failing it: sin negated (rotating the wrong way),
+    every position one on (an off-by-one in the table's index), halves swapped in its output."""
+    from test_native_fused import pool_for, tables
+    from kvchat.engine import native_step
+    gen = torch.Generator().manual_seed(8)
+    cos, sin = tables(64, 500)
+    qkv = torch.randn(6, 15 * 64, generator=gen)
+    pos, slots = torch.randint(1, 499, (6,), generator=gen), torch.arange(6)
+    q_in = qkv[:, :9 * 64].reshape(6, 9, 64)
+    ref = rope_reference(q_in, cos[pos], sin[pos])
+
+    def rotate(c, s, p):
+        k, v, _, _ = pool_for(3, 64, 1, "fp32", True)
+        return native_step.rope_write(qkv, c, s, p, k, v, slots, None, None, 9)
+    assert_within(rotate(cos, sin, pos), *ref)
+    assert fails(rotate(cos, -sin, pos), *ref), "the wrong direction"
+    assert fails(rotate(cos, sin, pos + 1), *ref), "the next position"
+    assert fails(rotate(cos, sin, pos).roll(32, dims=-1), *ref), "halves swapped"

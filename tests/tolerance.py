@@ -124,6 +124,19 @@ def silu_mul_reference(gate_up: torch.Tensor) -> tuple[torch.Tensor, torch.Tenso
     return ref, rel * (1 + inner) * ref.abs() + 2 * ETA[gate_up.dtype] + TINY
 
 
+def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x: (T, H, d); cos, sin: (T, 1, d), the table rows the kernel read -> (rotate-half RoPE
+    x cos + (-x2, x1) sin in float64, its bound), both (T, H, d).
+
+    Each output is a dot product of length 2, x_j c_j - x_(j+d/2) s_j (or the sum for the
+    upper half), with or without a fused multiply-add: gamma_2 times the terms' magnitudes
+    (Higham eq. 3.5), and 2 TINY for products below fp32's normal range."""
+    xd, c, s = x.double(), cos.double(), sin.double()
+    half = x.shape[-1] // 2
+    rot = torch.cat((-xd[..., half:], xd[..., :half]), dim=-1)            # (-x2, x1)
+    return xd * c + rot * s, gamma(2) * (xd.abs() * c.abs() + rot.abs() * s.abs()) + 2 * TINY
+
+
 # ---- attention ----------------------------------------------------------------------------
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                         mask: torch.Tensor | None = None, p_dtype: torch.dtype = torch.float32,

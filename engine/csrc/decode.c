@@ -140,15 +140,12 @@ typedef struct { int64_t seq, head, b0, b1; } Item;
 
 static inline int64_t length_of(const DecodeArgs *a, int64_t s) { return a->lens ? a->lens[s] : a->length; }
 
-/* q: (batch, kv_heads * group, dim) at a stride of q_stride between sequences; out: (batch,
- * kv_heads * group, dim) contiguous. Each sequence is cut into min(splits, its blocks)
- * stretches. Returns 0, or -1 when the geometry is outside what this kernel serves or a
- * length or block id is out of range (the caller then takes the torch path, which raises). */
-int kv_decode(const DecodeArgs *a, const float *q, float *out, int splits, int threads) {
-    const int64_t g = a->group, d = a->dim, hk = a->kv_heads, bs = a->block_size, nb = a->batch;
+/* kv_decode's -1 cases, checked before anything is read or written (kv_decode_step checks
+ * them before its first layer) */
+int kv_decode_check(const DecodeArgs *a, int splits) {
+    const int64_t g = a->group, d = a->dim, bs = a->block_size, nb = a->batch;
     if (g < 1 || g > MAX_GROUP || d % LANES || d > MAX_DIM || bs < 1 || nb < 1 || splits < 1)
         return -1;
-    int64_t items = 0, rows = 0;
     for (int64_t s = 0; s < nb; s++) {
         const int64_t len = length_of(a, s), blocks = (len + bs - 1) / bs;
         if (len < 1 || blocks > a->max_blocks)
@@ -158,6 +155,21 @@ int kv_decode(const DecodeArgs *a, const float *q, float *out, int splits, int t
             if (blk < 0 || blk >= a->num_blocks)
                 return -1;
         }
+    }
+    return 0;
+}
+
+/* q: (batch, kv_heads * group, dim) at a stride of q_stride between sequences; out: (batch,
+ * kv_heads * group, dim) contiguous. Each sequence is cut into min(splits, its blocks)
+ * stretches. Returns 0, or -1 when the geometry is outside what this kernel serves or a
+ * length or block id is out of range (the caller then takes the torch path, which raises). */
+int kv_decode(const DecodeArgs *a, const float *q, float *out, int splits, int threads) {
+    const int64_t g = a->group, d = a->dim, hk = a->kv_heads, bs = a->block_size, nb = a->batch;
+    if (kv_decode_check(a, splits) != 0)
+        return -1;
+    int64_t items = 0, rows = 0;
+    for (int64_t s = 0; s < nb; s++) {
+        const int64_t len = length_of(a, s), blocks = (len + bs - 1) / bs;
         items += hk * (blocks < splits ? blocks : splits);
         rows += len;
     }

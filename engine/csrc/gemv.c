@@ -1,4 +1,4 @@
-/* y = x W^T for a few rows of x, and RMSNorm of a few rows: the products of a decode step.
+/* y = x W^T for a few rows of x: the products of a decode step (the norms: step.c).
  *
  * A decode step of B sequences multiplies B rows by every weight matrix. On a CPU that is
  * bound by reading the weights (538 MB a step for the bundled model in fp32), so each weight
@@ -88,26 +88,5 @@ void kv_gemv(const float *x, const float *w, float *y, int64_t b, int64_t n, int
         }
         #pragma omp for schedule(static)
         for (int64_t r = groups * rows; r < n; r++) column(x, w + r * k, y + r, b, n, k, 1, NULL);
-    }
-}
-
-/* ---- y = x / sqrt(mean(x^2) + eps) * w, row by row ---------------------------------------- */
-/* torch's CPU rms_norm is eight ops, about 27 us for one row of 576 (measured): 1.7 ms of a
- * decode step's 61 norms. Sums in another order than torch's: fp32 tolerance, not bits.
- * x, y: (b, k) contiguous; w: (k,). */
-void kv_rms_norm(const float *x, const float *w, float *y, int64_t b, int64_t k, float eps) {
-    const int64_t kv = k / LANES * LANES;
-    for (int64_t i = 0; i < b; i++) {
-        const float *xi = x + i * k;
-        float *yi = y + i * k;
-        f16v acc = {0};
-        for (int64_t j = 0; j < kv; j += LANES) {
-            f16v v = load(xi + j);
-            acc += v * v;
-        }
-        float ss = hsum(acc);
-        for (int64_t j = kv; j < k; j++) ss += xi[j] * xi[j];
-        const float r = 1.0f / sqrtf(ss / (float)k + eps);
-        for (int64_t j = 0; j < k; j++) yi[j] = xi[j] * r * w[j];
     }
 }

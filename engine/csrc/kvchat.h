@@ -1,6 +1,6 @@
 /* The C kernels' interface: what engine/native_abi.py mirrors with ctypes and
  * tests/csrc/driver.c calls directly. Plain C, no torch headers: torch's C++ ABI differs
- * between versions, C's does not. kv_sizes() lets a caller check that its copies of the two
+ * between versions, C's does not. kv_sizes() lets a caller check that its copies of the four
  * structures have this layout before it calls anything. */
 #ifndef KVCHAT_H
 #define KVCHAT_H
@@ -31,6 +31,29 @@ typedef struct {
     int64_t k_row_stride, v_row_stride, src_head_stride;
 } WriteArgs;
 
+/* One layer's weights and cache for kv_decode_step. */
+typedef struct {
+    const void *wqkv, *wo, *w_gate_up, *w_down;   /* (n, k) fp32, or bf16 bits where StepArgs.bf16 */
+    const float *attn_norm, *mlp_norm;            /* (hidden,) */
+    void *k, *v;                                  /* the layer's cache, as in DecodeArgs */
+    float *ks, *vs;                               /* fp8 scales, or NULL */
+} LayerArgs;
+
+/* A decode step of `attn.batch` rows, one per sequence, through every layer (step.c). attn and
+ * write carry the batch's tables, lengths and the cache geometry; their k, v, ks, vs (and
+ * write's sources) are set per layer from `layers`. */
+typedef struct {
+    DecodeArgs attn;
+    WriteArgs write;
+    const LayerArgs *layers;
+    const float *final_norm;      /* (hidden,) */
+    const void *lm_head;          /* (vocab, hidden), fp32 or bf16 as the layers' */
+    const float *cos, *sin;       /* (n_pos, dim) RoPE tables, rotate-half layout */
+    const int64_t *pos, *slots;   /* (batch,) each row's position and flat cache slot */
+    int64_t n_layers, hidden, heads, inter, vocab, n_pos, bf16;
+    float eps;
+} StepArgs;
+
 /* x: (b, k); w: (n, k); y: (b, n) = x w^T; all contiguous fp32 (gemv.c) */
 void kv_gemv(const float *x, const float *w, float *y, int64_t b, int64_t n, int64_t k, int threads);
 /* the same with w in bf16 bits; 0, or -1 when out of memory (gemv_bf16.c) */
@@ -43,7 +66,30 @@ void kv_rms_norm(const float *x, const float *w, float *y, int64_t b, int64_t k,
 int kv_decode(const DecodeArgs *a, const float *q, float *out, int splits, int threads);
 /* n rows into flat slots; 0, or -1 (nothing written) when a slot is outside the pool (write.c) */
 int kv_write(const WriteArgs *a, const int64_t *slots, int64_t n, int threads);
-/* sizes[0] = sizeof(DecodeArgs), sizes[1] = sizeof(WriteArgs) (write.c) */
+/* x: (b, k) set to x + r when r is not NULL; y: (b, k) = x / sqrt(mean(x^2) + eps) * w (step.c) */
+void kv_add_rms_norm(float *x, const float *r, const float *w, float *y, int64_t b, int64_t k, float eps);
+/* gate_up: (b, 2 n), gate then up; out: (b, n) = silu(gate) * up (step.c) */
+void kv_silu_mul(const float *gate_up, float *out, int64_t b, int64_t n);
+/* qkv: n rows at a stride of qkv_stride, each `heads` q heads, kv_heads k heads, kv_heads v
+ * heads of dim floats; cos, sin: (n_pos, dim). q_out: (n, heads, dim) = RoPE(q); RoPE(k) and v
+ * go to their slots as kv_write writes them. 0, or -1 (nothing written) when a slot or a
+ * position is out of range (write.c) */
+int kv_rope_write(const WriteArgs *a, const float *qkv, int64_t qkv_stride, int64_t heads, const float *cos,
+                  const float *sin, int64_t n_pos, const int64_t *pos, const int64_t *slots, float *q_out, int64_t n,
+                  int threads);
+/* x: (batch, hidden) the rows' embeddings, left holding the residual stream; work: (batch,
+ * 2 hidden + (heads + 2 kv_heads) dim + 2 heads dim + 3 inter) floats; logits: (batch, vocab).
+ * 0; -1 (nothing written) when a length, block id, slot or position is out of range or the
+ * geometry is not served; -2 when out of memory (step.c) */
+int kv_decode_step(const StepArgs *s, float *x, float *work, float *logits, int splits, int threads);
+/* sizes[0..3] = sizeof DecodeArgs, WriteArgs, LayerArgs, StepArgs (write.c) */
 void kv_sizes(int64_t *sizes);
+
+/* inside the library: kv_decode's checks alone (decode.c); the rows of kv_rope_write
+ * without its checks (write.c) */
+int kv_decode_check(const DecodeArgs *a, int splits);
+void kv_rope_write_rows(const WriteArgs *a, const float *qkv, int64_t qkv_stride, int64_t heads, const float *cos,
+                        const float *sin, const int64_t *pos, const int64_t *slots, float *q_out, int64_t n,
+                        int threads);
 
 #endif

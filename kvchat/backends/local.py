@@ -56,6 +56,9 @@ class LocalChat:
     def set_system(self, text: str | None) -> None:
         self.conv.set_system(text)
 
+    def history_tokens(self) -> int | None:
+        return len(self.conv.render(self.conv.messages))
+
 
 class LocalBackend:
     """One Engine: one model, one KV pool shared by every conversation."""

@@ -122,6 +122,11 @@ class Chat(Protocol):
         """Replace the system prompt (None or "": none). It is the start of the prompt, so the
         cached prefix no longer matches: the next turn prefills the whole history."""
 
+    def history_tokens(self) -> int | None:
+        """Tokens the history renders to with the chat template and the generation prompt
+        (a template may add a default system prompt of its own); None where the backend
+        cannot tell. May wait on the backend: call it off the UI thread."""
+
 
 @runtime_checkable
 class Backend(Protocol):

@@ -227,13 +227,6 @@ class VllmBackend:
         except ShapeError as err:
             raise ServerError(f"{self.api.url}{err}") from None
 
-    def tokens_held(self, chat: VllmChat) -> int:
-        """This conversation's tokens in resident full blocks (0 without a KV-event stream)."""
-        bs = self.metrics.cache.block_size
-        if self.events is None or not bs or not chat.token_ids:
-            return 0
-        return self.events.store.chain(chat.token_ids, bs) * bs
-
     # ---- the panels -----------------------------------------------------------------------------
     def snapshot(self, chat: Chat | None = None, wait_for_events: bool = False) -> ServerSnapshot:
         if chat is not None and not isinstance(chat, VllmChat):
@@ -279,11 +272,20 @@ class VllmBackend:
                 notes.append(f"{store.undecodable} malformed KV events skipped (the last: {store.last_problem})")
             if store.overflow:
                 notes.append(f"the map is full ({store.blocks:,} blocks): {store.overflow} stored blocks left out")
+            if chat is not None and chat.context_tokens:
+                notes.append(f"of this conversation's {chat.context_tokens:,} tokens, {mine * bs:,} sit in "
+                             f"{mine:,} resident full blocks (the server frees a partial last block)")
         else:
             notes.append(self.capabilities.why_not(BLOCK_MAP) or "the server reports no block size")
-            unavailable += ["tokens_held", "blocks_used", "bytes_used", "bytes_allocated", "pool_cached",
-                            "block_map"]
-        held = mine * bs if mine is not None and bs else None
+            unavailable += ["pool_cached", "block_map"]
+        # the conversation's tokens as the server counted them (its last turn's prompt and reply),
+        # not only the full blocks the KV events report: what its cap is checked against
+        held = chat.context_tokens if chat is not None else None
+        if held is None:
+            unavailable += ["tokens_held", "bytes_used"]
+        filled = -(-held // bs) if held is not None and bs else None      # the blocks they fill, the last partly
+        if filled is None:
+            unavailable += ["blocks_used", "bytes_allocated"]
         codes = b""
         if mine is not None and resident is not None and nb and bs:
             reused = min(mine, (chat.reused_tokens // bs) if chat is not None else 0)
@@ -305,8 +307,8 @@ class VllmBackend:
             model=self.model.name, kv_dtype=self.kv_dtype, block_size=bs or 0, num_blocks=nb or 0,
             bytes_per_token=bpt, capacity_bytes=nb * bs * bpt if nb and bs and bpt else None,
             tokens_held=held, bytes_used=held * bpt if held is not None and bpt else None,
-            bytes_allocated=mine * bs * bpt if mine is not None and bs and bpt else None,
-            blocks_used=mine, wasted_slots=None, pool_free=max(0, nb - (active or 0) - (cached or 0)) if nb else None,
+            bytes_allocated=filled * bs * bpt if filled is not None and bs and bpt else None,
+            blocks_used=filled, wasted_slots=None, pool_free=max(0, nb - (active or 0) - (cached or 0)) if nb else None,
             pool_active=active, pool_cached=cached, pool_shared=None, block_map=codes,
             cap=chat.cap if chat is not None else None, policy=chat.policy.name if chat is not None else "",
             mode="cache", evictions=None, preemptions=_int(m.preemptions), source="vllm",

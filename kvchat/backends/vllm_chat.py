@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, Protocol
 
 from kvchat.engine.errors import KvchatError
-from kvchat.engine.policy import make_policy
+from kvchat.engine.policy import make_policy, reply_room
 from kvchat.engine.sampler import SamplingParams
 from kvchat.engine.telemetry import PrefillEvent, TokenEvent, TurnStats
 
@@ -38,7 +38,6 @@ class Server(Protocol):
 
     def request_body(self, messages: list[Message], sampling: SamplingParams | None) -> dict[str, Any]: ...
     def count_messages(self, messages: list[Message]) -> int: ...
-    def tokens_held(self, chat: VllmChat) -> int: ...
     def reset_prefix_cache(self) -> int: ...
     def snapshot(self, chat: VllmChat | None = None, wait_for_events: bool = False) -> ServerSnapshot: ...
 
@@ -56,6 +55,7 @@ class VllmChat:
         self.set_policy(policy)
         self.turns = 0
         self.token_ids: tuple[int, ...] = ()     # the last turn's prompt + reply, as the server saw them
+        self.context_tokens = 0                  # how many: the server's count (usage), else len(token_ids)
         self.reused_tokens = 0
         self.history: list[TurnStats] = []
 
@@ -63,7 +63,7 @@ class VllmChat:
     def state(self) -> ChatState:
         return ChatState(messages=tuple(dict(m) for m in self.messages), cap=self.cap, policy=self.policy.name,
                          policy_description=self.policy.description, mode="cache",
-                         tokens_held=self.backend.tokens_held(self), evicted_tokens=0, preempted_pending=0,
+                         tokens_held=self.context_tokens, evicted_tokens=0, preempted_pending=0,
                          turns=self.turns)
 
     def set_cap(self, cap: int | None) -> None:
@@ -87,7 +87,7 @@ class VllmChat:
 
     def restore(self, messages: list[Message]) -> None:
         self.messages = [dict(m) for m in messages]
-        self.token_ids, self.reused_tokens = (), 0
+        self.token_ids, self.reused_tokens, self.context_tokens = (), 0, 0
 
     def set_system(self, text: str | None) -> None:
         """The server renders the chat itself; its prefix cache simply misses from the first
@@ -96,6 +96,13 @@ class VllmChat:
             del self.messages[0]
         if text:
             self.messages.insert(0, {"role": "system", "content": text})
+
+    def history_tokens(self) -> int | None:
+        """The server's count (/tokenize); None where it cannot say."""
+        try:
+            return self.backend.count_messages(self.messages)
+        except ServerError:
+            return None
 
     def truncate(self, n_messages: int) -> None:
         """Keep the first n messages (an edited one is resent); the server's prefix cache
@@ -113,24 +120,35 @@ class VllmChat:
         if not text.strip():
             raise KvchatError("empty message: type something to send")
         messages = self.messages + [{"role": "user", "content": text}]
+        room = None
         if self.cap is not None:
-            messages = self.policy.fit(messages, self.backend.count_messages, self.cap)
-        return self._turn(messages, len(self.messages) + 1 - len(messages), sampling, cancel)
+            count = _LastCount(self.backend.count_messages)
+            asked = sampling.max_tokens if sampling is not None else DEFAULT_MAX_TOKENS
+            messages = self.policy.fit(messages, count, self.cap, room=reply_room(asked, self.cap))
+            room = self.cap - count(messages)      # the policy counted these last: no second /tokenize
+        return self._turn(messages, len(self.messages) + 1 - len(messages), sampling, cancel, room)
 
     def regenerate(self, sampling: SamplingParams | None = None,
                    cancel: threading.Event | None = None) -> Iterator[Event]:
         if not self.messages or self.messages[-1]["role"] != "assistant":
             raise KvchatError("nothing to regenerate: the conversation has no reply yet")
-        return self._turn(self.messages[:-1], 0, sampling, cancel)
+        messages = self.messages[:-1]
+        room = self.cap - self.backend.count_messages(messages) if self.cap is not None else None
+        return self._turn(messages, 0, sampling, cancel, room)
 
     def _turn(self, messages: list[Message], dropped: int, sampling: SamplingParams | None,
-              cancel: threading.Event | None) -> Iterator[Event]:
+              cancel: threading.Event | None, room: int | None = None) -> Iterator[Event]:
         """The messages change only once the reply has arrived (complete, cancelled, or cut
         with something in it): a broken connection or a failure before any token raises
         ServerError and leaves the conversation as it was. The client itself stops at the
-        max_tokens it asked for."""
+        max_tokens it asked for. `room`: the tokens the cap leaves after the prompt; the
+        request asks for no more (at least one, as the local engine shows the token that
+        reaches its cap), and a reply that ends there stopped at the cap."""
         b = self.backend
         body = b.request_body(messages, sampling)
+        at_cap = False
+        if room is not None and room < body["max_tokens"]:
+            body["max_tokens"], at_cap = max(1, room), True
         limit = body["max_tokens"]
         prompt_ids: list[int] = []
         reply_ids: list[int] = []
@@ -151,6 +169,10 @@ class VllmChat:
                     c = chunk(event)
                 except ShapeError as err:
                     raise ServerError(f"{b.api.url}: {err}") from None
+                if c.prompt_ids and not prompt_ids:
+                    # the block map counts this turn's prompt blocks as this conversation's while
+                    # it replies (they showed as other prefixes' "cached" until the reply ended)
+                    self.token_ids = tuple(c.prompt_ids)
                 prompt_ids = list(c.prompt_ids) or prompt_ids
                 usage = c.usage or usage
                 for piece in c.pieces:
@@ -187,6 +209,8 @@ class VllmChat:
                     finish = "abort"
                     break
         finish = self._ending(stream, finish, bool(text))
+        if at_cap and finish == "max_tokens":
+            finish = "cap"
         reply = redact("".join(text) + redactor.flush())
         self.messages = messages + [{"role": "assistant", "content": reply}]
         self.turns += 1
@@ -194,18 +218,20 @@ class VllmChat:
         n_prompt = usage.prompt_tokens if usage and usage.prompt_tokens is not None else len(prompt_ids)
         cached = usage.cached_tokens if usage else None
         self.reused_tokens = cached if cached is not None else 0
-        unavailable = ["prefill_ms", "evicted_blocks", "preempted", "recomputed_tokens"]
+        unavailable = ["prefill_ms", "evicted_blocks", "preempted", "recomputed_tokens", "reclaimed_blocks"]
         if cached is None:
             unavailable += ["reused_tokens", "computed_tokens"]
         generated = usage.completion_tokens if usage and usage.completion_tokens is not None else len(reply_ids)
+        generated = min(generated, max(tokens, len(reply_ids)))
+        self.context_tokens = n_prompt + generated
         stats = TurnStats(
             turn=self.turns, prompt_tokens=n_prompt, reused_tokens=cached,
             computed_tokens=max(0, n_prompt - cached) if cached is not None else None,
-            generated_tokens=min(generated, max(tokens, len(reply_ids))), ttft_ms=ttft_ms,
+            generated_tokens=generated, ttft_ms=ttft_ms,
             prefill_ms=None, decode_ms=tuple(decode_ms), positions=tuple(positions),
             stop_reason=finish, reply=reply, mode="cache",
             kv_dtype=b.kv_dtype, policy=self.policy.name, dropped_messages=dropped, evicted_blocks=None,
-            preempted=None, recomputed_tokens=None, cache=b.snapshot(self, wait_for_events=True),
+            preempted=None, recomputed_tokens=None, cache=b.snapshot(self, wait_for_events=True), reclaimed_blocks=None,
             unavailable=tuple(unavailable))
         self.history.append(stats)
         yield stats
@@ -224,3 +250,17 @@ class VllmChat:
         if not arrived or stream.ended == LOST:
             raise ServerError(stream.why)
         return "timeout" if stream.ended == TIMEOUT else "cut"
+
+
+class _LastCount:
+    """A message count that remembers its last answer: a cap policy's last count is of the
+    messages it keeps, which the turn needs again for the room left to its reply."""
+
+    def __init__(self, count: Callable[[list[Message]], int]) -> None:
+        self.count = count
+        self.last: tuple[list[Message], int] | None = None
+
+    def __call__(self, messages: list[Message]) -> int:
+        if self.last is None or self.last[0] != messages:
+            self.last = (list(messages), self.count(messages))
+        return self.last[1]

@@ -31,6 +31,7 @@ class Browser:
         self.conversations = conversations
         self.data_root = data_root
         self._remember_failed = False
+        self._peers: set[int] = set()      # other kvchat processes seen with conversations open (catalog.remember_open)
 
     # ---- the browser screen -----------------------------------------------------------------
     def open_paths(self) -> set[Path]:
@@ -173,7 +174,8 @@ class Browser:
 
     def remember(self) -> None:
         """Keep the list of open conversations for the next --resume."""
-        error = catalog.remember_open([s.log.path for s in self.conversations.sessions], self.data_root)
+        error = catalog.remember_open([s.log.path for s in self.conversations.sessions], self.data_root,
+                                      self._peers)
         if error is not None and not self._remember_failed:    # said once, not on every change
             self._remember_failed = True
             self.host.notice(error, error=True)

@@ -25,7 +25,8 @@ from ..commands import Command, CommandError, read_message_file, token_count
 from ..screens.policy_picker import PolicyPicker
 from ..screens.model_info import ModelInfoScreen
 from ..store.log import export
-from ..text import per_token, what_if_command
+from ..text import message_preview, per_token, what_if_command
+from . import planning
 from .browser import Browser
 from .conversations import Conversations
 from .crowd import CrowdControl
@@ -79,6 +80,7 @@ class Controls:
             "system": gen.set_system, "temperature": partial(gen.set, "temperature"),
             "top-p": partial(gen.set, "top_p"), "seed": partial(gen.set, "seed"),
             "model": lambda _: self.model_info(), "copy": host.copy, "whatif": lambda arg: self.what_if(*arg),
+            "plan": self.plan,
         }
 
     def can(self, capability: str) -> bool:
@@ -143,10 +145,17 @@ class Controls:
             host.notice(f"not with this backend: {why}", error=True)
             return
 
+        old = POLICIES.get(session.state.policy)
+        # sink-window's cache is its own (shifted windows are no prefix of the text): entering or
+        # leaving it, the next turn computes the whole history again; say what that costs first
+        again = (old is not None and old.streaming != POLICIES[name].streaming and session.context_tokens > 0)
+
         def apply() -> str:
             session.chat.set_policy(name)
             session.log.event("policy", value=name)
-            return f"policy {name}: {POLICIES[name].description}"
+            cost = (f"; the next turn prefills the whole history again, {session.context_tokens:,} tokens, as "
+                    "sink-window's cache is no prefix of the text" if again else "")
+            return f"policy {name}: {POLICIES[name].description}{cost}"
         if host.jobs.busy is not None:
             host.run_op(f"switch to policy {name}", apply, interrupt=False)
             return
@@ -238,6 +247,7 @@ class Controls:
     def save_to(self, path: Path | None, overwrite: bool = False) -> None:
         """/save [FILE], /save! FILE (overwrite), ctrl+s: the transcript and telemetry."""
         host, session = self.host, self.host.session
+        named = path is not None
         path = path or Path.cwd() / f"kvchat-{time.strftime('%Y%m%d-%H%M%S')}"
         session.log.sync(list(session.refresh().messages))     # a /system since the last turn, say
         try:
@@ -245,6 +255,10 @@ class Controls:
                             overwrite=overwrite)
         except OSError as err:
             host.notice(f"cannot save to {path}: {err.strerror or err}", error=True)
+            return
+        if not named:       # ctrl+s, /save: say where that is, and how to choose
+            host.notice(f"saved the transcript {md.name} and the telemetry {jl.name} in the folder kvchat was "
+                        f"started in, {md.parent}; /save FILE saves elsewhere")
             return
         host.notice(f"saved the transcript to {md} and the telemetry to {jl}")
 
@@ -254,9 +268,16 @@ class Controls:
         except CommandError as err:
             self.host.notice(str(err), error=True)
             return
-        lines = text.splitlines()
-        preview = "\n".join(lines[:4]) + (f"\n… ({len(lines) - 4:,} more lines)" if len(lines) > 4 else "")
-        self.host.send(text, shown=f"/load {path} ({len(text):,} characters)\n{preview}", typed=f"/load {path}")
+        self.host.send(text, shown=message_preview(text, f"/load {path}"), typed=f"/load {path}")
+
+    def plan(self, words: list[str]) -> None:
+        """/plan: the flags checked now, the simulation after the current turn (a worker)."""
+        try:
+            args = planning.parse(words)
+        except CommandError as err:
+            self.host.notice(str(err), error=True)
+            return
+        self.host.run_op("simulate the plan", lambda: planning.run_plan_lines(args), interrupt=False)
 
     def what_if(self, model: str, tokens: str, *rest: str | None) -> None:
         """/whatif MODEL TOKENS [USERS] [BUDGET]: a bare number is users, a size with a unit the budget."""

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from kvchat.engine.telemetry import CacheSnapshot, PrefillEvent, PrefillProgress, TokenEvent, TurnStats
 
 from ..backends.protocol import Event
+from .prefill_eta import PrefillEta
 
 INTERVAL_S = 0.125          # ~8 updates a second at most
 MAX_INTERVAL_S = 1.0        # and at least one a second
@@ -34,6 +35,7 @@ class Progress:
     prefill: PrefillEvent | None
     generated: int                            # tokens so far this turn
     prefill_progress: PrefillProgress | None = None   # the latest, while the prompt prefills
+    prefill_eta_s: float | None = None                # its time left, from the recent chunks
 
 
 class Governor:
@@ -75,6 +77,7 @@ def relay(events: Iterable[Event], snapshot: Callable[[], CacheSnapshot], emit: 
     generated = 0
     cost = 0.0
     last = clock()
+    eta = PrefillEta()
 
     def flush(take_snapshot: bool, progress: PrefillProgress | None = None) -> None:
         nonlocal text, points, prefill, cost, last
@@ -83,7 +86,8 @@ def relay(events: Iterable[Event], snapshot: Callable[[], CacheSnapshot], emit: 
             t0 = clock()
             snap = snapshot()
             cost = clock() - t0
-        emit(Progress("".join(text), tuple(points), snap, prefill, generated, progress))
+        emit(Progress("".join(text), tuple(points), snap, prefill, generated, progress,
+                      eta.add(progress) if progress is not None else None))
         text, points, prefill = [], [], None
         last = clock()
 
@@ -93,7 +97,9 @@ def relay(events: Iterable[Event], snapshot: Callable[[], CacheSnapshot], emit: 
                 flush(take_snapshot=False)   # the stats carry the final snapshot
             return ev
         if isinstance(ev, PrefillProgress):
-            flush(take_snapshot=False, progress=ev)   # one per prefill chunk: few, each worth showing
+            # one per prefill chunk: few, each worth showing with the cache the chunks have
+            # filled so far (the panels froze at the last turn's for a whole long prefill)
+            flush(take_snapshot=clock() - last >= SNAPSHOT_SHARE * cost, progress=ev)
             continue
         if isinstance(ev, PrefillEvent):
             prefill = ev

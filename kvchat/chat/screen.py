@@ -45,7 +45,8 @@ from .controls import Controls
 from .conversations import Conversations, read_the_cache
 from .draft import DraftCounter
 from .editing import Editor
-from .generation import Generation, describe
+from .generation import Generation, describe, resumed
+from .input_keys import InputKeys
 from .jobs import Busy, JobQueue, Op, RunningTurn, Then
 from .messages import AppCommand, BackendFailed, BackendReady, LogFailed, OpEnded, TurnEnded, TurnProgress
 from .panels import Panels
@@ -58,7 +59,7 @@ R = TypeVar("R")
 APP_KEYS = frozenset(k.id for k in keys.KEYS if k.app)    # /help, /theme, /quit: the App's, as their keys are
 
 
-class ChatScreen(Screen[None]):
+class ChatScreen(InputKeys, Screen[None]):
     BINDINGS = keys.bindings()
 
     def __init__(self, model: str, sampling: SamplingParams, options: ChatOptions, keymap: dict[str, str],
@@ -76,7 +77,7 @@ class ChatScreen(Screen[None]):
         self.conversations = Conversations(self, data_root)
         self.browser = Browser(self, self.conversations, data_root)
         self.editor = Editor(self)
-        self.generation = Generation(self, self.conversations, sampling)
+        self.generation = Generation(self, self.conversations, resumed(sampling, restored))
         self.controls = Controls(self, self.conversations, self.browser, self.editor, self.generation)
         self.conversations.on_change = self.browser.remember
         self.closing = False        # the app exits: worker messages still queued are dropped
@@ -392,7 +393,7 @@ class ChatScreen(Screen[None]):
         if msg.turn.reply is not None:
             await msg.turn.reply.append(p.text)
         where = f"conversation {view.number} " if view is not self.view else ""
-        state = where + (prefill_line(p.prefill_progress) if p.prefill_progress is not None
+        state = where + (prefill_line(p.prefill_progress, eta_s=p.prefill_eta_s) if p.prefill_progress is not None
                          else f"replying · {p.generated} tokens")
         self.panels.progress(session, bool(p.points), self.kept(msg.focus, p.snapshot), p.snapshot,
                              self.backend.info(), state)

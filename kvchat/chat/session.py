@@ -76,7 +76,7 @@ class Session:
             chat = backend.open(cap=restored.cap, policy=restored.policy, mode=restored.mode)
             chat.restore(restored.visible)
             log = ConversationLog(restored.path, restored.messages, restored=restored)   # the log read once
-            log.event("resumed")
+            log.mark("resumed")
             return cls(number, chat, log, restored.turns)
         chat = backend.open(system=options.system, cap=options.cap, policy=options.policy, mode=options.mode)
         log = ConversationLog.create(data_root, model=backend.info().model, system=options.system,

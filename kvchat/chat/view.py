@@ -9,8 +9,9 @@ from __future__ import annotations
 
 from textual.widget import Widget
 
+from ..store.history import History
 from ..store.records import TurnRecord
-from ..text import plural
+from ..text import collapsed, plural
 from ..widgets.transcript import DROPPED, Reply, Transcript, UserMessage
 from .session import Session
 
@@ -36,6 +37,12 @@ class ChatView(Transcript):
         (the same process may open the conversation again: the browser, a test)."""
         if self.session is not None:
             self.session.log.close()
+
+    async def show_history(self, history: History) -> None:
+        """A resumed conversation, a long message (a /load's) collapsed as it was shown live
+        (the model and the log keep all of it)."""
+        shown = [{**m, "content": collapsed(m["content"])} if m["role"] == "user" else m for m in history.messages]
+        await super().show_history(History(shown, history.dropped, history.replies))
 
     # ---- a turn -------------------------------------------------------------------------------
     def show_user(self, text: str) -> UserMessage:

@@ -29,7 +29,8 @@ class CrowdRow:
     own: bool                      # the user's own conversation (highlighted)
     state: str                     # running, prefill, waiting, preempted, idle; a crowd user between turns:
                                    # thinking, or refused (its last turn did not fit the pool)
-    context_tokens: int | None
+    context_tokens: int | None     # the conversation's tokens: its last prompt and reply (cached or not:
+                                   # an idle one's blocks are cached, not held, and may be reclaimed)
     ttft_ms: float | None
     ms_per_token: float | None
     blocks_held: int | None
@@ -64,6 +65,12 @@ class CrowdFigures:
         return self.cache_bytes is not None and self.weight_bytes is not None and self.cache_bytes > self.weight_bytes
 
 
+def _tokens(v: Any) -> int:
+    """A conversation's tokens: those its sequence holds while it runs, else its last request's
+    prompt and reply (idle, waiting or preempted, the sequence holds none)."""
+    return max(v.context_tokens, v.prompt_tokens + v.generated_tokens)
+
+
 class Meter:
     """Builds CrowdFigures from successive snapshots; keeps what a rate needs (the pool-wide
     preemption and recomputation totals over the last minute)."""
@@ -88,7 +95,7 @@ class Meter:
         rows = []
         mine = views.get(own) if own is not None else None
         if mine is not None:
-            rows.append(CrowdRow("you", True, mine.state, mine.context_tokens, mine.ttft_ms, mine.ms_per_token,
+            rows.append(CrowdRow("you", True, mine.state, _tokens(mine), mine.ttft_ms, mine.ms_per_token,
                                  mine.blocks_held, mine.blocks_held / blocks if blocks else None,
                                  preemptions=mine.preemptions, conversation=own))
         for u in users:
@@ -98,7 +105,7 @@ class Meter:
                 state = v.state
                 if v.state == "idle" and u.state == "thinking":   # between turns: refused last time, or thinking
                     state = "refused" if last is not None and last.error else "thinking"
-                rows.append(CrowdRow(u.name, False, state, v.context_tokens, v.ttft_ms, v.ms_per_token, v.blocks_held,
+                rows.append(CrowdRow(u.name, False, state, _tokens(v), v.ttft_ms, v.ms_per_token, v.blocks_held,
                                      v.blocks_held / blocks if blocks else None, u.turns, v.preemptions,
                                      u.conversation))
             else:       # no scheduler to ask: the client's own timings

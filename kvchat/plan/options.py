@@ -2,10 +2,14 @@
 the hardware (or a calibration's), the scheduler's defaults, the step-time constants given."""
 from __future__ import annotations
 
-from typing import Any
+import argparse
+from typing import TYPE_CHECKING, Any
 
 from ..cli.args import UsageError
 from .bench_points import CPU_PREFILL_CHUNK
+
+if TYPE_CHECKING:
+    from .planner import PlanConfig
 
 NO_SEQ_LIMIT = 1_000_000      # kvchat's engine caps no sequence count: the pool does
 
@@ -31,7 +35,7 @@ def workload(args, long: int | None = None):
                     seed=args.seed)
 
 
-def plan_config(args, **changes):
+def plan_config(args: argparse.Namespace, **changes: Any) -> PlanConfig:
     from kvchat.engine.units import parse_bytes
 
     from .hardware import CPU, TABLE, cpu_calibrated, find

@@ -37,6 +37,8 @@ class HelpScreen(ModalScreen[None]):
         keys.add_row("enter", "", "send the message")
         keys.add_row("ctrl+j", "", "new line in the message")
         keys.add_row("up / down", "", "previous / next sent message (on the first / last line)")
+        keys.add_row("pageup / pagedown", "", "scroll the conversation while you type")
+        keys.add_row("ctrl+c", "", "copy the selection; with none, stop the reply (as escape)")
         cmds = Table(title="Commands (type in the input)", title_justify="left", expand=True, box=None)
         cmds.add_column("command", style="bold", no_wrap=True)
         cmds.add_column("does")

@@ -9,9 +9,12 @@ change are log events, so the log stays the one record of a conversation:
 Which conversations were open when the app last quit is kept in <data dir>/open.json
 (`remember_open`, `open_at_quit`); `--resume` reopens them all, if each is still one of
 kvchat's own logs: a name there pointing elsewhere (notes.txt, a link, a FIFO) is left alone.
+Each kvchat process keeps its own list there, so two on one data folder do not overwrite
+each other's: `{"open": [every list's paths], "processes": [{"pid": N, "paths": [...]}]}`.
 """
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import tempfile
@@ -83,11 +86,11 @@ def list_conversations(root: Path | None = None) -> list[Summary]:
 def rename(path: Path, title: str, log: ConversationLog | None = None) -> None:
     """Give a conversation a title (an event in its log; `log` if it is open here)."""
     if log is not None:
-        log.event("title", value=title)
+        log.mark("title", value=title)          # a rename is no use: "last used" stays
         return
     closed = ConversationLog(path)
     try:
-        closed.event("title", value=title)
+        closed.mark("title", value=title)
     finally:
         closed.close()
 
@@ -100,17 +103,36 @@ def delete(path: Path) -> None:
 
 
 # ---- the conversations open at quit -------------------------------------------------------------
-def remember_open(paths: list[Path], root: Path | None = None) -> str | None:
-    """Record the conversations open now (written whenever one opens or closes, so a crash
-    keeps the list too). Returns a line saying why it could not be written, or None:
-    failing loses only which conversations --resume reopens, never a conversation."""
+def remember_open(paths: list[Path], root: Path | None = None, peers: set[int] | None = None) -> str | None:
+    """Record the conversations this process has open now (written whenever one opens or
+    closes, so a crash keeps the list too), beside the lists of the other kvchat processes on
+    this data folder: those still running, and those `peers` saw running (each call adds the
+    running ones to it), so a kvchat that quit while this one ran keeps its list for --resume.
+    A list left by a process that had quit before this one first looked is replaced, as one
+    list was before. Returns a line saying why it could not be written, or None: failing
+    loses only which conversations --resume reopens, never a conversation."""
     target = (root or data_dir()) / OPEN_FILE
+    peers = set() if peers is None else peers
+    me = os.getpid()
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{OPEN_FILE}.", suffix=".tmp")   # a new file, 0600
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(json.dumps({"open": [str(p) for p in paths]}))
-        os.replace(tmp, target)
+        lock = os.open(target.with_name(f".{OPEN_FILE}.lock"), os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX)           # read, merge and replace as one step
+            lists: list[tuple[int, list[str]]] = [(me, [str(p) for p in paths])]
+            for pid, listed in _processes(target):
+                if pid is not None and pid != me and (pid in peers or _running(pid)):
+                    if _running(pid):
+                        peers.add(pid)
+                    lists.append((pid, listed))
+            union = list(dict.fromkeys(p for _, listed in lists for p in listed))
+            fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=f".{OPEN_FILE}.", suffix=".tmp")   # a new file, 0600
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                fh.write(json.dumps({"open": union, "processes": [{"pid": pid, "paths": listed}
+                                                                  for pid, listed in lists]}))
+            os.replace(tmp, target)
+        finally:
+            os.close(lock)
     except OSError as err:
         return (f"cannot record the open conversations: {cannot_write(target, err, 'KVCHAT_DATA_DIR')}; --resume "
                 "reopens the last")
@@ -125,6 +147,36 @@ def resume_paths(root: Path | None = None) -> tuple[Path | None, list[Path]]:
         return last_conversation(root), []
     focus = max(still_open, key=lambda p: p.stat().st_mtime)
     return focus, [p for p in still_open if p != focus]
+
+
+def _processes(target: Path) -> list[tuple[int | None, list[str]]]:
+    """Each process's list in open.json; a file from before the lists were per process is one
+    list of no process. Nothing readable: none."""
+    try:
+        data = json.loads(read_text(target, 2**20))
+    except (FileRefused, ValueError, RecursionError):
+        return []
+    if not isinstance(data, dict):
+        return []
+    listed = data.get("processes")
+    if not isinstance(listed, list):
+        paths = data.get("open")
+        return [(None, [p for p in paths if isinstance(p, str)])] if isinstance(paths, list) else []
+    out: list[tuple[int | None, list[str]]] = []
+    for e in listed:
+        if isinstance(e, dict) and isinstance(e.get("pid"), int) and isinstance(e.get("paths"), list):
+            out.append((e["pid"], [p for p in e["paths"] if isinstance(p, str)]))
+    return out
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:              # another user's process: running
+        return True
+    return pid > 0
 
 
 def open_at_quit(root: Path | None = None) -> list[Path]:

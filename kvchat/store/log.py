@@ -75,6 +75,7 @@ class Restored:
     started: float = 0.0            # seconds since the epoch, from its start record
     dropped: int = 0                # the oldest messages after the system prompt that drop-oldest dropped
     replies: dict[int, TurnRecord] = field(default_factory=dict)   # index in messages -> its reply's turn
+    sampling: dict[str, Any] | None = None   # the last /temperature, /top-p, /seed: {"temperature": ...}
 
     @property
     def skipped(self) -> int:
@@ -302,6 +303,18 @@ class ConversationLog:
     def event(self, name: str, **fields: Any) -> None:
         self.write({"type": "event", "event": name, "time": time.time(), **fields})
 
+    def mark(self, name: str, **fields: Any) -> None:
+        """An event that is no use of the conversation (reopening it, a rename): the file's
+        modification time, which the chat browser lists as "last used", stays as it was."""
+        try:
+            before = os.stat(self.path, follow_symlinks=False).st_mtime_ns
+        except OSError:
+            before = None
+        self.event(name, **fields)
+        if before is not None:
+            with contextlib.suppress(OSError):
+                os.utime(self.path, ns=(time.time_ns(), before), follow_symlinks=False)
+
     def close(self) -> None:
         with self._lock:
             if self._file is not None:
@@ -368,6 +381,8 @@ def restore(path: Path) -> Restored:
             history.dropped = value
         elif isinstance(rec, Event) and rec.name in SETTINGS:
             setattr(out, rec.name, rec.value)
+        elif isinstance(rec, Event) and rec.name == "sampling":
+            out.sampling = dict(rec.value)
         elif isinstance(rec, Event) and rec.name == "title":
             out.title = rec.value.strip()
         elif isinstance(rec, Event) and rec.name == "model":

@@ -134,6 +134,13 @@ def _name(v: Any) -> bool:
     return isinstance(v, str) and 0 < len(v) <= MAX_NAME
 
 
+def _sampling(v: Any) -> bool:
+    """/temperature, /top-p, /seed as the log writes them: numbers (a seed may be null)."""
+    number = lambda x: isinstance(x, (int, float)) and not isinstance(x, bool)   # noqa: E731
+    return (isinstance(v, dict) and set(v) <= {"temperature", "top_p", "seed"}
+            and all(number(x) or (k == "seed" and x is None) for k, x in v.items()))
+
+
 def _start(rec: dict) -> Start:
     t = rec.get("time", 0.0)
     if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < 1e11:
@@ -161,4 +168,6 @@ def _event(rec: dict) -> Event:
         raise RecordError(f"a model that is not a name of 1 to {MAX_NAME} characters")
     if name == "system" and value is not None and not isinstance(value, str):
         raise RecordError("a system prompt that is not text")
+    if name == "sampling" and not _sampling(value):
+        raise RecordError("sampling that is not temperature, top_p and seed as numbers")
     return Event(name, value, rec.get("previous") if name == "model" else None)

@@ -67,7 +67,7 @@ _FIELDS = tuple(f.name for f in fields(TurnSummary))
 _OPTIONAL = frozenset(f.name for f in fields(TurnSummary) if "None" in str(f.type))
 _COUNTS = ("turn", "prompt_tokens", "reused_tokens", "computed_tokens", "generated_tokens", "kv_bytes_per_token",
            "kv_bytes_used", "kv_bytes_allocated", "kv_capacity_bytes", "block_size", "blocks_used", "tokens_held",
-           "dropped_messages", "evicted_blocks", "preempted", "recomputed_tokens")
+           "dropped_messages", "evicted_blocks", "preempted", "recomputed_tokens", "reclaimed_blocks")
 _WORDS = ("stop_reason", "kv_dtype", "policy")
 
 

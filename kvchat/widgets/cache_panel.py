@@ -1,8 +1,10 @@
 """The cache panel: bytes used / allocated / pool capacity, the bytes-per-token formula with
 this model's numbers, what one decode step reads for the weights against the cache (and the
 context at which the two are equal), what the same tokens would cost on well-known Llamas in
-their own serving dtypes, and the pool's eviction and preemption counters (every
-conversation shares the pool).
+their own serving dtypes, and the pool's reclaim and preemption counters (every
+conversation shares the pool). The words: sink-window "evicts" from a conversation's middle
+(the cap gauge), the pool "reclaims" cached blocks for new content (here), and it "preempts"
+a conversation whose blocks it frees.
 
 fp8 figures count the scales as every figure of kvchat does (the engine's snapshot, the logs,
 `ask --json`, the bench): one fp32 scale per token, layer, K/V and KV head, beside the
@@ -155,8 +157,16 @@ class CachePanel(Panel, Static):
                              f"{human_bytes(elems)} + {human_bytes(scales)} scales"))
             else:
                 rows.append(("per token", human_bytes(elems), how))
-        rows.append(("evicted", _count(s.evictions), "cached blocks, pool-wide since start"))
-        rows.append(("preempted", _count(s.preemptions), "conversations, pool-wide since start"))
+        if isinstance(s, ServerSnapshot):
+            # the server's own counter counts requests, every client's; no turn record can say
+            # which were this conversation's, so the records' per-turn figure is n/a
+            rows.append(("reclaimed", "n/a", "the server does not report its reclaimed blocks"))
+            rows.append(("preempted", "n/a" if s.preemptions is None else f"{s.preemptions:,}",
+                         "requests, server-wide since it started (per turn: n/a)" if s.preemptions is not None
+                         else "the server's /metrics has no vllm:num_preemptions"))
+        else:
+            rows.append(("reclaimed", _count(s.evictions), "cached blocks given to new content, pool-wide since start"))
+            rows.append(("preempted", _count(s.preemptions), "conversations, pool-wide since start"))
         out = Table.grid()
         out.add_row(_figures(rows, narrow))
         if isinstance(s, ServerSnapshot):

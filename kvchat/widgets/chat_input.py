@@ -7,6 +7,8 @@ from textual.message import Message
 from textual.widgets import TextArea
 
 SEND_KEYS = ("enter",)
+PAGE_KEYS = {"pageup": False, "pagedown": True}         # the transcript's, not the draft's (chat/input_keys.py)
+INTERRUPT_KEY = "ctrl+c"                                # with nothing selected: stop the reply
 NEWLINE_KEYS = ("ctrl+j", "shift+enter", "alt+enter")   # ctrl+j works in every terminal
 
 
@@ -27,6 +29,15 @@ class ChatInput(TextArea):
             super().__init__()
             self.text = text
 
+    class Interrupt(Message):
+        """ctrl+c with nothing selected (it would copy nothing): the screen stops the reply."""
+
+    class Page(Message):
+        """PageUp or PageDown while typing: the screen pages the transcript."""
+        def __init__(self, down: bool) -> None:
+            super().__init__()
+            self.down = down
+
     def __init__(self, **kwargs) -> None:
         super().__init__(soft_wrap=True, show_line_numbers=False, tab_behavior="focus", **kwargs)
         self.sent: list[str] = []
@@ -45,6 +56,16 @@ class ChatInput(TextArea):
             event.stop()
             event.prevent_default()
             self.action_newline()
+            return
+        if event.key == INTERRUPT_KEY and self.selection.is_empty:
+            event.stop()
+            event.prevent_default()
+            self.post_message(self.Interrupt())
+            return
+        if event.key in PAGE_KEYS:
+            event.stop()
+            event.prevent_default()
+            self.post_message(self.Page(PAGE_KEYS[event.key]))
             return
         await super()._on_key(event)
 

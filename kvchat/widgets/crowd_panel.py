@@ -72,7 +72,7 @@ class CrowdPanel(Panel, Widget):
             colour = owner_colour(r.conversation) if r.conversation is not None else ""
             out.append(line[:cut], colour).append(line[cut:] + "\n")
         out.append(f"{f.users} simulated · {_n(f.tokens_per_s, ',.1f')} tok/s in all · step "
-                   f"{_ms(f.step_ms)} ms over {_n(f.step_tokens)} cached tokens\n")
+                   f"{_ms(f.step_ms)}\u00a0ms over {_n(f.step_tokens)} cached tokens\n")
         out.append(crossover_line(f.weight_bytes, f.cache_bytes, f.crossover_tokens) + "\n",
                    self.get_component_rich_style("crowdpanel--cross") if f.caches_pass_weights else "")
         out.append(f"preemptions {_n(f.preemptions_per_min, ',.1f')}/min · recomputed "

@@ -21,6 +21,7 @@ from .panel import Panel
 __all__ = ["LatencyPanel", "nice_ticks"]
 
 MAX_PLOTTED = 600      # points drawn; the fit uses all of them
+OUTLIER = "▲"          # a point above the chart's robust top, drawn on its top row
 REDRAW_S = 1.0         # during a turn the plot is redrawn at most this often
 TURNS_SHOWN = 4
 BAR_WIDTH = 12         # the reused / computed bar of each turn, where the panel is wide enough
@@ -43,6 +44,18 @@ def nice_ticks(lo: float, hi: float, most: int = 5) -> list[float]:
     while first + len(ticks) * step <= hi + 1e-9 * step:
         ticks.append(first + len(ticks) * step)
     return ticks
+
+
+def robust_top(values: list[float]) -> float:
+    """The chart's top: the largest value short of far outliers (Tukey's fences, Q3 + 3 x
+    IQR), so one slow step (a page fault, a redraw) does not flatten every real point onto
+    the bottom row. Fewer than 8 values: their largest."""
+    if len(values) < 8:
+        return max(values)
+    s = sorted(values)
+    q1, q3 = s[len(s) // 4], s[(3 * len(s)) // 4]
+    fence = q3 + 3 * (q3 - q1)
+    return max((v for v in s if v <= fence), default=s[-1])
 
 
 def row_ticks(lo: float, hi: float, rows: int, most: int = 4) -> tuple[float, float, list[float]]:
@@ -108,6 +121,8 @@ class LatencyPanel(Panel, Vertical):
         self._drawn_at = 0.0
         self._width = 60
         self.by_step = False     # x: the cached tokens of the whole step (a crowd runs), not the own context
+        self.outliers: list[tuple[int, float]] = []    # points above the chart's robust top, last drawn
+        self.y_range: tuple[float, float] | None = None   # the y limits last drawn
 
     def plot_against_step(self, on: bool) -> None:
         """While a crowd runs: each finished turn's ms/token against the cached tokens its
@@ -187,24 +202,35 @@ class LatencyPanel(Panel, Vertical):
         fits = self.fits() if not self.by_step else {k: fit_series(p) for k, p in series.items()}
         xs: list[int] = []
         ys: list[float] = []
+        # each series' own top (a cache-off series sits far above the cached ones, rightly)
+        top = max((robust_top([m for _, m in series[key]]) for key in fits if series[key]), default=0.0)
+        lines = [y for fit in fits.values() if fit.line is not None for _, y in fit.line]
+        top = max([top, *lines])                  # the fits are drawn whole
+        self.outliers = [(p, m) for key in fits for p, m in series[key] if m > top]
         for key, fit in fits.items():
-            pts = series[key]
-            if not pts:
-                continue
+            pts = [(p, m) for p, m in series[key] if m <= top]
             colour = _colours(key)[0]
-            step = max(1, len(pts) // MAX_PLOTTED)
-            shown = pts[::step]
-            plt.scatter([p for p, _ in shown], [m for _, m in shown], marker="dot", color=colour,
-                        label=series_label(key))
-            xs += (min(p for p, _ in shown), max(p for p, _ in shown))
-            ys += (min(m for _, m in shown), max(m for _, m in shown))
+            if pts:
+                step = max(1, len(pts) // MAX_PLOTTED)
+                shown = pts[::step]
+                plt.scatter([p for p, _ in shown], [m for _, m in shown], marker="dot", color=colour,
+                            label=series_label(key))
+                xs += (min(p for p, _ in shown), max(p for p, _ in shown))
+                ys += (min(m for _, m in shown), max(m for _, m in shown))
             if fit.line is not None:
                 (x0, y0), (x1, y1) = fit.line
                 plt.plot([x0, x1], [y0, y1], marker="braille", color=colour)
+        if self.outliers:
+            xs += (min(p for p, _ in self.outliers), max(p for p, _ in self.outliers))
+            ys.append(top)
         if xs:
             xt = nice_ticks(min(xs), max(xs))
-            lower, upper, yt = row_ticks(min(ys), max(ys), self._plot_rows(plot))
+            lower, upper, yt = row_ticks(min(ys, default=top), max(ys, default=top), self._plot_rows(plot))
             plt.ylim(lower, upper)
+            self.y_range = (lower, upper)
+            if self.outliers:      # on the top row, where they would leave the chart
+                plt.scatter([p for p, _ in self.outliers], [upper] * len(self.outliers), marker=OUTLIER,
+                            color="red")
             plt.xticks(xt, tick_labels(xt))
             plt.yticks(yt, tick_labels(yt))
         if self.by_step:
@@ -228,6 +254,10 @@ class LatencyPanel(Panel, Vertical):
         if not fits:
             return Text("growth per 1k tokens: no points yet", style="dim")
         out = Text()
+        if self.outliers:
+            n, worst = len(self.outliers), max(m for _, m in self.outliers)
+            out.append(f"{OUTLIER} {n:,} slow step{'s' if n > 1 else ''} above the chart (up to {duration(worst)}), "
+                       "marked on its top row; the fits use every point\n", style="red")
         for key, fit in fits.items():
             if out:
                 out.append("\n")
@@ -279,6 +309,7 @@ class LatencyPanel(Panel, Vertical):
                 bar = [Text("░" * bar_w, style="dim")]
             else:
                 r = round(bar_w * share)
-                bar = [Text("█" * r, style="green") + Text("█" * (bar_w - r), style="yellow")]
+                # two glyphs as well as two colours: reused █, computed ▒ (a monochrome terminal too)
+                bar = [Text("█" * r, style="green") + Text("▒" * (bar_w - r), style="yellow")]
             t.add_row(*(row[i] for i in cols), *bar)
         return t

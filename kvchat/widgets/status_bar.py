@@ -42,8 +42,11 @@ class StatusBar(Widget):
         state = fit_segments(inert(self.state), max(width - 12, 8))
         warning = f"{self.warning} " if self.warning else ""
         room = width - cell_len(warning) - cell_len(state) - 1
-        info = fit_segments(inert(self.info), room)
-        note = fit_segments(inert(self.note), room - cell_len(info) - 3) if self.note else ""
+        note = inert(self.note) if self.note else ""
+        # the note answers what the user just did (ctrl+y's copy, a cap): the settings' tail
+        # gives way to it, all but their first segment (a long settings line hid every note)
+        info = fit_segments(inert(self.info), room - cell_len(note) - 3 if note else room)
+        note = fit_segments(note, room - cell_len(info) - 3) if note else ""
         if note and cell_len(note) > room - cell_len(info) - 3:
             note = ""                      # no room even for its first segment: the log keeps it
         line = Text(no_wrap=True, overflow="crop")

@@ -37,7 +37,7 @@ from kvchat.backends.protocol import (BLOCK_MAP, CACHE_TOGGLE, KV_DTYPE, RESET, 
                                       Capabilities, ChatState, Event, Message)
 from kvchat.engine.errors import KvchatError, TurnCancelled
 from kvchat.engine.geometry import DTYPE_BYTES, KNOWN
-from kvchat.engine.policy import POLICIES, make_policy
+from kvchat.engine.policy import POLICIES, make_policy, reply_room
 from kvchat.engine.sampler import SamplingParams
 from kvchat.engine.streaming import DEFAULT_SINK_TOKENS, check_window_cap, sink_blocks
 from kvchat.engine.telemetry import (FREE, HELD, OTHER, PARTIAL, REUSED, CacheSnapshot, PrefillEvent, PrefillProgress,
@@ -135,6 +135,9 @@ class FakeChat:
                 self._drop()
             self.mode = mode
 
+    def history_tokens(self) -> int | None:
+        return count_tokens(self.messages)
+
     def set_system(self, text: str | None) -> None:
         """The prompt's start changes, so nothing cached matches any more."""
         with self.backend.lock:
@@ -172,9 +175,11 @@ class FakeChat:
         if not text.strip():
             raise KvchatError("empty message: type something to send")
         messages = self.messages + [{"role": "user", "content": text}]
-        kept = self.policy.fit(messages, count_tokens, self.cap) if self.cap else messages
+        sp = sampling or SamplingParams()
+        kept = self.policy.fit(messages, count_tokens, self.cap, room=reply_room(sp.max_tokens, self.cap)) \
+            if self.cap else messages
         before, self.messages = self.messages, kept
-        return self._turn(sampling or SamplingParams(), cancel, len(messages) - len(kept), before)
+        return self._turn(sp, cancel, len(messages) - len(kept), before)
 
     def regenerate(self, sampling: SamplingParams | None = None,
                    cancel: threading.Event | None = None) -> Iterator[Event]:
@@ -228,14 +233,16 @@ class FakeChat:
                     self._drop()
                 reused = min(self.tokens_held // bs * bs, (prompt - 1) // bs * bs)
                 self.reused_blocks = reused // bs
-            self._hold(prompt)
         return PrefillEvent(prompt, reused, prompt - reused, 1.0)
 
-    def _chunks(self, total: int, cancel) -> Iterator[PrefillProgress]:
-        """The engine's progress through a chunked prefill of `total` computed tokens: done=0
-        first, then after each chunk; a cancel seen after a chunk that is not the last raises
-        TurnCancelled. Times are scripted (0.1 ms per token, as in the TTFT), not measured."""
+    def _chunks(self, prefill: PrefillEvent, cancel) -> Iterator[PrefillProgress]:
+        """The engine's progress through a chunked prefill of the computed tokens: done=0
+        first, then after each chunk, the cache holding the reused tokens and the chunks
+        done so far, as the engine's does; a cancel seen after a chunk that is not the last
+        raises TurnCancelled. Times are scripted (0.1 ms per token, as in the TTFT), not measured."""
         cfg = self.backend.cfg
+        reused, total = prefill.reused_tokens or 0, prefill.computed_tokens or 0
+        self._hold(reused)
         yield PrefillProgress(0, total, 0.0)
         done = 0
         while done < total:
@@ -245,6 +252,7 @@ class FakeChat:
                 else:
                     time.sleep(cfg.prefill_delay_s)
             done = min(done + cfg.prefill_chunk, total)
+            self._hold(reused + done)
             yield PrefillProgress(done, total, 0.1 * done)
             if cancel is not None and cancel.is_set() and done < total:
                 raise TurnCancelled(f"prefill stopped at {done:,} of {total:,} tokens; the fake keeps no prefix "
@@ -270,7 +278,7 @@ class FakeChat:
         prefill = self._prefill(dropped)
         if self.mode == "cache":         # like the engine: the dense no-cache pass reports no chunks
             try:
-                yield from self._chunks(prefill.computed_tokens, cancel)
+                yield from self._chunks(prefill, cancel)
             except TurnCancelled:        # as never sent: the messages back, nothing held
                 self._drop()
                 self.messages, self.preempted_pending = before, recomputed

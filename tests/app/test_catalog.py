@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from kvchat.store import catalog
-from kvchat.store.log import ConversationBusy, conversations_dir, restore
+from kvchat.store.log import ConversationBusy, ConversationLog, conversations_dir, restore
 
 
 def write_log(name: str, *records: dict, mtime: float | None = None):
@@ -92,3 +92,48 @@ def test_a_conversation_open_in_another_process_is_neither_deleted_nor_renamed_u
     assert [m["content"] for m in r.messages] + [r.unanswered] == ["keep me", "written after the delete was asked"]
     catalog.delete(path)                     # closed there: now it goes
     assert not path.exists()
+
+
+REMEMBERER = """
+import sys
+from pathlib import Path
+from kvchat.store import catalog
+print(catalog.remember_open([Path(sys.argv[1])]), flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_two_processes_keep_each_others_open_conversations_for_resume():
+    """Issue 26: two kvchats on one data folder overwrote each other's list of open
+    conversations, so --resume reopened only the last writer's. Each keeps its own list now,
+    also after the other quits; a list left by a process that had quit before is replaced."""
+    stale = write_log("stale", START, mtime=1_000)
+    (conversations_dir().parent / catalog.OPEN_FILE).write_text(json.dumps({"open": [str(stale)]}))   # a quit kvchat's
+    theirs = write_log("theirs", START, mtime=2_000)
+    mine = write_log("mine", START, mtime=3_000)
+    other = subprocess.Popen([sys.executable, "-c", REMEMBERER, str(theirs)], stdin=subprocess.PIPE,
+                             stdout=subprocess.PIPE, text=True)
+    try:
+        assert other.stdout.readline().strip() == "None"   # the other kvchat recorded its list, replacing
+        assert catalog.open_at_quit() == [theirs]          # the one left before it started
+        peers: set[int] = set()
+        assert catalog.remember_open([mine], peers=peers) is None
+        assert set(catalog.open_at_quit()) == {mine, theirs} and peers == {other.pid}
+        other.communicate("quit\n", timeout=30)
+    finally:
+        other.kill()
+    assert catalog.remember_open([mine], peers=peers) is None   # it quit while we ran: its list stays
+    assert catalog.resume_paths() == (mine, [theirs])
+
+
+def test_a_rename_or_a_reopen_leaves_last_used_as_it_was():
+    """Issue 26 low: the browser's "last used" was rewritten by a rename and by --resume."""
+    path = write_log("used", START, {"type": "message", "role": "user", "content": "hi"}, mtime=1_000)
+    catalog.rename(path, "a title")
+    assert catalog.summarize(path).modified == 1_000 and catalog.summarize(path).title == "a title"
+    log = ConversationLog(path)
+    log.mark("resumed")
+    assert catalog.summarize(path).modified == 1_000
+    log.sync(log.messages + [{"role": "assistant", "content": "hello"}])     # a use: it moves
+    log.close()
+    assert catalog.summarize(path).modified > 1_000

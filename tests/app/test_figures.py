@@ -3,8 +3,12 @@ counts the conversation as the cap is checked, a cap past the model is refused a
 the panel says where sink-window evicts without a cap."""
 from __future__ import annotations
 
+from rich.console import Console
+
+from kvchat.engine.telemetry import TurnSummary
 from kvchat.store.log import last_conversation, restore
-from kvchat.widgets import CapGauge, Notice
+from kvchat.text import stats_line
+from kvchat.widgets import CachePanel, CapGauge, Notice
 
 from .conftest import SIZE, make_app, ready, send, wait_until
 from .fake_backend import FakeBackend, FakeConfig
@@ -48,3 +52,43 @@ async def test_sink_window_without_a_cap_says_it_evicts_at_the_models_maximum(ru
         text = app.query_one(CapGauge).render().plain
         assert "no cap: it evicts at the model's maximum of 8,192 tokens" in text
         assert "needs a cap" not in text
+
+
+async def test_evicted_reclaimed_and_preempted_are_one_word_each(running_app):
+    """Issue 26: "evicted" meant sink-window's evictions, the pool's reclaim of cached blocks and
+    its pool-wide counter. Now sink-window evicts (the gauge, the stats line's "from the
+    middle"), the pool reclaims (the panel's counter, the stats line), and preempts."""
+    async with running_app() as (app, pilot):
+        await send(pilot, "tell me about caches")
+        panel = app.query_one(CachePanel)
+        text = Console(width=80, record=True)
+        text.print(panel.render_snapshot(panel.snapshot))
+        rows = text.export_text()
+        assert "reclaimed" in rows and "cached blocks given to new content" in rows and "evicted" not in rows
+    summary = TurnSummary(evicted_blocks=2, reclaimed_blocks=3, generated_tokens=1)
+    line = stats_line(summary)
+    assert "evicted 2 blocks from the middle" in line and "reclaimed 3 cached blocks" in line
+
+
+async def test_switching_to_sink_window_says_the_history_it_will_prefill_again(running_app):
+    """Issue 26: switching to sink-window re-prefilled the whole history without a word (44 s
+    at 8k); the note says so, with its tokens, before the turn that pays it."""
+    async with running_app(cap=4096) as (app, pilot):
+        await send(pilot, "tell me about caches")
+        await send(pilot, "and about blocks")
+        session, notes = app.chat_screen.session, app.chat_screen.panels.notes
+        app.chat_screen.controls.set_policy("drop-oldest")
+        await pilot.pause()
+        assert notes[-1].startswith("policy drop-oldest") and "again" not in notes[-1]
+        app.chat_screen.controls.set_policy("sink-window")
+        await pilot.pause()
+        assert (f"the next turn prefills the whole history again, {session.context_tokens:,} tokens"
+                in notes[-1]) and session.context_tokens > 0
+
+
+def test_the_stats_line_counts_with_separators_and_singulars():
+    """Issue 26 low: '3423' and 'dropped 1 old messages'."""
+    line = stats_line(TurnSummary(prompt_tokens=3423, reused_tokens=1024, computed_tokens=2399, generated_tokens=1,
+                                  dropped_messages=1))
+    assert "prompt 3,423: 1,024 reused, 2,399 computed" in line and "dropped 1 old message" in line
+    assert "old messages" not in line

@@ -141,5 +141,22 @@ async def test_the_turn_table_fits_a_narrow_panel():
             text = screen_text(pilot.app).replace("\u00a0", " ")
         table = text[text.index("TTFT") - 10:]
         assert "…" not in table and "2,759 ms" in table, (width, text)
-        assert ("█" in table) == bar and ("fp32" in table.split("\n", 1)[1]) == kv, (width, text)
+        assert ("▒" in table or "█" in table) == bar and ("fp32" in table.split("\n", 1)[1]) == kv, (width, text)
         assert ("turn" in table) == turn_col, (width, text)
+
+
+async def test_one_slow_step_does_not_set_the_y_range_and_is_marked():
+    """Issue 26: one slow step set the chart's y-range, flattening every real point and the
+    fit onto the bottom row. The range ends at the series' robust top; the step is marked."""
+    panel = LatencyPanel()
+    async with PanelHost(panel).run_test(size=(72, 40)) as pilot:
+        slow = turn(1, 0, 400, "fp32")
+        ms = list(slow.decode_ms)
+        ms[200] = 2_000.0
+        panel.data.add_turn(as_turn({**slow.to_dict(), "decode_ms": ms}))
+        panel.changed()
+        await pilot.pause()
+        text = screen_text(pilot.app).replace("\u00a0", " ")
+        assert panel.y_range[1] < 50 and panel.outliers == [(200, 2_000.0)]
+        assert "▲ 1 slow step above the chart (up to 2,000 ms)" in text and "▲" in text.split("▲ 1 slow")[0]
+        assert "fp32 cache: +" in text                      # the fit still uses every point

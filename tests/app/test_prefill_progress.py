@@ -5,7 +5,7 @@ between chunks stops the turn with the message back in the input and nothing rec
 from __future__ import annotations
 
 from kvchat.engine.telemetry import PrefillProgress
-from kvchat.widgets import ChatInput, Notice, StatusBar
+from kvchat.widgets import BlockMap, CachePanel, ChatInput, Notice, StatusBar
 
 from .conftest import prefill_steps, record_status, send, wait_until
 from .fake_backend import FakeBackend, FakeConfig
@@ -58,3 +58,32 @@ async def test_escape_during_the_prefill_stops_it_and_puts_the_message_back(runn
         assert any(f"prefill stopped at {done:,} of {total:,} tokens" in n for n in notes)
         await send(pilot, "and the chat goes on")          # nothing is left stuck
         assert len(app.chat_screen.session.turns) == 2
+
+
+async def test_the_cache_panels_follow_a_long_prefill_chunk_by_chunk_and_show_the_state_after_a_cancel(running_app):
+    """Issue 26: the panels froze at the last turn's figures for a whole long prefill, and once
+    showed the cache from before a cancelled one."""
+    backend = FakeBackend(FakeConfig(prefill_chunk=64, prefill_delay_s=0.1))
+    async with running_app(backend, max_tokens=4) as (app, pilot):
+        await send(pilot, "a short first turn")
+        cache, blocks = app.query_one(CachePanel), app.query_one(BlockMap)
+        before = cache.snapshot.tokens_held
+        drawn: list[tuple[int, int]] = []
+        show = cache.show
+
+        def recording(snap, *args, **kwargs):
+            drawn.append((snap.tokens_held, snap.blocks_used))
+            show(snap, *args, **kwargs)
+        cache.show = recording
+        seen = record_status(app)
+        app.query_one(ChatInput).load_text(LONG)
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: any(d >= 4 * 64 for d, _ in prefill_steps(seen)), what="four chunks")
+        await pilot.pause(0.05)
+        during = sorted({held for held, _ in drawn if held > before})
+        assert len(during) >= 3, drawn              # the panel moved with the chunks, not only at the end
+        assert blocks.snapshot.blocks_used == drawn[-1][1] > 0
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: app.chat_screen.jobs.busy is None, what="the prefill to stop")
+        held = app.chat_screen.session.chat.state().tokens_held
+        assert cache.snapshot.tokens_held == blocks.snapshot.tokens_held == held == 0   # the cache after the cancel

@@ -27,3 +27,17 @@ async def test_at_80_columns_the_status_line_ends_on_a_whole_segment(fake):
         shown = shown[len(warning):].strip()
         assert "…" not in top and shown and info.startswith(shown)
         assert info == shown or info[len(shown):].startswith(" · ")
+
+
+async def test_a_note_shows_beside_a_long_settings_line(fake):
+    """Issue 26: with a long settings line (a server URL, sampling) the note had no room and
+    vanished (ctrl+y gave no feedback); the settings' tail now gives way to it."""
+    app = make_app(fake, cap=256)
+    async with app.run_test(size=(120, 30)) as pilot:
+        await ready(pilot)
+        bar = app.query_one("StatusBar")
+        bar.info = INFO + " · temperature 0.7 · top-p 0.9 · seed 1234 · http://127.0.0.1:8000/v1"
+        bar.note = "copied the last reply (1,234 characters)"
+        await pilot.pause()
+        top = screen_text(app).splitlines()[0]
+        assert bar.note in top and top.split(bar.warning)[-1].strip().startswith("chat 4 · 3 open")

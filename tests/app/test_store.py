@@ -13,7 +13,7 @@ from kvchat.store.settings import Settings, SettingsError
 from kvchat.store.log import ConversationLog, export, last_conversation, restore
 from kvchat.widgets import ChatInput, LatencyPanel, Reply, UserMessage
 
-from .conftest import send
+from .conftest import send, wait_until
 
 SUMMARY = {"turn": 1, "reply": "hi there", "prompt_tokens": 12, "reused_tokens": 0, "computed_tokens": 12,
            "generated_tokens": 2, "ttft_ms": 30.0, "decode_ms": [10.0, 11.0], "positions": [12, 13],
@@ -267,3 +267,38 @@ def test_the_log_keeps_dropped_messages_and_a_refused_turn_gives_them_back(tmp_p
     assert r.messages == [u[0], a[0], u[1], a[1], u[3], a[3]] and r.dropped == 2
     assert r.visible == [u[1], a[1], u[3], a[3]]
     assert list(r.replies) == [5] and r.replies[5].ttft_ms == 99.0     # the last "same", not the others
+
+
+async def test_a_resumed_load_message_is_collapsed_as_it_was_live(running_app, tmp_path):
+    """Issue 26: a resumed transcript showed a /load message in full (hundreds of lines) where
+    the live one showed a preview; the model still gets all of it."""
+    long_file = tmp_path / "report.txt"
+    long_file.write_text("\n".join(f"line {i}: the quick brown fox" for i in range(40)))
+    async with running_app() as (app, pilot):
+        app.query_one(ChatInput).load_text(f"/load {long_file}")
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: len(app.chat_screen.session.turns) == 1, what="the reply")
+        live = app.query_one(UserMessage).text
+        await send(pilot, "a short one\nof two lines")
+    app.chat_screen.session.log.close()
+    restored = restore(last_conversation())
+    async with running_app(restored=restored) as (app, pilot):
+        shown = [w.text for w in app.query(UserMessage)]
+        assert len(shown[0].splitlines()) == len(live.splitlines()) == 6 and "(36 more lines)" in shown[0]
+        assert shown[0].splitlines()[1:] == live.splitlines()[1:]
+        assert shown[1] == "a short one\nof two lines"
+        assert app.chat_screen.session.chat.state().messages[0]["content"] == long_file.read_text()
+
+
+async def test_ctrl_s_says_it_saved_in_the_folder_kvchat_started_in(running_app, tmp_path, monkeypatch):
+    """Issue 26 low: ctrl+s wrote into the working directory and said only an absolute path."""
+    monkeypatch.chdir(tmp_path)
+    async with running_app() as (app, pilot):
+        await send(pilot, "hello")
+        await pilot.press("ctrl+s")
+        await pilot.pause()
+        note = app.chat_screen.view.query("Notice").last().text
+        md = next(tmp_path.glob("kvchat-*.md"))
+        assert f"saved the transcript {md.name} and the telemetry {md.stem}.jsonl in the folder kvchat was started " \
+               f"in, {tmp_path}; /save FILE saves elsewhere" == note
+        app.chat_screen.session.log.close()

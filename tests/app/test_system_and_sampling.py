@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import random
 
+from kvchat.store.log import last_conversation, restore
 from kvchat.widgets import Notice, Reply
 
 from .conftest import send, wait_until
@@ -26,7 +27,7 @@ async def test_system_sets_the_prompt_says_its_tokens_and_that_the_prefix_change
         await command(pilot, "/system You're a terse pirate.")
         await wait_until(pilot, lambda: app.chat_screen.jobs.busy is None and "system prompt set" in notices(app)[-1], what="the note")
         note = notices(app)[-1]
-        assert "adds 4 tokens" in note and "shared prefix" in note and "prefills the whole history" in note
+        assert "system prompt set: 4 tokens; every prompt +" in note and "shared prefix" in note and "prefills the whole history" in note
         messages = app.chat_screen.session.chat.state().messages
         assert messages[0] == {"role": "system", "content": "You're a terse pirate."}
         assert [m["role"] for m in messages] == ["system", "user", "assistant"]
@@ -80,3 +81,18 @@ async def test_the_status_line_shows_the_sampling_in_force(running_app):
         assert app.query_one(StatusBar).info.endswith("· greedy")
         await command(pilot, "/temperature 0.7")
         assert app.query_one(StatusBar).info.endswith("· temperature 0.7 · unseeded")
+
+
+async def test_temperature_top_p_and_seed_come_back_with_resume(running_app):
+    """Issue 26 low: /temperature, /top-p and /seed were not restored on --resume."""
+    async with running_app() as (app, pilot):
+        await send(pilot, "hello")
+        for text in ("/temperature 0.7", "/top-p 0.9", "/seed 5"):
+            await command(pilot, text)
+        app.chat_screen.session.log.close()
+    restored = restore(last_conversation())
+    assert restored.sampling == {"temperature": 0.7, "top_p": 0.9, "seed": 5}
+    async with running_app(restored=restored) as (app, pilot):
+        sp = app.chat_screen.generation.sampling
+        assert (sp.temperature, sp.top_p, sp.seed) == (0.7, 0.9, 5)
+        app.chat_screen.session.log.close()

@@ -9,6 +9,8 @@
  *             if fp8: float ks, vs[nb*bs*hk]                      -> int32 rc; float out[batch*hk*g*d]
  *   4 write:  int64 rows, hk, d, nb, bs, fp8; float k[rows*hk*d], v[rows*hk*d]; int64 slots[rows]
  *                                                                 -> int32 rc; the caches, then the scales
+ *   5 add+norm: int64 b, k; float eps, x[b*k], r[b*k], w[k]       -> float x + r [b*k], y[b*k]
+ *   6 silu*up:  int64 b, n; float gate_up[b*2n]                   -> float out[b*n]
  *   0 end.
  */
 #include <stdio.h>
@@ -49,6 +51,20 @@ int main(void) {
             kv_gemv(x, w, y, b, n, k, 1);
             give(y, 4 * b * n);
             free(x), free(w), free(y);
+        } else if (kind == 5) {
+            const int64_t b = i64(), k = i64();
+            const float eps = f32();
+            float *x = take(4 * b * k), *r = take(4 * b * k), *w = take(4 * k), *y = malloc(4 * b * k);
+            kv_add_rms_norm(x, r, w, y, b, k, eps);
+            give(x, 4 * b * k);
+            give(y, 4 * b * k);
+            free(x), free(r), free(w), free(y);
+        } else if (kind == 6) {
+            const int64_t b = i64(), n = i64();
+            float *gu = take(8 * b * n), *out = malloc(4 * b * n);
+            kv_silu_mul(gu, out, b, n);
+            give(out, 4 * b * n);
+            free(gu), free(out);
         } else if (kind == 2) {
             const int64_t b = i64(), k = i64();
             const float eps = f32();
