@@ -32,13 +32,7 @@ static inline f16v vexp_any(f16v x) {
     n += (i16v)(__builtin_convertvector(n, f16v) > f);           /* ... then floor: true is -1 */
     const f16v nf = __builtin_convertvector(n, f16v);
     const f16v r = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-06f;  /* ln2 = hi + lo; n hi exact */
-    f16v p = splat(1.0f / 5040) * r + 1.0f / 720;
-    p = p * r + 1.0f / 120;
-    p = p * r + 1.0f / 24;
-    p = p * r + 1.0f / 6;
-    p = p * r + 0.5f;
-    p = p * r + 1.0f;
-    p = p * r + 1.0f;
+    const f16v p = vexp_poly(r);
     const i16v e = (i16v)p + (n << 23);
     return (f16v)((e & ~hi) | ((i16v)splat(INFINITY) & hi));
 }

@@ -58,19 +58,23 @@ static inline i16v widen(const int8_t *p) {
 /* exp(x) for x <= 0, 16 at a time: x = n ln2 + r with n = round(x / ln2), |r| <= ln2 / 2,
  * e^r by its Taylor series to r^7 (error under 1e-8 relative), 2^n added to the exponent.
  * Below -87 the result is about 1e-38 instead of 0; the decode kernel zeroes padding lanes. */
-static inline f16v vexp(f16v x) {
-    f16v t = x * 1.4426950408889634f;
-    i16v low = t < -125.0f;
-    t = (f16v)(((i16v)t & ~low) | ((i16v)splat(-125.0f) & low));
-    i16v n = -__builtin_convertvector(0.5f - t, i16v);          /* round(t): 0.5 - t > 0 */
-    f16v r = (t - __builtin_convertvector(n, f16v)) * 0.6931471805599453f;
+static inline f16v vexp_poly(f16v r) {   /* e^r for |r| < ln2: Taylor to r^7 */
     f16v p = splat(1.0f / 5040) * r + 1.0f / 720;
     p = p * r + 1.0f / 120;
     p = p * r + 1.0f / 24;
     p = p * r + 1.0f / 6;
     p = p * r + 0.5f;
     p = p * r + 1.0f;
-    p = p * r + 1.0f;
+    return p * r + 1.0f;
+}
+
+static inline f16v vexp(f16v x) {
+    f16v t = x * 1.4426950408889634f;
+    i16v low = t < -125.0f;
+    t = (f16v)(((i16v)t & ~low) | ((i16v)splat(-125.0f) & low));
+    i16v n = -__builtin_convertvector(0.5f - t, i16v);          /* round(t): 0.5 - t > 0 */
+    f16v r = (t - __builtin_convertvector(n, f16v)) * 0.6931471805599453f;
+    f16v p = vexp_poly(r);
     return (f16v)((i16v)p + (n << 23));
 }
 

@@ -119,7 +119,7 @@ class Fold(Static, can_focus=True):
     Fold { color: $text-muted; text-style: italic; }
     Fold:hover, Fold:focus { color: $accent; }
     """
-    BINDINGS = [Binding("enter,space", "toggle", "open / close", show=False)]
+    BINDINGS = [Binding("enter,space", "open_or_close", "open / close", show=False)]
 
     class Toggled(Message):
         """The user opened or closed the fold."""
@@ -136,9 +136,9 @@ class Fold(Static, can_focus=True):
         self.update(Text(f"{sign} {plural(lines, 'earlier line')} ({chars:,} characters) {then}"))
 
     def on_click(self) -> None:
-        self.action_toggle()
+        self.action_open_or_close()
 
-    def action_toggle(self) -> None:
+    def action_open_or_close(self) -> None:
         self.opened = not self.opened
         self.post_message(self.Toggled())
 
