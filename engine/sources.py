@@ -297,14 +297,17 @@ def remove_stale_conversions(folder: Path) -> list[Path]:
             pid = int(d.name[len(CONVERTING):].split("-")[0])
         except ValueError:
             pid = 0
-        if pid == os.getpid() or (pid > 0 and _alive(pid)):
+        if pid == os.getpid() or process_alive(pid):
             continue
         shutil.rmtree(d, ignore_errors=True)
         removed.append(d)
     return removed
 
 
-def _alive(pid: int) -> bool:
+def process_alive(pid: int) -> bool:
+    """Whether a process of this id runs (another user's too); False for ids below 1."""
+    if pid <= 0:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

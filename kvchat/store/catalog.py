@@ -22,6 +22,8 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from kvchat.engine.sources import process_alive
+
 from .files import FileRefused, cannot_write, read_text
 from .log import ConversationLog, Restored, data_dir, held, is_saved_log, last_conversation, restore, saved_logs
 from .log_records import StoreError
@@ -121,8 +123,8 @@ def remember_open(paths: list[Path], root: Path | None = None, peers: set[int] |
             fcntl.flock(lock, fcntl.LOCK_EX)           # read, merge and replace as one step
             lists: list[tuple[int, list[str]]] = [(me, [str(p) for p in paths])]
             for pid, listed in _processes(target):
-                if pid is not None and pid != me and (pid in peers or _running(pid)):
-                    if _running(pid):
+                if pid is not None and pid != me and (pid in peers or process_alive(pid)):
+                    if process_alive(pid):
                         peers.add(pid)
                     lists.append((pid, listed))
             union = list(dict.fromkeys(p for _, listed in lists for p in listed))
@@ -167,16 +169,6 @@ def _processes(target: Path) -> list[tuple[int | None, list[str]]]:
         if isinstance(e, dict) and isinstance(e.get("pid"), int) and isinstance(e.get("paths"), list):
             out.append((e["pid"], [p for p in e["paths"] if isinstance(p, str)]))
     return out
-
-
-def _running(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except OSError:              # another user's process: running
-        return True
-    return pid > 0
 
 
 def open_at_quit(root: Path | None = None) -> list[Path]:
