@@ -47,6 +47,7 @@ class VllmBackend:
                  deadlines: Deadlines | None = None) -> None:
         self.api = ServerApi(url, deadlines)
         self.events: KvEventSubscriber | None = None
+        self.resets = 0           # prefix-cache resets kvchat made: each frees every conversation's blocks
         try:
             self.model = self._probe()
             self.metrics = self._scrape()
@@ -201,6 +202,7 @@ class VllmBackend:
         if answer.get("success") is False:
             raise ServerError("the server refused to reset its prefix cache: blocks are still held by "
                               "running requests; try again when it is idle")
+        self.resets += 1
         if self.events is not None:
             self.events.store.cleared_by_server()
         return before
@@ -280,7 +282,7 @@ class VllmBackend:
             unavailable += ["pool_cached", "block_map"]
         # the conversation's tokens as the server counted them (its last turn's prompt and reply),
         # not only the full blocks the KV events report: what its cap is checked against
-        held = chat.context_tokens if chat is not None else None
+        held = chat.held_tokens if chat is not None else None
         if held is None:
             unavailable += ["tokens_held", "bytes_used"]
         filled = -(-held // bs) if held is not None and bs else None      # the blocks they fill, the last partly

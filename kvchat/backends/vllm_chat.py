@@ -35,6 +35,7 @@ class Server(Protocol):
     model: ServerModel
     capabilities: Capabilities
     kv_dtype: str
+    resets: int               # prefix-cache resets so far (each frees every conversation's blocks)
 
     def request_body(self, messages: list[Message], sampling: SamplingParams | None) -> dict[str, Any]: ...
     def count_messages(self, messages: list[Message]) -> int: ...
@@ -56,6 +57,7 @@ class VllmChat:
         self.turns = 0
         self.token_ids: tuple[int, ...] = ()     # the last turn's prompt + reply, as the server saw them
         self.context_tokens = 0                  # how many: the server's count (usage), else len(token_ids)
+        self._counted_at = backend.resets        # the backend's resets when they were counted
         self.reused_tokens = 0
         self.history: list[TurnStats] = []
 
@@ -63,8 +65,15 @@ class VllmChat:
     def state(self) -> ChatState:
         return ChatState(messages=tuple(dict(m) for m in self.messages), cap=self.cap, policy=self.policy.name,
                          policy_description=self.policy.description, mode="cache",
-                         tokens_held=self.context_tokens, evicted_tokens=0, preempted_pending=0,
+                         tokens_held=self.held_tokens, evicted_tokens=0, preempted_pending=0,
                          turns=self.turns)
+
+    @property
+    def held_tokens(self) -> int:
+        """The tokens the server's cache holds for this conversation as far as kvchat knows:
+        its last prompt and reply, none after a prefix-cache reset (which frees every
+        conversation's blocks) until its next turn."""
+        return self.context_tokens if self._counted_at == self.backend.resets else 0
 
     def set_cap(self, cap: int | None) -> None:
         if cap is not None and cap <= 0:
@@ -223,7 +232,7 @@ class VllmChat:
             unavailable += ["reused_tokens", "computed_tokens"]
         generated = usage.completion_tokens if usage and usage.completion_tokens is not None else len(reply_ids)
         generated = min(generated, max(tokens, len(reply_ids)))
-        self.context_tokens = n_prompt + generated
+        self.context_tokens, self._counted_at = n_prompt + generated, self.backend.resets
         stats = TurnStats(
             turn=self.turns, prompt_tokens=n_prompt, reused_tokens=cached,
             computed_tokens=max(0, n_prompt - cached) if cached is not None else None,

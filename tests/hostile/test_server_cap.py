@@ -140,3 +140,28 @@ def test_while_a_reply_streams_the_block_map_counts_its_prompt_blocks_as_this_co
         finally:
             backend.shutdown()
     assert live.count(HELD) == 2 and live.count(CACHED) == 0
+
+
+def test_a_prefix_cache_reset_leaves_every_conversation_holding_nothing_until_its_next_turn():
+    """POST /reset_prefix_cache frees every conversation's blocks on the server: the panel's
+    tokens and the state's held tokens read 0 for each (the real server's test saw the panel
+    keep the conversation's count after ctrl+r), and the next turn counts again."""
+    routes = {"/tokenize": tokenize, "/v1/chat/completions": chat,
+              "/server_info": lambda h: h.send_body(200, {"vllm_config": "dtype=torch.bfloat16"}),
+              "/reset_prefix_cache": lambda h: h.send_body(200, {})}
+    with fake_vllm(routes) as s:
+        backend = VllmBackend(s.url, geometry="smollm2-135m", kv_dtype="bf16")
+        try:
+            a, b = backend.open(), backend.open()
+            turn(a, "what does a KV cache hold")
+            turn(b, "and what does it cost")
+            assert backend.snapshot(a).tokens_held > 0 and b.state().tokens_held > 0
+            a.reset_cache()
+            for c in (a, b):
+                snap = backend.snapshot(c)
+                assert snap.tokens_held == c.state().tokens_held == 0 and snap.blocks_used == 0
+            again = turn(a, "once more")
+            assert backend.snapshot(a).tokens_held == again.prompt_tokens + again.generated_tokens > 0
+            assert b.state().tokens_held == 0
+        finally:
+            backend.shutdown()
