@@ -76,16 +76,17 @@ def relay(events: Iterable[Event], snapshot: Callable[[], CacheSnapshot], emit: 
     prefill: PrefillEvent | None = None
     generated = 0
     cost = 0.0
-    last = clock()
+    last = snapped = clock()       # the last update; the last snapshot
     eta = PrefillEta()
 
     def flush(take_snapshot: bool, progress: PrefillProgress | None = None) -> None:
-        nonlocal text, points, prefill, cost, last
+        nonlocal text, points, prefill, cost, last, snapped
         snap = None
         if take_snapshot:
             t0 = clock()
             snap = snapshot()
             cost = clock() - t0
+            snapped = t0
         emit(Progress("".join(text), tuple(points), snap, prefill, generated, progress,
                       eta.add(progress) if progress is not None else None))
         text, points, prefill = [], [], None
@@ -99,7 +100,9 @@ def relay(events: Iterable[Event], snapshot: Callable[[], CacheSnapshot], emit: 
         if isinstance(ev, PrefillProgress):
             # one per prefill chunk: few, each worth showing with the cache the chunks have
             # filled so far (the panels froze at the last turn's for a whole long prefill)
-            flush(take_snapshot=clock() - last >= SNAPSHOT_SHARE * cost, progress=ev)
+            # (timed from the last snapshot, not the last update: a chunk's update without one
+            # must not put the next one off for good)
+            flush(take_snapshot=clock() - snapped >= SNAPSHOT_SHARE * cost, progress=ev)
             continue
         if isinstance(ev, PrefillEvent):
             prefill = ev

@@ -76,12 +76,15 @@ async def test_the_cache_panels_follow_a_long_prefill_chunk_by_chunk_and_show_th
             show(snap, *args, **kwargs)
         cache.show = recording
         seen = record_status(app)
-        app.query_one(ChatInput).load_text(LONG)
+        app.query_one(ChatInput).load_text(" ".join(f"w{i}" for i in range(1500)))   # 24 chunks, 2.4 s
         await pilot.press("enter")
-        await wait_until(pilot, lambda: any(d >= 4 * 64 for d, _ in prefill_steps(seen)), what="four chunks")
-        await pilot.pause(0.05)
-        during = sorted({held for held, _ in drawn if held > before})
-        assert len(during) >= 3, drawn              # the panel moved with the chunks, not only at the end
+
+        def moved() -> int:
+            return len({held for held, _ in drawn if held > before})
+        # the panel moves with the chunks, not only at the end (a chunk's snapshot is skipped when
+        # snapshots cost more than 2% of the time: a slow one on a busy machine skips a few)
+        await wait_until(pilot, lambda: moved() >= 3, what="the panel following three chunks")
+        assert not prefill_steps(seen) or prefill_steps(seen)[-1][0] < prefill_steps(seen)[-1][1]   # still prefilling
         assert blocks.snapshot.blocks_used == drawn[-1][1] > 0
         await pilot.press("escape")
         await wait_until(pilot, lambda: app.chat_screen.jobs.busy is None, what="the prefill to stop")

@@ -64,8 +64,10 @@ def say(tmux: Tmux, name: str, text: str) -> None:
     """Send a message and wait for its reply's stats line (one more than before)."""
     before = len(STATS.findall(pane(tmux, name)))
     type_line(tmux, name, text)
-    wait(tmux, name, lambda t: len(STATS.findall(t)) > before or "dropped" in t.split(text)[-1], 240,
-         f"the reply to {text!r}")
+    # the message on screen first: before it arrives, "dropped" in the notices above matched
+    # at once, and the quit that followed came before the message was sent
+    wait(tmux, name, lambda t: text[:30] in t and (len(STATS.findall(t)) > before or "dropped" in t.split(text[:30])[-1]),
+         240, f"the reply to {text!r}")
     wait(tmux, name, lambda t: "replying" not in t and "prefilling" not in t, 240, "the reply's end")
 
 

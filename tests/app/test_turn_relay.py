@@ -1,7 +1,7 @@
 """turn.relay batches a turn's events; turn.Governor bounds the UI's share of the turn."""
 from __future__ import annotations
 
-from kvchat.engine.telemetry import PrefillEvent, TokenEvent, TurnStats
+from kvchat.engine.telemetry import PrefillEvent, PrefillProgress, TokenEvent, TurnStats
 from kvchat.chat.relay import Governor, relay
 
 from .fake_backend import FakeBackend
@@ -116,3 +116,27 @@ def test_a_token_without_an_id_counts_and_a_text_tail_does_not():
     relay(iter([PrefillEvent(10, None, None, None), *tokens]), lambda: None, out.append, clock=clock)
     assert "".join(p.text for p in out) == "abc"
     assert out[-1].generated == 2 and [pt for p in out for pt in p.points] == [(10, 5.0), (11, 6.0)]
+
+
+def test_a_slow_snapshot_during_a_prefill_spaces_the_next_ones_but_never_stops_them():
+    """A chunk every 0.1 s and a snapshot costing 3 ms (more than 2% of 0.1 s): the snapshots
+    are spaced to keep their share (one per 150 ms at most) and go on to the end. Timing the
+    spacing from the last update instead stopped them after the first (the panels froze)."""
+    now = [0.0]
+
+    def clock() -> float:
+        return now[0]
+
+    def snapshot():
+        now[0] += 0.003
+        return object()
+
+    def events():
+        for done in range(0, 2000, 100):
+            now[0] += 0.1
+            yield PrefillProgress(done, 2000, 1000 * now[0])
+    got = []
+    relay(events(), snapshot, got.append, clock=clock)
+    taken = [i for i, p in enumerate(got) if p.snapshot is not None]
+    assert len(got) == 20 and len(taken) >= 8, taken
+    assert all(b - a >= 2 for a, b in zip(taken, taken[1:]))       # never two chunks in a row
