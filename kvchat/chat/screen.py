@@ -165,19 +165,16 @@ class ChatScreen(InputKeys, Screen[None]):
         self.show_settings()
         self.panels.note(note)
 
-    def keep_snapshot(self, session: Session | None, snap: CacheSnapshot) -> None:
-        """Keep a conversation's snapshot; draw it if that one is in focus."""
-        shown = self.kept(session, snap)
-        if shown is not None:
-            self.panels.snapshot(shown, snap, self.backend.info())
-
-    def kept(self, session: Session | None, snap: CacheSnapshot | None) -> Session | None:
-        """Keep the snapshot on the conversation in focus when it was taken; that
-        conversation if it is still the one on show (its panels are to draw it), else None."""
+    def keep_snapshot(self, session: Session | None, snap: CacheSnapshot | None, draw: bool = True) -> Session | None:
+        """Keep the snapshot on the conversation in focus when it was taken; that conversation
+        if it is still the one on show (its panels drawn now, unless not `draw`), else None."""
         if session is None or snap is None:
             return None
         session.snapshot = snap
-        return session if session is self.conversations.session else None
+        shown = session if session is self.conversations.session else None
+        if shown is not None and draw:
+            self.panels.snapshot(shown, snap, self.backend.info())
+        return shown
 
     def dialog(self, screen: Screen[R], chosen: Callable[[R | None], None] | None) -> None:
         self.app.push_screen(screen, chosen)
@@ -395,7 +392,7 @@ class ChatScreen(InputKeys, Screen[None]):
         where = f"conversation {view.number} " if view is not self.view else ""
         state = where + (prefill_line(p.prefill_progress, eta_s=p.prefill_eta_s) if p.prefill_progress is not None
                          else f"replying · {p.generated} tokens")
-        self.panels.progress(session, bool(p.points), self.kept(msg.focus, p.snapshot), p.snapshot,
+        self.panels.progress(session, bool(p.points), self.keep_snapshot(msg.focus, p.snapshot, draw=False), p.snapshot,
                              self.backend.info(), state)
         if p.prefill is not None:
             self.conversations.note_preemptions(session)   # making room for the prompt may have preempted others
@@ -415,8 +412,7 @@ class ChatScreen(InputKeys, Screen[None]):
         self.panels.latency_changed(session, live=False)
         if not msg.accepted and turn.text is not None and turn.view is self.view and not self.input.text:
             self.input.restore(turn.typed or turn.text)
-        if msg.snapshot is not None:
-            self.keep_snapshot(msg.focus, msg.snapshot)
+        self.keep_snapshot(msg.focus, msg.snapshot)
         self.job_done()
         self.conversations.note_preemptions(session)
 
@@ -429,8 +425,7 @@ class ChatScreen(InputKeys, Screen[None]):
                 await result
         for session in self.conversations.sessions:
             session.refresh()
-        if msg.snapshot is not None:
-            self.keep_snapshot(msg.focus, msg.snapshot)
+        self.keep_snapshot(msg.focus, msg.snapshot)
         self.show_settings()
         if msg.error:
             self.notice(msg.error, error=True)
