@@ -80,7 +80,7 @@ def run_plan_lines(args: argparse.Namespace) -> str:
         raise KvchatError(f"/plan: {err}") from None
     s = p.summary
     lines = [f"/plan: a simulation of a vLLM-like server (not a measurement); {plural(s['requests'], 'request')} "
-             f"in {s['duration_s']:,.1f} s simulated", *setup_lines(p)[:1], *setup_lines(p)[1:3]]
+             f"in {s['duration_s']:,.1f} s simulated", *setup_lines(p)[:3]]
     lines.append(f"{'':<5}" + "".join(f" {q:>11}" for q in ("p50", "p90", "p99")))
     for key, label in (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2el_ms", "E2EL")):
         st = s.get(key)
