@@ -16,6 +16,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
+# one worker under pytest-xdist (`make test`): both tests share the module fixture's cold run
+pytestmark = pytest.mark.xdist_group("mypy")
 
 
 def mypy(*args: str) -> subprocess.CompletedProcess[str]:
