@@ -3,10 +3,14 @@ where a fit means something, says why where it does not, and labels its axes wit
 evenly spaced ticks."""
 from __future__ import annotations
 
+import re
+
+import pytest
+
 from kvchat.latency import LatencyData, fit_series
 from kvchat.text import duration
 from kvchat.widgets import LatencyPanel
-from kvchat.widgets.latency_panel import nice_ticks
+from kvchat.widgets.latency_panel import STEP_TITLES, STEP_XLABELS, TITLES, nice_ticks
 
 from .conftest import screen_text
 from .panel_host import PanelHost, as_turn
@@ -160,3 +164,27 @@ async def test_one_slow_step_does_not_set_the_y_range_and_is_marked():
         assert panel.y_range[1] < 50 and panel.outliers == [(200, 2_000.0)]
         assert "▲ 1 slow step above the chart (up to 2,000 ms)" in text and "▲" in text.split("▲ 1 slow")[0]
         assert "fp32 cache: +" in text                      # the fit still uses every point
+
+
+@pytest.mark.parametrize("width", [36, 44, 52, 64, 72])
+async def test_the_chart_keeps_a_title_once_data_arrives_and_its_y_axis_says_ms(width):
+    """Issue 26 low: the chart's title went blank once points came (the y ticks push the
+    canvas right, and plotext leaves out a centred title that no longer fits: at a 44-column
+    panel, the columns layout's) and the y axis had no unit. The longest title that fits is
+    drawn, and "ms" labels the y ticks' column."""
+    panel = LatencyPanel()
+    async with PanelHost(panel).run_test(size=(width, 30)) as pilot:
+        data = LatencyData()
+        data.add_turn(turn(1, 0, 400, "fp32"))
+        panel.attach(data)
+        await pilot.pause()
+        text = screen_text(pilot.app).replace("\u00a0", " ")
+        assert any(title in text for title in TITLES), text
+        assert re.search(r"│ ms +context position", text), text
+        panel.plot_against_step(True)       # a crowd's x axis, the longer labels
+        data.add_turn(as_turn({**turn(2, 400, 300, "fp32").to_dict(), "step_tokens": list(range(500, 800))}))
+        panel.changed()
+        await pilot.pause()
+        text = screen_text(pilot.app).replace("\u00a0", " ")
+        assert any(title in text for title in STEP_TITLES), text
+        assert any(re.search(rf"│ ms +{re.escape(x)}", text) for x in STEP_XLABELS), text
