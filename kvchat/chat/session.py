@@ -47,12 +47,13 @@ def dropped_by(before: Sequence[Message], after: Sequence[Message]) -> int:
 
 
 class Session:
-    def __init__(self, number: int, chat: Chat, log: ConversationLog, turns: list[TurnRecord]) -> None:
+    def __init__(self, number: int, chat: Chat, log: ConversationLog, turns: list[TurnRecord],
+                 max_position: int | None = None) -> None:
         self.number = number                      # shown in the conversation bar; /switch N
         self.chat = chat
         self.log = log
         self.turns = list(turns)                  # one per reply, the restored ones first
-        self.latency = LatencyData()
+        self.latency = LatencyData(max_position)  # the model's maximum: sink-window's window without a cap
         for record in self.turns:
             self.latency.add_turn(record)
         self.state: ChatState = chat.state()      # as the backend last reported it
@@ -77,11 +78,11 @@ class Session:
             chat.restore(restored.visible)
             log = ConversationLog(restored.path, restored.messages, restored=restored)   # the log read once
             log.mark("resumed")
-            return cls(number, chat, log, restored.turns)
+            return cls(number, chat, log, restored.turns, backend.info().max_position)
         chat = backend.open(system=options.system, cap=options.cap, policy=options.policy, mode=options.mode)
         log = ConversationLog.create(data_root, model=backend.info().model, system=options.system,
                                      cap=options.cap, policy=options.policy, mode=options.mode)
-        return cls(number, chat, log, [])
+        return cls(number, chat, log, [], backend.info().max_position)
 
     def refresh(self) -> ChatState:
         """Read the backend's view of this conversation again (cheap, lock-free)."""
@@ -129,7 +130,7 @@ class Session:
     def new_latency_series(self, first: int) -> None:
         """Keep only the turns from `first` on in the latency history (the ones before ran on
         another model: their points measured other weights)."""
-        self.latency = LatencyData()
+        self.latency = LatencyData(self.latency.max_position)
         for record in self.turns[first:]:
             self.latency.add_turn(record)
 

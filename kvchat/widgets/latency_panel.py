@@ -155,9 +155,10 @@ class LatencyPanel(Panel, Vertical):
             self._redraw()
 
     def drawn_series(self) -> dict[Key, list[tuple[int, float]]]:
-        """The points the plot draws, by series: (context position or step tokens, ms)."""
+        """The points the plot draws, by series: (the context the step read, or the step's
+        tokens, ms); under sink-window the context stops at the window (LatencyData.drawn)."""
         if not self.by_step:
-            return {k: self.data.series[k] for k in sorted(self.data.series, key=_series_order)}
+            return {k: self.data.drawn(k) for k in sorted(self.data.series, key=_series_order)}
         out: dict[Key, list[tuple[int, float]]] = {}
         for t in self.data.turns:
             steps, ms = turn_field(t, "step_tokens", ()), turn_field(t, "decode_ms", ())

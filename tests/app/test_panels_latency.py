@@ -188,3 +188,27 @@ async def test_the_chart_keeps_a_title_once_data_arrives_and_its_y_axis_says_ms(
         text = screen_text(pilot.app).replace("\u00a0", " ")
         assert any(title in text for title in STEP_TITLES), text
         assert any(re.search(rf"│ ms +{re.escape(x)}", text) for x in STEP_XLABELS), text
+
+
+async def test_sink_window_points_stay_within_the_models_maximum_on_the_x_axis(fake):
+    """Issue 26 low: the sink-window chart's x axis ran past the model's maximum context (the
+    text's position, 8,600 on an 8,192-token model), while sink-window gives each token its
+    index in the cache as its position. The points are drawn at the context the step read, the
+    window (the model's maximum without a cap), where the fit already measured them."""
+    from kvchat.chat.session import ChatOptions, Session
+    session = Session.open(fake, 1, ChatOptions(policy="sink-window"))
+    assert session.latency.max_position == 8192 == fake.info().max_position
+    session.latency.add_turn(turn(1, 7800, 800, "fp32", policy="sink-window", cap=None))   # no cap: the maximum
+    panel = LatencyPanel()
+    async with PanelHost(panel).run_test(size=(72, 40)) as pilot:
+        panel.attach(session.latency)
+        await pilot.pause()
+        xs = [p for points in panel.drawn_series().values() for p, _ in points]
+        assert min(xs) == 7800 and max(xs) == 8192
+        ticks = screen_text(pilot.app).replace("\u00a0", " ").split("└")[1].splitlines()[1]
+        labels = [int(t.replace(",", "")) for t in re.findall(r"[\d,]+", ticks)]
+        assert labels and max(labels) <= 8192, ticks
+    capped = LatencyData(8192)
+    capped.add_turn(turn(1, 100, 400, "fp32", policy="sink-window", cap=256))       # a cap: the window
+    assert max(p for p, _ in capped.drawn(("cache", "fp32"))) == 256
+    session.log.close()
