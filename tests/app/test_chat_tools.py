@@ -12,7 +12,7 @@ from kvchat.widgets import ChatInput, Notice, StatusBar
 from kvchat.screens.model_info import ModelInfoScreen
 
 from .conftest import screen_text, send, wait_until
-from .fake_backend import FakeBackend, FakeConfig
+from .fake_backend import FakeBackend, FakeConfig, count_tokens
 
 CODE_REPLY = "Here it is:\n```python\nprint('kv')\n```\nand again\n```sh\necho $CACHE\n```\ndone."
 
@@ -22,13 +22,28 @@ def notices(app) -> list[str]:
 
 
 async def test_the_draft_shows_the_tokens_and_bytes_it_will_add(fake, running_app):
+    """The draft counts what the message adds to the prompt, the chat template's tokens too
+    (issue 26 low: '2 shown, 13 used'), as the turn's stats then count it."""
     async with running_app() as (app, pilot):
         field = app.query_one(ChatInput)
         await pilot.press(*"one two three")
-        await wait_until(pilot, lambda: field.border_title.startswith("draft: 3 tokens"), what="the count")
-        assert f"{3 * fake.bytes_per_token // 1024} KiB of cache" in field.border_title
+        first = count_tokens([{"role": "user", "content": "one two three"}])           # the whole first prompt
+        await wait_until(pilot, lambda: field.border_title.startswith(f"draft: {first} tokens (3 typed + "
+                                                                       f"{first - 3} chat template)"), what="the count")
+        assert f"{first * fake.bytes_per_token // 1024} KiB of cache" in field.border_title
         await pilot.press("enter")
         await wait_until(pilot, lambda: field.border_title == "", what="the count to clear")
+        await wait_until(pilot, lambda: app.chat_screen.jobs.busy is None and len(app.chat_screen.session.turns) == 1)
+        before = app.chat_screen.session.turns[-1]
+        assert before.prompt_tokens == first
+        await pilot.press(*"four five")
+        await wait_until(pilot, lambda: field.border_title.startswith("draft: "), what="the second count")
+        shown = int(field.border_title.split()[1])
+        assert field.border_title.startswith(f"draft: {shown} tokens (2 typed + {shown - 2} chat template)")
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: app.chat_screen.jobs.busy is None and len(app.chat_screen.session.turns) == 2)
+        after = app.chat_screen.session.turns[-1]
+        assert after.prompt_tokens - before.prompt_tokens - before.generated_tokens == shown
 
 
 async def test_the_draft_count_is_throttled_while_typing(running_app):
