@@ -21,6 +21,7 @@ from ..latency import LatencyData
 from ..store.log import ConversationLog, Restored
 from ..store.records import TurnRecord
 from ..text import plural
+from . import numbering
 from .relay import Progress
 
 TITLE_CHARS = 14        # the conversation bar's label: longer titles are cut to 13 and "…"
@@ -44,6 +45,11 @@ def dropped_by(before: Sequence[Message], after: Sequence[Message]) -> int:
     if k <= 0 or not after or after[-1]["role"] != "user" or list(after[:s]) != list(before[:s]):
         return 0
     return k if list(after[s:-1]) == list(before[s + k:]) else 0
+
+
+def replies(messages: Sequence[Message]) -> int:
+    """A conversation's turns, counted by their replies."""
+    return sum(m["role"] == "assistant" for m in messages)
 
 
 class Session:
@@ -82,6 +88,7 @@ class Session:
         chat = backend.open(system=options.system, cap=options.cap, policy=options.policy, mode=options.mode)
         log = ConversationLog.create(data_root, model=backend.info().model, system=options.system,
                                      cap=options.cap, policy=options.policy, mode=options.mode)
+        numbering.remember(log, number)          # held with the start record until the first message
         return cls(number, chat, log, [], backend.info().max_position)
 
     def refresh(self) -> ChatState:
@@ -110,6 +117,13 @@ class Session:
         words = self.given_title or " ".join(first.split())
         return (words[:TITLE_CHARS - 1] + "…" if len(words) > TITLE_CHARS else words) or "new"
 
+    @property
+    def turn_count(self) -> int:
+        """Its turns: the replies in the conversation, drop-oldest's dropped ones included. A
+        regenerated reply takes the place of the one before, so it is no other turn; `turns`
+        keeps a record for every reply generated (the telemetry)."""
+        return replies(self.log.messages)
+
     def options(self) -> ChatOptions:
         """The settings a new conversation inherits from this one."""
         s = self.state
@@ -119,7 +133,7 @@ class Session:
         """Its line in /list."""
         s = self.refresh()
         cap = f"cap {s.cap:,}" if s.cap else "no cap"
-        line = (f"{'●' if focused else ' '} {self.number} {self.title} · {plural(len(self.turns), 'turn')} · "
+        line = (f"{'●' if focused else ' '} {self.number} {self.title} · {plural(self.turn_count, 'turn')} · "
                 f"{s.tokens_held:,} tokens cached · {cap} · {s.policy}")
         if s.mode != "cache":
             line += " · cache off"
