@@ -8,8 +8,10 @@ fit across them would measure the mix, not the growth.
 
 The fit is least squares of decode ms against the context the step read. That is the
 position, except under sink-window once the window is full: the cache then holds `cap`
-tokens whatever the position, so those points do not grow the context and cannot show
-growth.
+tokens whatever the position (the model's maximum without a cap), so those points do not
+grow the context and cannot show growth. The chart draws each point at that context too:
+sink-window gives a token its index in the cache as its position, so the text's position
+runs past the model's maximum while the model's never does.
 """
 from __future__ import annotations
 
@@ -87,7 +89,8 @@ class LatencyData:
     """Points by (cache mode, KV dtype); `add_points` during a turn, `end_turn` replaces that
     turn's live points with the exact ones from its TurnStats summary."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_position: int | None = None) -> None:
+        self.max_position = max_position              # sink-window's window when it has no cap
         self.series: dict[Key, list[tuple[int, float]]] = {}
         self.contexts: dict[Key, list[int]] = {}      # the context each point's step read (see the module doc)
         self.flat_by: dict[Key, str] = {}             # why a series' context stopped growing, e.g. "sink-window"
@@ -104,6 +107,11 @@ class LatencyData:
         for (mode, _), pts in self.series.items():
             out.setdefault(mode, []).extend(pts)
         return out
+
+    def drawn(self, key: Key) -> list[tuple[int, float]]:
+        """A series' points at the context each step read (see the module doc): where the
+        chart draws them and the fit measures them."""
+        return list(zip(self.contexts.get(key, []), (m for _, m in self.series.get(key, []))))
 
     @property
     def point_count(self) -> int:
@@ -134,7 +142,7 @@ class LatencyData:
             kv_dtype = turn_field(last, "kv_dtype") if last is not None else None
         self._live = []
         self._live_key = series_key(mode, kv_dtype)
-        self._live_cap = cap if policy == "sink-window" and mode != "off" else None
+        self._live_cap = (cap or self.max_position) if policy == "sink-window" and mode != "off" else None
 
     def add_points(self, points: tuple[tuple[int, float], ...]) -> None:
         self._live.extend(points)
@@ -156,7 +164,7 @@ class LatencyData:
         mode = turn_field(summary, "mode", "cache")
         key = series_key(mode, turn_field(summary, "kv_dtype"))
         sink = turn_field(summary, "policy") == "sink-window" and mode != "off"
-        window = turn_field(summary, "cap") if sink else None
+        window = (turn_field(summary, "cap") or self.max_position) if sink else None
         self._add(key, tuple(zip(turn_field(summary, "positions", ()), turn_field(summary, "decode_ms", ()))), window)
         self.turns.append(summary)
 

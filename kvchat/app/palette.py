@@ -1,7 +1,11 @@
 """The command palette (ctrl+p, Textual's own): every key's action and every slash command,
 each with its key, found by fuzzy search. An action runs as its key would (the binding's
 action, on the chat screen); a command that runs without an argument runs at once; one that
-needs an argument is typed into the input ("/cap ") for the user to finish."""
+needs an argument is typed into the input ("/cap ") for the user to finish.
+
+The names and help go to the palette as plain Content: Textual reads a string as markup, and
+"[f5]" or "/edit [N]" are markup tags to it, so an F-key hint and a usage's optional part
+vanished (a "[^r]", no tag, stayed)."""
 from __future__ import annotations
 
 from collections.abc import Callable
@@ -10,6 +14,8 @@ from typing import Any, Protocol, runtime_checkable
 
 from textual.binding import Binding
 from textual.command import DiscoveryHit, Hit, Hits, Provider
+from textual.content import Content
+from textual.fuzzy import FuzzySearch, Matcher
 
 from ..commands import COMMANDS, RAW, Command, CommandError
 from ..keys import KEYS
@@ -42,17 +48,19 @@ class KvChatApp(Protocol):
 
 
 def entries(app: KvChatApp) -> list[tuple[str, str, Callable[[], object]]]:
-    """(name shown, help, what it runs) for each key and each command."""
+    """(name shown, help, what it runs) for each key and each command; a command that a key of
+    the same name runs (/regen and F5's regen) shows that key too."""
     keymap = app.keymap()
     screen = app.chat_screen
     out: list[tuple[str, str, Callable[[], object]]] = []
+    shown = {k.label: app.get_key_display(Binding(keymap[k.id].split(",")[0].strip(), "")) for k in KEYS}
     for k in KEYS:
         if k.id == "palette":
             continue
-        shown = app.get_key_display(Binding(keymap[k.id].split(",")[0].strip(), ""))
-        out.append((f"{k.label}  [{shown}]", k.help, partial(screen.run_action, k.action)))
+        out.append((f"{k.label}  [{shown[k.label]}]", k.help, partial(screen.run_action, k.action)))
     for spec in COMMANDS.values():
-        out.append((spec.usage, spec.help, partial(run_command, app, spec.name)))
+        key = f"  [{shown[spec.name]}]" if spec.name in shown else ""
+        out.append((spec.usage + key, spec.help, partial(run_command, app, spec.name)))
     return out
 
 
@@ -73,16 +81,29 @@ def run_command(app: KvChatApp, name: str) -> None:
 
 
 class KvchatCommands(Provider):
+    _fuzzy = FuzzySearch()
+
     async def discover(self) -> Hits:
         for shown, help_text, run in entries(self._kvchat()):
-            yield DiscoveryHit(shown, run, help=help_text)
+            yield DiscoveryHit(Content(shown), run, text=shown, help=Content(help_text))   # type: ignore[arg-type]
 
     async def search(self, query: str) -> Hits:
         matcher = self.matcher(query)
         for shown, help_text, run in entries(self._kvchat()):
             score = max(matcher.match(shown), matcher.match(help_text) * 0.5)
             if score > 0:
-                yield Hit(score, matcher.highlight(shown), run, help=help_text)
+                yield Hit(score, self._highlight(matcher, shown), run, text=shown,
+                          help=Content(help_text))   # type: ignore[arg-type]
+
+    def _highlight(self, matcher: Matcher, shown: str) -> Content:
+        """The matched characters in the match style, on the plain text (Matcher.highlight
+        reads its candidate as markup)."""
+        content = Content(shown)
+        _, offsets = self._fuzzy.match(matcher.query, shown)
+        for i in offsets:
+            if not shown[i].isspace():
+                content = content.stylize(matcher.match_style, i, i + 1)
+        return content
 
     def _kvchat(self) -> KvChatApp:
         app = self.app

@@ -6,10 +6,12 @@ from collections.abc import Iterator
 
 from kvchat.engine.conversation import Conversation
 from kvchat.engine.engine import KV_DTYPES, Engine, EngineConfig, Preflight
+from kvchat.engine.errors import KvchatError
 from kvchat.engine.policy import POLICIES
 from kvchat.engine.sampler import SamplingParams
 from kvchat.engine.sources import ModelSource
 from kvchat.engine.telemetry import CacheSnapshot, SchedulerSnapshot
+from kvchat.engine.template import turn_overhead
 
 from .protocol import BackendInfo, Capabilities, Chat, ChatState, Event, Message
 
@@ -19,6 +21,7 @@ class LocalChat:
 
     def __init__(self, conv: Conversation) -> None:
         self.conv = conv
+        self._overhead: int | None = None      # the template's tokens per user turn, once measured
 
     def state(self) -> ChatState:
         c = self.conv
@@ -58,6 +61,21 @@ class LocalChat:
 
     def history_tokens(self) -> int | None:
         return len(self.conv.render(self.conv.messages))
+
+    def message_tokens(self, text: str) -> int | None:
+        """Before the first reply the whole first prompt is rendered (it is short); after, the
+        message's tokens and the template's per-turn tokens, measured once, so a long history
+        is not rendered on every keystroke."""
+        conv, message = self.conv, {"role": "user", "content": text}
+        tok = conv.engine.tokenizer
+        try:
+            if all(m["role"] == "system" for m in conv.messages):
+                return len(conv.render(conv.messages + [message]))
+            if self._overhead is None:
+                self._overhead = turn_overhead(tok)
+            return len(tok.encode(text, add_special_tokens=False)) + self._overhead
+        except (RuntimeError, KvchatError):   # the turn's thread holds the tokenizer; a template that fails
+            return None
 
 
 class LocalBackend:

@@ -127,6 +127,13 @@ class Chat(Protocol):
         (a template may add a default system prompt of its own); None where the backend
         cannot tell. May wait on the backend: call it off the UI thread."""
 
+    def message_tokens(self, text: str) -> int | None:
+        """Tokens the next prompt grows by when `text` is sent: its own and the chat template's
+        around a user turn (the last reply's end, the turn's markers, the reply's header); before
+        the first reply, all the template puts before it too (a system prompt). None where the
+        backend cannot tell without waiting (a server's /tokenize). Cheap: the draft counter
+        calls it on the UI thread while the user types."""
+
 
 @runtime_checkable
 class Backend(Protocol):

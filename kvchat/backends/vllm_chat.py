@@ -113,6 +113,10 @@ class VllmChat:
         except ServerError:
             return None
 
+    def message_tokens(self, text: str) -> int | None:
+        """Unknown: the server counts with /tokenize, a call the typing user must not wait on."""
+        return None
+
     def truncate(self, n_messages: int) -> None:
         """Keep the first n messages (an edited one is resent); the server's prefix cache
         reuses whatever still matches."""

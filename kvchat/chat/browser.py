@@ -17,9 +17,10 @@ from ..screens.chat_browser import ChatBrowser
 from ..store import catalog
 from ..store.log import ConversationBusy, Restored, StoreError, restore
 from ..text import plural
+from . import numbering
 from .conversations import Conversations, read_the_cache
 from .host import Host
-from .session import Session
+from .session import Session, replies
 from .view import ChatView
 
 SHOWN_PROBLEMS = 5       # damaged records named one by one; past that, counted
@@ -92,9 +93,11 @@ class Browser:
             self.host.run_op(f"reopen {path.name}", read_the_cache, then=lambda: self._open(restored),
                              interrupt=False)
 
-    async def _open(self, restored: Restored, focus: bool = True) -> None:
+    async def _open(self, restored: Restored, focus: bool = True, resuming: bool = False) -> None:
+        """Reopen a conversation; `resuming` (--resume) gives it its own number back if free."""
         host, convs = self.host, self.conversations
-        number = convs.number()
+        saved = numbering.saved_number(restored.path)
+        number = convs.claim(saved) if resuming else convs.number()
         try:
             session = Session.open(host.backend, number, host.session.options(), self.data_root, restored)
         except (KvchatError, OSError) as err:
@@ -102,7 +105,7 @@ class Browser:
             return
         view = ChatView(number)
         await convs.add(view, session)
-        await self.resumed(view, restored)
+        await self.resumed(view, restored, number=saved)
         if focus:
             convs.switch_to(view, fresh=False)
             host.run_op("read the cache", read_the_cache, interrupt=False)
@@ -117,7 +120,8 @@ class Browser:
                 except StoreError as err:
                     self.host.notice(str(err), error=True)
                     continue
-                await self._open(restored, focus=False)
+                await self._open(restored, focus=False, resuming=True)
+        self.conversations.views.sort(key=lambda v: v.number)     # the bar and the switch keys in their order
         if len(self.conversations.views) > 1:
             self.host.notice(f"{len(self.conversations.views)} conversations reopened, as open when kvchat last quit; "
                              f"{self.host.keymap['next_conversation']} switches")
@@ -128,24 +132,29 @@ class Browser:
         session = view.session
         if session is None:
             return
+        saved = numbering.saved_number(restored.path)
+        if saved is not None and saved != view.number:      # no other is open yet: its own number is free
+            view.number = session.number = self.conversations.claim(saved)
         await view.show_history(restored.history)
-        view.add_notice(f"resumed {restored.path.name}: {plural(len(restored.turns), 'turn')}; the cache "
+        view.add_notice(f"resumed {restored.path.name}: {plural(replies(restored.messages), 'turn')}; the cache "
                         "is empty, so the next turn prefills the whole history")
         if restored.unanswered:
             self.host.input.restore(restored.unanswered)
             view.add_notice("your last message got no reply; it is back in the input")
-        await self.resumed(view, restored, history=False)
+        await self.resumed(view, restored, history=False, number=saved)
 
-    async def resumed(self, view: ChatView, restored: Restored, history: bool = True) -> None:
+    async def resumed(self, view: ChatView, restored: Restored, history: bool = True,
+                      number: int | None = None) -> None:
         """A reopened conversation's transcript, its notes (a line per damaged record skipped),
-        and its latency series."""
+        its latency series, and its number kept in its log (`number`: the one kept there)."""
         session = view.session
         if session is None:
             return
+        numbering.remember(session.log, view.number, number)
         if history:
             await view.show_history(restored.history)
-            view.add_notice(f"reopened {restored.path.name}: {plural(len(restored.turns), 'turn')}; the cache is "
-                            "empty, so the next turn prefills the whole history")
+            view.add_notice(f"reopened {restored.path.name}: {plural(replies(restored.messages), 'turn')}; the "
+                            "cache is empty, so the next turn prefills the whole history")
         if restored.problems:
             view.add_notice(f"{plural(restored.skipped, 'damaged record')} of {restored.path.name} skipped "
                             "(a torn line or a hand edit); the rest is restored", error=True)

@@ -164,6 +164,9 @@ class Controls:
         except KvchatError as err:     # e.g. a cap below sink-window's least window
             host.notice(str(err), error=True)
             return
+        if again:      # the whole line (200 columns) in the transcript; the status line's one fits
+            host.notice(note)
+            note = f"policy {name}: the next turn prefills the whole history again ({session.context_tokens:,} tokens)"
         host.settings_changed(note)
 
     def set_mode(self, mode: str) -> None:

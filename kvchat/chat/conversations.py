@@ -55,6 +55,13 @@ class Conversations:
         n, self.next_number = self.next_number, self.next_number + 1
         return n
 
+    def claim(self, wanted: int | None) -> int:
+        """`wanted` (a resumed conversation's own number) unless an open one has it; else the next."""
+        if wanted is None or any(v.number == wanted for v in self.views):
+            return self.number()
+        self.next_number = max(self.next_number, wanted + 1)
+        return wanted
+
     def view_of(self, session: Session) -> ChatView | None:
         return next((v for v in self.views if v.session is session), None)
 
@@ -104,7 +111,7 @@ class Conversations:
         jobs = self.host.jobs
         replying = jobs.replying.view if jobs.replying is not None else None
         queued = {job.view for job in jobs if isinstance(job, RunningTurn)}
-        entries = [Entry(v.number, s.title, len(s.turns),
+        entries = [Entry(v.number, s.title, s.turn_count,
                          "replying" if v is replying else "queued" if v in queued
                          else "preempted" if s.state.preempted_pending else "")
                    for v in self.views if (s := v.session) is not None]

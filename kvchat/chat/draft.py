@@ -1,10 +1,14 @@
 """The draft's cost, beside the input before it is sent: the tokens the message will add to
-the cache and their bytes (tokens x the backend's bytes per token; the chat template adds a
-few more). Counting tokenizes the whole draft, so it runs at most every DELAY seconds while
-the user types, and once more when typing pauses."""
+the prompt and their bytes of cache (tokens x the backend's bytes per token). That is the
+typed text and the chat template's tokens around a user turn, as the turn's stats will count
+them (a 2-token "hi there" adds 13 on the bundled model), and before the first reply the
+template's start and the system prompt too; the label says which part is which. Counting
+tokenizes the whole draft, so it runs at most every DELAY seconds while the user types, and
+once more when typing pauses."""
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from textual.timer import Timer
 
@@ -14,22 +18,32 @@ from ..backends.protocol import Backend
 from ..text import plural
 from ..widgets.chat_input import ChatInput
 
+if TYPE_CHECKING:
+    from .conversations import Conversations
+
 DELAY = 0.25
 
 
-def label(tokens: int | None, bytes_per_token: int | None) -> str:
-    """'12 tokens · 270 KiB of cache', or '' for an empty draft or an unknown count."""
-    if not tokens:
+def label(typed: int | None, tokens: int | None, bytes_per_token: int | None, system: bool = False) -> str:
+    """'draft: 13 tokens (2 typed + 11 chat template) · 585 KiB of cache', or '' for an empty
+    draft or an unknown count; `tokens` None (the template's part unknown): the typed ones;
+    `system`: the first message, which carries the conversation's system prompt."""
+    if not typed:
         return ""
+    if tokens is None:
+        return f"draft: {plural(typed, 'token')} typed (the chat template adds more)"
     size = f" · {human_bytes(tokens * bytes_per_token)} of cache" if bytes_per_token else ""
-    return f"draft: {plural(tokens, 'token')}{size}"
+    rest = "chat template and system prompt" if system else "chat template"
+    return f"draft: {plural(tokens, 'token')} ({typed:,} typed + {tokens - typed:,} {rest}){size}"
 
 
 class DraftCounter:
-    """Counts what `field` holds with `backend` (None until the model loads), in its title."""
+    """Counts what `field` holds with `backend` (None until the model loads) as a message of the
+    conversation in focus, in its title."""
 
-    def __init__(self, field: ChatInput, delay: float = DELAY) -> None:
+    def __init__(self, field: ChatInput, conversations: Conversations, delay: float = DELAY) -> None:
         self.field = field
+        self.conversations = conversations
         self.backend: Backend | None = None
         self.delay = delay
         self.counted_at = 0.0
@@ -57,4 +71,9 @@ class DraftCounter:
             field.border_title = ""
             return
         self.counts += 1
-        field.border_title = label(backend.count_tokens(text), backend.info().bytes_per_token)
+        session = self.conversations.session
+        chat = session.chat if session is not None else None
+        tokens = chat.message_tokens(text) if chat is not None else None
+        messages = session.state.messages if session is not None else ()
+        system = bool(messages) and all(m["role"] == "system" for m in messages)     # the first message carries it
+        field.border_title = label(backend.count_tokens(text), tokens, backend.info().bytes_per_token, system)

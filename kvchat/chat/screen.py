@@ -101,7 +101,7 @@ class ChatScreen(InputKeys, Screen[None]):
         yield Footer(compact=True)
 
     def on_mount(self) -> None:
-        self.draft = DraftCounter(self.input)
+        self.draft = DraftCounter(self.input, self.conversations)
         self.input.focus()
         self.panels.switcher.set_hint(self.keymap["next_panel"].split(",")[0])
         self.panels.switcher.use_layout(layout_for(self.app.size.width, self.app.size.height))

@@ -21,6 +21,7 @@ from ..latency import LatencyData
 from ..store.log import ConversationLog, Restored
 from ..store.records import TurnRecord
 from ..text import plural
+from . import numbering
 from .relay import Progress
 
 TITLE_CHARS = 14        # the conversation bar's label: longer titles are cut to 13 and "…"
@@ -46,13 +47,19 @@ def dropped_by(before: Sequence[Message], after: Sequence[Message]) -> int:
     return k if list(after[s:-1]) == list(before[s + k:]) else 0
 
 
+def replies(messages: Sequence[Message]) -> int:
+    """A conversation's turns, counted by their replies."""
+    return sum(m["role"] == "assistant" for m in messages)
+
+
 class Session:
-    def __init__(self, number: int, chat: Chat, log: ConversationLog, turns: list[TurnRecord]) -> None:
+    def __init__(self, number: int, chat: Chat, log: ConversationLog, turns: list[TurnRecord],
+                 max_position: int | None = None) -> None:
         self.number = number                      # shown in the conversation bar; /switch N
         self.chat = chat
         self.log = log
         self.turns = list(turns)                  # one per reply, the restored ones first
-        self.latency = LatencyData()
+        self.latency = LatencyData(max_position)  # the model's maximum: sink-window's window without a cap
         for record in self.turns:
             self.latency.add_turn(record)
         self.state: ChatState = chat.state()      # as the backend last reported it
@@ -77,11 +84,12 @@ class Session:
             chat.restore(restored.visible)
             log = ConversationLog(restored.path, restored.messages, restored=restored)   # the log read once
             log.mark("resumed")
-            return cls(number, chat, log, restored.turns)
+            return cls(number, chat, log, restored.turns, backend.info().max_position)
         chat = backend.open(system=options.system, cap=options.cap, policy=options.policy, mode=options.mode)
         log = ConversationLog.create(data_root, model=backend.info().model, system=options.system,
                                      cap=options.cap, policy=options.policy, mode=options.mode)
-        return cls(number, chat, log, [])
+        numbering.remember(log, number)          # held with the start record until the first message
+        return cls(number, chat, log, [], backend.info().max_position)
 
     def refresh(self) -> ChatState:
         """Read the backend's view of this conversation again (cheap, lock-free)."""
@@ -109,6 +117,13 @@ class Session:
         words = self.given_title or " ".join(first.split())
         return (words[:TITLE_CHARS - 1] + "…" if len(words) > TITLE_CHARS else words) or "new"
 
+    @property
+    def turn_count(self) -> int:
+        """Its turns: the replies in the conversation, drop-oldest's dropped ones included. A
+        regenerated reply takes the place of the one before, so it is no other turn; `turns`
+        keeps a record for every reply generated (the telemetry)."""
+        return replies(self.log.messages)
+
     def options(self) -> ChatOptions:
         """The settings a new conversation inherits from this one."""
         s = self.state
@@ -118,7 +133,7 @@ class Session:
         """Its line in /list."""
         s = self.refresh()
         cap = f"cap {s.cap:,}" if s.cap else "no cap"
-        line = (f"{'●' if focused else ' '} {self.number} {self.title} · {plural(len(self.turns), 'turn')} · "
+        line = (f"{'●' if focused else ' '} {self.number} {self.title} · {plural(self.turn_count, 'turn')} · "
                 f"{s.tokens_held:,} tokens cached · {cap} · {s.policy}")
         if s.mode != "cache":
             line += " · cache off"
@@ -129,7 +144,7 @@ class Session:
     def new_latency_series(self, first: int) -> None:
         """Keep only the turns from `first` on in the latency history (the ones before ran on
         another model: their points measured other weights)."""
-        self.latency = LatencyData()
+        self.latency = LatencyData(self.latency.max_position)
         for record in self.turns[first:]:
             self.latency.add_turn(record)
 

@@ -52,9 +52,32 @@ class ConversationBar(Static):
                 label += f"[i]{e.state}[/i] "
             style = "reverse b" if e.number == self.focused else ("$warning" if e.state == "preempted" else "")
             style = f"{style} @click=screen.switch_conversation({e.number})".strip()
-            parts.append(f"[{style}]{label}[/]")
-        content = Content.from_markup("│".join(parts))
+            parts.append(Content.from_markup(f"[{style}]{label}[/]"))
+        content = self._around_focus(parts)
         hint = f"   {self._hint}"
         if self._hint and content.cell_length + len(hint) <= (self.content_region.width or 10**6):
             content = content + Content.styled(hint, "dim")   # only when it fits
         self.update(content)
+
+    def _around_focus(self, parts: list[Content]) -> Content:
+        """The labels that fit the bar's width, the focused one's always: with too many for
+        one line, those far from it give way, counted at each end ("‹2", "3›"), where the
+        line's end cut off whatever was there (the newest conversation, often the focused
+        one: issue 26)."""
+        width = self.content_region.width or 10**6
+        i = next((k for k, e in enumerate(self.entries) if e.number == self.focused), 0)
+
+        def line(lo: int, hi: int) -> Content:
+            out = Content("│").join(parts[lo:hi])
+            if lo > 0:
+                out = Content.styled(f"‹{lo} ", "dim") + out
+            if hi < len(parts):
+                out = out + Content.styled(f" {len(parts) - hi}›", "dim")
+            return out
+        lo, hi = i, i + 1
+        while True:      # widen one label at a time, the newer side first
+            wider = [(a, b) for a, b in ((lo, hi + 1), (lo - 1, hi))
+                     if a >= 0 and b <= len(parts) and line(a, b).cell_length <= width]
+            if not wider:
+                return line(lo, hi)
+            lo, hi = wider[0]

@@ -26,6 +26,14 @@ REDRAW_S = 1.0         # during a turn the plot is redrawn at most this often
 TURNS_SHOWN = 4
 BAR_WIDTH = 12         # the reused / computed bar of each turn, where the panel is wide enough
 KV_ORDER = ("fp32", "bf16", "fp16", "fp8")
+# the chart's title and x label, longest first: plotext leaves out a label wider than its room
+# (a title centred over the canvas, which starts after the y ticks), so the longest that fits
+TITLES = ("decode ms per token vs context position", "ms per token vs context position", "ms per token vs position")
+STEP_TITLES = ("your ms per token vs cached tokens in the whole step", "your ms per token vs the step's cached tokens",
+               "ms per token vs step tokens")
+XLABELS = ("context position",)
+STEP_XLABELS = ("cached tokens the step read, every conversation's", "cached tokens the step read", "step tokens")
+Y_UNIT = "ms"          # the y label: plotext writes it under the y ticks, left of the x label
 # plotext colour, rich colour: one per series, the same in the plot and in the fit lines under it
 SERIES_COLOURS = {"fp32": ("cyan", "cyan"), "bf16": ("green", "green"), "fp16": ("blue", "blue"),
                   "fp8": ("magenta", "magenta"), "off": ("orange", "dark_orange"), "": ("white", "default")}
@@ -88,6 +96,20 @@ def tick_labels(ticks: list[float]) -> list[str]:
     return [f"{t:,.{decimals}f}" for t in ticks]
 
 
+def fitting(options: tuple[str, ...], room: int) -> str:
+    """The longest of `options` (longest first) that fits in `room` columns, else the shortest."""
+    return next((o for o in options if len(o) <= room), options[-1])
+
+
+def centred_room(width: int, ticks: int) -> int:
+    """The longest label plotext draws centred over the canvas of a `width`-column plot whose y
+    ticks are `ticks` wide: the canvas starts after them and their "┤" and ends before the
+    right border, and a label must end inside the plot with a blank column beside it."""
+    start = ticks + 1
+    centre = start + (width - start - 1) // 2
+    return max(2 * (width - 1 - centre) - 1, 0)
+
+
 def _tokens(n: int | None) -> str:
     """A token count for the turn table; a dash where the backend did not report it."""
     return f"{n:,}" if n is not None else "—"
@@ -133,9 +155,10 @@ class LatencyPanel(Panel, Vertical):
             self._redraw()
 
     def drawn_series(self) -> dict[Key, list[tuple[int, float]]]:
-        """The points the plot draws, by series: (context position or step tokens, ms)."""
+        """The points the plot draws, by series: (the context the step read, or the step's
+        tokens, ms); under sink-window the context stops at the window (LatencyData.drawn)."""
         if not self.by_step:
-            return {k: self.data.series[k] for k in sorted(self.data.series, key=_series_order)}
+            return {k: self.data.drawn(k) for k in sorted(self.data.series, key=_series_order)}
         out: dict[Key, list[tuple[int, float]]] = {}
         for t in self.data.turns:
             steps, ms = turn_field(t, "step_tokens", ()), turn_field(t, "decode_ms", ())
@@ -223,22 +246,23 @@ class LatencyPanel(Panel, Vertical):
         if self.outliers:
             xs += (min(p for p, _ in self.outliers), max(p for p, _ in self.outliers))
             ys.append(top)
+        y_labels: list[str] = []
         if xs:
             xt = nice_ticks(min(xs), max(xs))
             lower, upper, yt = row_ticks(min(ys, default=top), max(ys, default=top), self._plot_rows(plot))
+            y_labels = tick_labels(yt)
             plt.ylim(lower, upper)
             self.y_range = (lower, upper)
             if self.outliers:      # on the top row, where they would leave the chart
                 plt.scatter([p for p, _ in self.outliers], [upper] * len(self.outliers), marker=OUTLIER,
                             color="red")
             plt.xticks(xt, tick_labels(xt))
-            plt.yticks(yt, tick_labels(yt))
-        if self.by_step:
-            plt.title("your ms per token vs cached tokens in the whole step")
-            plt.xlabel("cached tokens the step read, every conversation's")
-        else:
-            plt.title("decode ms per token vs context position")
-            plt.xlabel("context position")
+            plt.yticks(yt, y_labels)
+        width = self.content_region.width or self._width      # the plot's: it fills the panel
+        ticks = max((len(t) for t in y_labels), default=0)
+        plt.title(fitting(STEP_TITLES if self.by_step else TITLES, centred_room(width, ticks)))
+        plt.xlabel(fitting(STEP_XLABELS if self.by_step else XLABELS, centred_room(width, max(ticks, len(Y_UNIT) + 1))))
+        plt.ylabel(Y_UNIT)
         plot.refresh()
         self.query_one("#latency-fits", Static).update(self._fit_lines(fits))
         if table:
@@ -267,10 +291,9 @@ class LatencyPanel(Panel, Vertical):
         return out
 
     def on_resize(self) -> None:
-        """The turn table is laid out for the panel's width (the plot redraws itself)."""
+        """The turn table is laid out for the panel's width, and the chart's labels chosen for it."""
         self._width = self.content_region.width or self._width
-        if self.drawing():
-            self.query_one("#latency-turns", Static).update(self._turn_table())
+        self._redraw()
 
     def _turn_table(self) -> Table | Text:
         """The last turns, fitted to the panel's width: the reused / computed bar narrows,

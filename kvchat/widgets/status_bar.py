@@ -11,6 +11,8 @@ from ..text import fit_segments, inert
 
 
 RANDOM_WEIGHTS_SHORT = "random weights: gibberish by design"
+RANDOM_WEIGHTS_TINY = "random weights"      # where the long form would push out the cap and the policy
+KEPT = 3          # the settings' segments a narrow line keeps before a long warning: model, cap, policy
 
 
 class StatusBar(Widget):
@@ -30,8 +32,10 @@ class StatusBar(Widget):
         cap = f"cap {state.cap:,}" if state.cap else "no cap"
         # numbers stay with their conversations (/switch N): after a close, "of N" would lie
         chat = f"chat {number} · {open_chats} open · " if open_chats > 1 else ""
-        self.info = (f"{chat}{info.model} · {info.device} · {info.dtype} · KV {info.kv_dtype} · "
-                     f"cache {'on' if state.mode == 'cache' else 'off'} · {cap} · {state.policy} · {sampling}")
+        # a narrow terminal keeps the first segments: the cap and the policy, which the user
+        # changes, before what changes only with a restart (issue 26: cut at 80x24)
+        self.info = (f"{info.model} · {cap} · {state.policy} · {chat}KV {info.kv_dtype} · "
+                     f"cache {'on' if state.mode == 'cache' else 'off'} · {info.device} · {info.dtype} · {sampling}")
         self.warning = RANDOM_WEIGHTS_SHORT if info.random_weights else ""
 
     def render(self) -> Text:
@@ -40,7 +44,11 @@ class StatusBar(Widget):
         a server's URL are in the settings: all of it is drawn inert."""
         width = self.content_size.width or 200
         state = fit_segments(inert(self.state), max(width - 12, 8))
-        warning = f"{self.warning} " if self.warning else ""
+        kept = " · ".join(inert(self.info).split(" · ")[:KEPT])
+        shown = self.warning
+        if shown == RANDOM_WEIGHTS_SHORT and cell_len(shown) + cell_len(kept) + cell_len(state) + 2 > width:
+            shown = RANDOM_WEIGHTS_TINY
+        warning = f"{shown} " if shown else ""
         room = width - cell_len(warning) - cell_len(state) - 1
         note = inert(self.note) if self.note else ""
         # the note answers what the user just did (ctrl+y's copy, a cap): the settings' tail
@@ -49,9 +57,10 @@ class StatusBar(Widget):
         note = fit_segments(note, room - cell_len(info) - 3) if note else ""
         if note and cell_len(note) > room - cell_len(info) - 3:
             note = ""                      # no room even for its first segment: the log keeps it
+            info = fit_segments(inert(self.info), room)      # and the settings keep their room
         line = Text(no_wrap=True, overflow="crop")
         if warning:
-            line.append(self.warning, style="bold reverse").append(" ")
+            line.append(shown, style="bold reverse").append(" ")
         line.append(info, style="bold")
         gap = width - cell_len(warning) - cell_len(info) - cell_len(state)
         if note:

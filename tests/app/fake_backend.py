@@ -138,6 +138,15 @@ class FakeChat:
     def history_tokens(self) -> int | None:
         return count_tokens(self.messages)
 
+    def message_tokens(self, text: str) -> int | None:
+        """As its prompts grow: the first, whole; later, the message, its overhead and the
+        overhead of the reply before it (whose words the reply's tokens already counted)."""
+        if not self.backend.cfg.counts_tokens:
+            return None
+        if all(m["role"] == "system" for m in self.messages):
+            return count_tokens(self.messages + [{"role": "user", "content": text}])
+        return len(text.split()) + 2 * MESSAGE_OVERHEAD
+
     def set_system(self, text: str | None) -> None:
         """The prompt's start changes, so nothing cached matches any more."""
         with self.backend.lock:

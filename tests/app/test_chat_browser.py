@@ -156,3 +156,40 @@ async def test_an_old_log_without_a_model_still_resumes_with_all_its_points(runn
     async with running_app(restored=restore(path)) as (app, pilot):
         assert not any("saved under" in n.render().plain for n in app.chat_screen.view.query("Notice"))
         assert app.query_one(LatencyPanel).point_count == app.chat_screen.session.turns[0].generated_tokens > 0
+
+
+async def test_resume_keeps_each_conversations_number_and_counts_a_regenerated_reply_once(running_app):
+    """Issue 26 low: --resume numbered the conversations again from 1 (the last used first), and
+    its note counted a regenerated reply as another turn. Open 1, 2, 3, regenerate 3's reply,
+    close 2: the resumed ones are 1 and 3 again, 3 has one turn, and a new one is 4."""
+    async with running_app() as (app, pilot):
+        for text in ("apples are red", "bananas are yellow", "cherries are dark"):
+            if app.chat_screen.session.turns:
+                await pilot.press("ctrl+n")
+                await wait_until(pilot, lambda: app.chat_screen.session.turns == [] and app.chat_screen.jobs.busy is None, what="a new one")
+            await send(pilot, text)
+        await pilot.press("f5")
+        await wait_until(pilot, lambda: len(app.chat_screen.session.turns) == 2 and app.chat_screen.jobs.busy is None,
+                         what="the regenerated reply")
+        assert app.chat_screen.session.turn_count == 1
+        app.query_one("#input").load_text("/close 2")
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: len(app.chat_screen.conversations.views) == 2 and app.chat_screen.jobs.busy is None, what="conversation 2 to close")
+    focus, others = catalog.resume_paths()
+    async with running_app(restored=restore(focus), reopen=others) as (app, pilot):
+        convs = app.chat_screen.conversations
+        await wait_until(pilot, lambda: len(convs.views) == 2, what="both to reopen")
+        numbers = {v.number: v.session.state.messages[0]["content"] for v in convs.views}
+        assert numbers == {1: "apples are red", 3: "cherries are dark"}
+        assert [v.number for v in convs.views] == [1, 3] and convs.focused.number == 3 == app.chat_screen.session.number
+        said = [n.render().plain for n in app.chat_screen.view.query("Notice")]
+        assert any(n.startswith(f"resumed {focus.name}: 1 turn;") for n in said), said
+        assert "chat 3 · 2 open" in app.query_one("StatusBar").info
+        app.query_one("#input").load_text("/list")
+        await pilot.press("enter")
+        await pilot.pause()
+        listed = [n.render().plain for n in app.chat_screen.view.query("Notice")][-1]
+        assert "● 3 cherries are … · 1 turn ·" in listed and "  1 apples are red · 1 turn ·" in listed, listed
+        await pilot.press("ctrl+n")
+        await wait_until(pilot, lambda: len(convs.views) == 3, what="a new one")
+        assert convs.focused.number == 4

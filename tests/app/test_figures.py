@@ -10,7 +10,7 @@ from kvchat.store.log import last_conversation, restore
 from kvchat.text import stats_line
 from kvchat.widgets import CachePanel, CapGauge, Notice
 
-from .conftest import SIZE, make_app, ready, send, wait_until
+from .conftest import SIZE, make_app, ready, screen_text, send, wait_until
 from .fake_backend import FakeBackend, FakeConfig
 
 
@@ -72,18 +72,27 @@ async def test_evicted_reclaimed_and_preempted_are_one_word_each(running_app):
 
 async def test_switching_to_sink_window_says_the_history_it_will_prefill_again(running_app):
     """Issue 26: switching to sink-window re-prefilled the whole history without a word (44 s
-    at 8k); the note says so, with its tokens, before the turn that pays it."""
-    async with running_app(cap=4096) as (app, pilot):
+    at 8k); the note says so, with its tokens, before the turn that pays it. Issue 26 low: that
+    line (over 200 columns) was cut from the one-line status bar at 160x48, there whole: the
+    status line says the cost in a line that fits, the transcript keeps the whole sentence."""
+    async with running_app(cap=4096, size=(160, 48)) as (app, pilot):
         await send(pilot, "tell me about caches")
         await send(pilot, "and about blocks")
         session, notes = app.chat_screen.session, app.chat_screen.panels.notes
         app.chat_screen.controls.set_policy("drop-oldest")
         await pilot.pause()
         assert notes[-1].startswith("policy drop-oldest") and "again" not in notes[-1]
+        assert notes[-1] in screen_text(app).splitlines()[0]
         app.chat_screen.controls.set_policy("sink-window")
         await pilot.pause()
-        assert (f"the next turn prefills the whole history again, {session.context_tokens:,} tokens"
-                in notes[-1]) and session.context_tokens > 0
+        tokens = session.context_tokens
+        assert tokens > 0 and notes[-1] == (f"policy sink-window: the next turn prefills the whole history again "
+                                            f"({tokens:,} tokens)")
+        assert notes[-1] in screen_text(app).splitlines()[0]            # on screen, whole
+        said = [n.text for n in app.chat_screen.view.query(Notice)][-1]
+        assert said.startswith("policy sink-window: keep the first tokens") and (
+            f"the next turn prefills the whole history again, {tokens:,} tokens, as sink-window's cache is no "
+            "prefix of the text") in said
 
 
 def test_the_stats_line_counts_with_separators_and_singulars():

@@ -188,3 +188,42 @@ async def test_a_closed_panel_is_skipped_by_the_cycle_and_reopened_by_its_tab(ru
         tabs = app.query_one(PanelTabs)
         await pilot.click(PanelTabs, offset=(next(s for s, _, n in tabs._spans if n == "cap") + 1, 0))
         assert displayed(app) == ["cap"]
+
+
+async def test_at_100x30_the_bar_shows_the_focused_conversation_however_many_are_open(running_app):
+    """Issue 26 low: at 100x30 the conversation bar cut its line at the chat's width, and the
+    newest conversation, the focused one, was past the cut. The labels around the focused one
+    show, the others counted at the ends ("‹2", "1›")."""
+    titles = ["tell me about caches", "second chat here", "a third chat", "the fourth one"]
+    async with running_app(size=(100, 30)) as (app, pilot):
+        for i, title in enumerate(titles):
+            if i:
+                await pilot.press("ctrl+n")
+                await wait_until(pilot, lambda: len(app.chat_screen.conversations.views) == i + 1)
+            await send(pilot, title)
+        await pilot.pause()
+        bar = screen_text(app).splitlines()[1]
+        assert " 4 the fourth one " in bar and "‹" in bar, bar          # the focused one, the others counted
+        await pilot.press("alt+left", "alt+left", "alt+left")
+        await pilot.pause()
+        bar = screen_text(app).splitlines()[1]
+        assert " 1 tell me about… " in bar and "›" in bar, bar
+        await pilot.press("alt+right", "alt+right")
+        await pilot.pause()
+        assert " 3 a third chat " in screen_text(app).splitlines()[1]
+
+
+@pytest.mark.parametrize("size", [(80, 24), (100, 30)])
+async def test_the_header_keeps_the_cap_and_the_policy_on_a_small_terminal(running_app, size):
+    """Issue 26 low: at 80x24 the status line kept the model, device and dtypes and cut the cap
+    and the policy, the settings a user changes; they come right after the model now, before
+    what changes only with a restart, with one conversation or several."""
+    async with running_app(size=size, cap=256, policy="drop-oldest") as (app, pilot):
+        await send(pilot, "hello")
+        header = screen_text(app).splitlines()[0]
+        assert "cap 256 · drop-oldest" in header, header
+        await pilot.press("ctrl+n")
+        await wait_until(pilot, lambda: len(app.chat_screen.conversations.views) == 2)
+        await pilot.pause()
+        header = screen_text(app).splitlines()[0]
+        assert "cap 256 · drop-oldest" in header, header

@@ -3,10 +3,14 @@ where a fit means something, says why where it does not, and labels its axes wit
 evenly spaced ticks."""
 from __future__ import annotations
 
+import re
+
+import pytest
+
 from kvchat.latency import LatencyData, fit_series
 from kvchat.text import duration
 from kvchat.widgets import LatencyPanel
-from kvchat.widgets.latency_panel import nice_ticks
+from kvchat.widgets.latency_panel import STEP_TITLES, STEP_XLABELS, TITLES, nice_ticks
 
 from .conftest import screen_text
 from .panel_host import PanelHost, as_turn
@@ -160,3 +164,51 @@ async def test_one_slow_step_does_not_set_the_y_range_and_is_marked():
         assert panel.y_range[1] < 50 and panel.outliers == [(200, 2_000.0)]
         assert "▲ 1 slow step above the chart (up to 2,000 ms)" in text and "▲" in text.split("▲ 1 slow")[0]
         assert "fp32 cache: +" in text                      # the fit still uses every point
+
+
+@pytest.mark.parametrize("width", [36, 44, 52, 64, 72])
+async def test_the_chart_keeps_a_title_once_data_arrives_and_its_y_axis_says_ms(width):
+    """Issue 26 low: the chart's title went blank once points came (the y ticks push the
+    canvas right, and plotext leaves out a centred title that no longer fits: at a 44-column
+    panel, the columns layout's) and the y axis had no unit. The longest title that fits is
+    drawn, and "ms" labels the y ticks' column."""
+    panel = LatencyPanel()
+    async with PanelHost(panel).run_test(size=(width, 30)) as pilot:
+        data = LatencyData()
+        data.add_turn(turn(1, 0, 400, "fp32"))
+        panel.attach(data)
+        await pilot.pause()
+        text = screen_text(pilot.app).replace("\u00a0", " ")
+        assert any(title in text for title in TITLES), text
+        assert re.search(r"│ ms +context position", text), text
+        panel.plot_against_step(True)       # a crowd's x axis, the longer labels
+        data.add_turn(as_turn({**turn(2, 400, 300, "fp32").to_dict(), "step_tokens": list(range(500, 800))}))
+        panel.changed()
+        await pilot.pause()
+        text = screen_text(pilot.app).replace("\u00a0", " ")
+        assert any(title in text for title in STEP_TITLES), text
+        assert any(re.search(rf"│ ms +{re.escape(x)}", text) for x in STEP_XLABELS), text
+
+
+async def test_sink_window_points_stay_within_the_models_maximum_on_the_x_axis(fake):
+    """Issue 26 low: the sink-window chart's x axis ran past the model's maximum context (the
+    text's position, 8,600 on an 8,192-token model), while sink-window gives each token its
+    index in the cache as its position. The points are drawn at the context the step read, the
+    window (the model's maximum without a cap), where the fit already measured them."""
+    from kvchat.chat.session import ChatOptions, Session
+    session = Session.open(fake, 1, ChatOptions(policy="sink-window"))
+    assert session.latency.max_position == 8192 == fake.info().max_position
+    session.latency.add_turn(turn(1, 7800, 800, "fp32", policy="sink-window", cap=None))   # no cap: the maximum
+    panel = LatencyPanel()
+    async with PanelHost(panel).run_test(size=(72, 40)) as pilot:
+        panel.attach(session.latency)
+        await pilot.pause()
+        xs = [p for points in panel.drawn_series().values() for p, _ in points]
+        assert min(xs) == 7800 and max(xs) == 8192
+        ticks = screen_text(pilot.app).replace("\u00a0", " ").split("└")[1].splitlines()[1]
+        labels = [int(t.replace(",", "")) for t in re.findall(r"[\d,]+", ticks)]
+        assert labels and max(labels) <= 8192, ticks
+    capped = LatencyData(8192)
+    capped.add_turn(turn(1, 100, 400, "fp32", policy="sink-window", cap=256))       # a cap: the window
+    assert max(p for p, _ in capped.drawn(("cache", "fp32"))) == 256
+    session.log.close()

@@ -23,10 +23,23 @@ async def test_system_prompt_draft_count_and_a_seeded_regenerate_on_the_real_eng
                 engine.tokenizer.encode("Name three colours.", add_special_tokens=False))
             await pilot.press(*"Name a colour.")
             field = app.query_one(ChatInput)
-            full = f"draft: {backend.count_tokens('Name a colour.')} tokens"
+            typed = backend.count_tokens("Name a colour.")
+            first = len(engine.render([{"role": "user", "content": "Name a colour."}]))   # the template's system prompt too
+            full = f"draft: {first} tokens ({typed} typed + {first - typed} chat template)"
             await wait_until(pilot, lambda: field.border_title.startswith(full), what="the count once typing pauses")
             field.load_text("")
             await send(pilot, "Name a colour.")
+            assert app.chat_screen.session.turns[-1].prompt_tokens == first
+            # issue 26 low: '2 shown, 13 used'; the count is what the turn's prompt grows by
+            await pilot.press(*"hi there")
+            await wait_until(pilot, lambda: field.border_title.startswith("draft: "), what="the second count")
+            shown = int(field.border_title.split()[1])
+            assert field.border_title.startswith(f"draft: {shown} tokens (2 typed + {shown - 2} chat template)")
+            field.load_text("")
+            before = app.chat_screen.session.turns[-1]
+            await send(pilot, "hi there")
+            reply = len(engine.tokenizer.encode(before.reply, add_special_tokens=False))
+            assert app.chat_screen.session.turns[-1].prompt_tokens - before.prompt_tokens - reply == shown == 13
             field.load_text(f"/system {system}")
             await pilot.press("enter")
             await wait_until(pilot, lambda: app.chat_screen.jobs.busy is None and "system prompt set" in app.query(Notice).last().text,
@@ -44,10 +57,10 @@ async def test_system_prompt_draft_count_and_a_seeded_regenerate_on_the_real_eng
                 field.load_text(command)
                 await pilot.press("enter")
             await pilot.press("f5")
-            await wait_until(pilot, lambda: len(app.chat_screen.session.turns) == 3 and app.chat_screen.jobs.busy is None, what="a sample")
+            await wait_until(pilot, lambda: len(app.chat_screen.session.turns) == 4 and app.chat_screen.jobs.busy is None, what="a sample")
             sampled = app.chat_screen.session.turns[-1].reply
             await pilot.press("f5")
-            await wait_until(pilot, lambda: len(app.chat_screen.session.turns) == 4 and app.chat_screen.jobs.busy is None, what="the same sample")
+            await wait_until(pilot, lambda: len(app.chat_screen.session.turns) == 5 and app.chat_screen.jobs.busy is None, what="the same sample")
             assert sampled != greedy and app.chat_screen.session.turns[-1].reply == sampled
         finally:
             for view in app.chat_screen.conversations.views:
