@@ -19,6 +19,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+from .host_load import HostLoad
+
 MIN_FIT_POINTS = 8
 MIN_FIT_SPAN = 256      # positions; a slope fitted over fewer is mostly timing noise scaled up to 1k tokens
 MODES = ("cache", "off")
@@ -99,6 +101,7 @@ class LatencyData:
         self._live_key: Key = ("cache", "")
         self._live_cap: int | None = None
         self._fits: dict[Key, tuple[int, Fit]] = {}   # a redraw refits only the series that changed
+        self.host: HostLoad | None = None             # what other processes took of the cores in the last turn
 
     @property
     def points(self) -> dict[str, list[tuple[int, float]]]:

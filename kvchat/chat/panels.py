@@ -75,6 +75,7 @@ class Panels:
     # ---- the telemetry panels ---------------------------------------------------------------------
     def backend_ready(self, info: BackendInfo, caps: Capabilities) -> None:
         self.cache.geometry = info.geometry
+        self.latency.show_host = info.kind != "vllm"        # a server's cores are not this machine's
         self.blocks.unavailable(None if caps.block_map != "none" else caps.why_not(BLOCK_MAP) or
                                 "this backend cannot say which block holds what")
 

@@ -17,6 +17,7 @@ from pathlib import Path
 from kvchat.engine.telemetry import CacheSnapshot, TurnStats
 
 from ..backends.protocol import Backend, Chat, ChatState, Message
+from ..host_load import HostSampler
 from ..latency import LatencyData
 from ..store.log import ConversationLog, Restored
 from ..store.records import TurnRecord
@@ -60,6 +61,7 @@ class Session:
         self.log = log
         self.turns = list(turns)                  # one per reply, the restored ones first
         self.latency = LatencyData(max_position)  # the model's maximum: sink-window's window without a cap
+        self.host = HostSampler()                 # the other processes' share of the cores, per turn
         for record in self.turns:
             self.latency.add_turn(record)
         self.state: ChatState = chat.state()      # as the backend last reported it
@@ -154,6 +156,7 @@ class Session:
         s = self.refresh()
         self._prompt_in = False
         self.latency.begin_turn(s.mode, kv_dtype=kv_dtype, policy=s.policy, cap=s.cap)
+        self.host.start()
 
     def progress(self, p: Progress) -> None:
         """A batch of the reply; with a snapshot, the backend's state is read again (the panels
@@ -170,6 +173,7 @@ class Session:
     def end_turn(self, record: TurnRecord | None, stats: TurnStats | None) -> None:
         """The live latency points give way to the record's exact ones; the record joins the
         turns (None: the turn produced no reply)."""
+        self.latency.host = self.host.stop() or self.latency.host
         self.latency.end_turn(record)
         if record is not None:
             self.turns.append(record)

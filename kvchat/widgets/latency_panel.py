@@ -143,6 +143,7 @@ class LatencyPanel(Panel, Vertical):
         self._drawn_at = 0.0
         self._width = 60
         self.by_step = False     # x: the cached tokens of the whole step (a crowd runs), not the own context
+        self.show_host = False   # the host's load under the fits: a local engine's (its steps share these cores)
         self.outliers: list[tuple[int, float]] = []    # points above the chart's robust top, last drawn
         self.y_range: tuple[float, float] | None = None   # the y limits last drawn
 
@@ -288,6 +289,9 @@ class LatencyPanel(Panel, Vertical):
             out.append("• ", style=_colours(key)[1])
             out.append(f"{series_label(key)}: ", style="bold")
             out.append(fit.describe(), style="" if fit.slope is not None else "dim")
+        host = self.data.host
+        if self.show_host and host is not None:
+            out.append("\n" + host.line(), style="yellow" if host.noticeable else "dim")
         return out
 
     def on_resize(self) -> None:

@@ -1,12 +1,23 @@
 """The whole screen after one scripted turn, compared with a committed SVG snapshot.
 
 The FakeBackend's telemetry is fixed (latencies, token counts, block map), so the picture is
-deterministic. Update after an intended change with `pytest tests/app/test_snapshot.py
+deterministic; the host's load under the latency fits (measured from the kernel's counters)
+is set to a fixed figure here. Update after an intended change with `pytest tests/app/test_snapshot.py
 --snapshot-update` and look at the new SVG before committing it.
 """
 from __future__ import annotations
 
+import pytest
+
+from kvchat.host_load import HostLoad, HostSampler
+
 from .conftest import make_app, ready, send
+
+
+@pytest.fixture(autouse=True)
+def quiet_host(monkeypatch):
+    """The machine's real load would change the picture from run to run."""
+    monkeypatch.setattr(HostSampler, "stop", lambda self: HostLoad(others=0.1, cores=2, exact=True))
 
 
 def test_the_screen_after_one_turn(snap_compare, fake):

@@ -1,0 +1,86 @@
+"""The host's load beside the latency fit (issue 25): what other processes took of the cores
+while a turn ran, from the kernel's counters less this process's own CPU time."""
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+import pytest
+
+from kvchat import host_load
+from kvchat.host_load import HostLoad, HostSampler
+
+pytestmark = pytest.mark.skipif(not host_load.PROC_STAT.exists(), reason="no /proc/stat (not Linux)")
+
+
+def test_the_share_is_the_kernels_busy_time_less_this_processs_own(monkeypatch, tmp_path):
+    """Crafted counters (the real machine's load cannot be set): 150 of 200 jiffies busy on 2
+    CPUs is 1.5 cores; this process used 0.5 s of CPU in 1 s; so others used 1.0 core."""
+    stat = tmp_path / "stat"
+    monkeypatch.setattr(host_load, "PROC_STAT", stat)
+    monkeypatch.setattr(host_load.os, "cpu_count", lambda: 2)
+    monkeypatch.setattr(host_load, "cores", lambda: 2)
+    clock, own = iter([100.0, 101.0]), iter([3.0, 3.5])
+    monkeypatch.setattr(host_load.time, "monotonic", lambda: next(clock))
+    monkeypatch.setattr(host_load, "_own_cpu_s", lambda: next(own))
+    # user nice system idle iowait irq softirq steal
+    stat.write_text("cpu  1000 0 500 3000 100 0 0 0 0 0\ncpu0 1 2 3\n")
+    sampler = HostSampler()
+    sampler.start()
+    stat.write_text("cpu  1100 0 550 3040 110 0 0 0 0 0\ncpu0 1 2 3\n")
+    load = sampler.stop()
+    assert load == HostLoad(others=pytest.approx(1.0), cores=2, exact=True)
+    assert load.noticeable and "1.0 of 2 cores during the last turn" in load.line()
+    assert "not from the cache" in load.line()
+
+
+def test_a_busy_process_beside_this_one_is_counted_and_this_ones_own_work_is_not():
+    sampler = HostSampler()
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        time.sleep(0.3)
+        sampler.start()
+        time.sleep(1.5)
+        load = sampler.stop()
+    finally:
+        busy.kill()
+        busy.wait()
+    assert load is not None and load.exact and load.cores >= 1
+    assert load.others >= 0.6, load          # the busy child alone is about one core
+
+
+def test_an_interval_never_started_or_too_short_says_nothing():
+    sampler = HostSampler()
+    assert sampler.stop() is None
+    sampler.start()
+    assert sampler.stop() is None             # well under 50 ms
+
+
+def test_the_latency_panel_shows_the_last_turns_host_line_for_a_local_engine_not_a_server(tmp_path, monkeypatch):
+    """In the app (fake backend, which runs in this process as the local engine does): after a
+    turn the line is under the fits; for a vLLM server it is not (its cores are elsewhere)."""
+    import asyncio
+
+    from textual.widgets import Static
+
+    from tests.app.conftest import make_app, ready, send
+
+    monkeypatch.setenv("KVCHAT_DATA_DIR", str(tmp_path / "data"))
+    monkeypatch.setenv("KVCHAT_CONFIG_DIR", str(tmp_path / "config"))
+
+    async def run() -> tuple[str, str]:
+        app = make_app()
+        async with app.run_test(size=(140, 60)) as pilot:
+            await ready(pilot)
+            await send(pilot, "hello")
+            await pilot.pause(0.2)
+            fits = app.query_one("#latency-fits", Static)
+            shown = str(fits.content)
+            app.chat_screen.panels.latency.show_host = False      # what backend_ready sets for a server
+            app.chat_screen.panels.latency.draw()
+            await pilot.pause(0.1)
+            return shown, str(fits.content)
+    local, server = asyncio.run(run())
+    assert "host: other processes used" in local and "during the last turn" in local
+    assert "host: other processes used" not in server
