@@ -20,7 +20,8 @@ from ..text import plural
 from . import numbering
 from .conversations import Conversations, read_the_cache
 from .host import Host
-from .session import Session, replies
+from ..store.history import replies
+from .session import Session
 from .view import ChatView
 
 SHOWN_PROBLEMS = 5       # damaged records named one by one; past that, counted

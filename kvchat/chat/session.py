@@ -19,6 +19,7 @@ from kvchat.engine.telemetry import CacheSnapshot, TurnStats
 from ..backends.protocol import Backend, Chat, ChatState, Message
 from ..host_load import HostSampler
 from ..latency import LatencyData
+from ..store.history import replies
 from ..store.log import ConversationLog, Restored
 from ..store.records import TurnRecord
 from ..text import plural
@@ -46,11 +47,6 @@ def dropped_by(before: Sequence[Message], after: Sequence[Message]) -> int:
     if k <= 0 or not after or after[-1]["role"] != "user" or list(after[:s]) != list(before[:s]):
         return 0
     return k if list(after[s:-1]) == list(before[s + k:]) else 0
-
-
-def replies(messages: Sequence[Message]) -> int:
-    """A conversation's turns, counted by their replies."""
-    return sum(m["role"] == "assistant" for m in messages)
 
 
 class Session:

@@ -25,6 +25,7 @@ from pathlib import Path
 from kvchat.engine.sources import process_alive
 
 from .files import FileRefused, cannot_write, read_text
+from .history import replies
 from .log import ConversationLog, Restored, data_dir, held, is_saved_log, last_conversation, restore, saved_logs
 from .log_records import StoreError
 
@@ -42,7 +43,7 @@ class Summary:
     model_from: int            # turns before this index ran under another model
     started: float             # seconds since the epoch
     modified: float
-    turns: int
+    turns: int                 # replies in the conversation (a regenerated one is no other turn)
     tokens: int                # the context of its last turn: prompt + generated tokens
     messages: int              # user and assistant messages in the history now
     text: str                  # every message and the title, lowercased, for search
@@ -71,7 +72,7 @@ def summary_of(r: Restored) -> Summary:
     tokens = (last.prompt_tokens or 0) + (last.generated_tokens or 0) if last is not None else 0
     modified = r.path.stat().st_mtime
     return Summary(r.path, title, r.title is not None, r.model, r.model_from, r.started or modified, modified,
-                   len(r.turns), tokens, sum(m["role"] != "system" for m in messages), text)
+                   replies(r.messages), tokens, sum(m["role"] != "system" for m in messages), text)
 
 
 def list_conversations(root: Path | None = None) -> list[Summary]:

@@ -23,6 +23,12 @@ from .records import TurnRecord
 Message = dict[str, str]
 
 
+def replies(messages: list[Message]) -> int:
+    """A conversation's turns, counted by their replies: a regenerated reply takes the place of
+    the one before, so it is no other turn (the turn records keep one per reply generated)."""
+    return sum(m["role"] == "assistant" for m in messages)
+
+
 @dataclass(slots=True)
 class History:
     messages: list[Message] = field(default_factory=list)   # the system prompt first, then every message

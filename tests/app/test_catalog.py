@@ -37,6 +37,18 @@ def test_a_summary_reads_title_model_turns_tokens_and_skips_a_damaged_line():
     assert s.matches("rayleigh SKY") and not s.matches("rayleigh green")
 
 
+def test_a_regenerated_reply_is_no_other_turn_in_the_browsers_count():
+    """Two replies generated for one message (F5 regenerates the first): one turn, two records."""
+    user = {"role": "user", "content": "Name a colour."}
+    path = write_log("r", START, {"type": "message", **user},
+                     {"type": "message", "role": "assistant", "content": "Red."},
+                     {"type": "turn", "prompt_tokens": 20, "generated_tokens": 2},
+                     {"type": "messages", "messages": [user, {"role": "assistant", "content": "Blue."}]},
+                     {"type": "turn", "prompt_tokens": 20, "generated_tokens": 2})
+    s = catalog.summarize(path)
+    assert len(restore(path).turns) == 2 and s.turns == 1
+
+
 def test_rename_and_model_events_are_read_back():
     path = write_log("b", START, {"type": "message", "role": "user", "content": "hi"},
                      {"type": "turn", "prompt_tokens": 3, "generated_tokens": 1},
