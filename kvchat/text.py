@@ -196,6 +196,17 @@ def collapsed(text: str) -> str:
     return message_preview(text, "a long message, collapsed")
 
 
+def earlier_line(hidden: int, page: int) -> str:
+    """The line above a resumed transcript's newest messages, standing for the older ones."""
+    return (f"▸ {plural(hidden, 'earlier message')} not drawn yet (the conversation keeps them): "
+            f"click or press Enter to show {'them' if page >= hidden else f'{page:,} more'}")
+
+
+def reading_line(name: str, done: int, total: int) -> str:
+    """Progress while a saved conversation is read back: `done` of `total` bytes."""
+    return f"reading {name}: {done / 2**20:,.0f} of {total / 2**20:,.0f} MiB ({100 * done // max(total, 1)}%)"
+
+
 # ---- the prefill progress line -------------------------------------------------------------------
 
 
