@@ -10,7 +10,7 @@ from kvchat.store.log import conversations_dir, restore
 from kvchat.widgets import Reply, UserMessage
 from kvchat.widgets.earlier import PAGE_MESSAGES, Earlier
 
-from .conftest import SIZE, make_app, ready, wait_until
+from .conftest import SIZE, make_app, ready, record_status, wait_until
 
 TURNS = 1500        # 3,000 messages
 
@@ -92,3 +92,22 @@ async def test_the_last_page_drawn_removes_the_line_and_dropping_dims_the_messag
         assert [w.has_class("dropped") for w in widgets[:4]] == [True, True, True, False]
         pilot.app.chat_screen.session.log.close()
 
+
+async def test_reopening_a_long_log_from_the_browser_says_how_far_the_read_is(running_app, monkeypatch):
+    """The read runs in a worker (the app was frozen while a 97 MB log was read on its
+    thread) and the status line gives its bytes read of the total."""
+    import kvchat.store.log_records as log_records
+    path = write_log()
+    size = path.stat().st_size
+    monkeypatch.setattr(log_records, "PROGRESS_BYTES", size // 5)
+    async with running_app() as (app, pilot):
+        seen = record_status(app)
+        app.chat_screen.browser.reopen(path)
+        await wait_until(pilot, lambda: len(app.chat_screen.conversations.views) == 2, what="the reopened log")
+        lines = [line for line in seen if line.startswith("reading long.jsonl: ")]
+        assert len(lines) >= 5 and lines[-1].endswith("(100%)")
+        percents = [int(line.rsplit("(", 1)[1].rstrip("%)")) for line in lines]
+        assert percents == sorted(percents) and percents[0] < 50
+        assert drawn(app.chat_screen.view) == everything()[-len(drawn(app.chat_screen.view)):]
+        for session in app.chat_screen.conversations.sessions:
+            session.log.close()
