@@ -111,6 +111,22 @@ def shown(text: object) -> str:
     return inert(redact(str(text)))
 
 
+# what the engine's cap refusal (engine/policy.py) offers, in the chat's words
+_CHAT_REMEDIES = re.compile(r"(raise the cap \(/cap\), )?switch to /policy drop-oldest \(or sink-window\), or start "
+                            r"a new conversation \(ctrl\+n\) with what matters")
+
+
+def command_remedies(line: str, flags: bool) -> str:
+    """A cap refusal as a command (ask, replay, crowd) words it: the engine offers the chat's
+    remedies (/cap, /policy, a new conversation), which a command has none of. With `flags`
+    (replay's --cap and --policy) they become flags; without, a shorter message is the way."""
+    def words(m: re.Match) -> str:
+        if not flags:
+            return "send a shorter message"
+        return f"{'raise --cap, ' if m.group(1) else ''}give --policy drop-oldest (or sink-window), or send less"
+    return _CHAT_REMEDIES.sub(words, line)
+
+
 def plural(n: int, word: str) -> str:
     """'1 turn', '2 turns', '1,024 tokens'."""
     return f"{n:,} {word}{'' if n == 1 else 's'}"
