@@ -378,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()
         return code
     except (UsageError, KvchatError, StoreError) as err:
-        line = command_remedies(shown(" ".join(str(err).split())), flags=hasattr(args, "cap"))
+        line = command_remedies(shown(" ".join(str(err).split())), flags=args is not None and args.func is cmd_replay)
         print(line if line.startswith("kvchat") else f"kvchat: {line}", file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:

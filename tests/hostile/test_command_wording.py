@@ -55,6 +55,15 @@ def test_ask_whose_reply_loses_its_connection(capsys):
     no_chat_words(err)
 
 
+def test_ask_past_the_models_context_is_told_to_send_less(capsys):
+    """The local engine (random weights: the refusal comes before any compute) refuses a
+    message past the model's 8,192 positions; ask has no --cap or --policy to offer."""
+    code, out, err = cli(capsys, ["ask", "--random-weights", "word " * 9000])
+    one_line(code, err, "8,192", "send a shorter message")
+    no_chat_words(err)
+    assert "--cap" not in err and "--policy" not in err
+
+
 def test_replay_whose_reply_loses_its_connection(capsys, tmp_path):
     (tmp_path / "r.json").write_text(json.dumps(["hi", "and again"]))
     with fake_vllm({"/v1/chat/completions": lost}) as s:
