@@ -259,7 +259,7 @@ COMMANDS: dict[str, Spec] = {s.name: s for s in (
 def parse(text: str, themes: Sequence[str] = ()) -> Command | None:
     """None for an ordinary message; a Command; or CommandError."""
     stripped = text.strip()
-    if not stripped.startswith("/") or stripped.startswith("//"):
+    if is_message(stripped):
         return None
     head, _, rest = stripped[1:].partition(" ")
     if head.lower() in RAW:
@@ -275,6 +275,12 @@ def parse(text: str, themes: Sequence[str] = ()) -> Command | None:
     if spec is None:
         raise CommandError(f"unknown command /{name}; accepted: {', '.join('/' + n for n in COMMANDS)}")
     return Command(name, spec.parse_arg(args, themes) if spec.parse_arg else None)
+
+
+def is_message(text: str) -> bool:
+    """Whether input is a message to send rather than a command ('//x' sends '/x')."""
+    stripped = text.strip()
+    return not stripped.startswith("/") or stripped.startswith("//")
 
 
 def message_text(text: str) -> str:

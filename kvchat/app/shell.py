@@ -29,6 +29,7 @@ from ..backends.protocol import Backend
 from ..chat.jobs import Busy
 from ..chat.messages import AppCommand, BackendFailed, BackendReady
 from ..chat.screen import ChatScreen
+from ..chat.unsent import keep_unsent
 from ..chat.worker import one_line
 from ..commands import BEFORE_LOAD
 from ..screens.help_screen import HelpScreen
@@ -162,13 +163,19 @@ class KvChatApp(App[int], inherit_bindings=False):
 
     async def action_quit(self, grace: float = QUIT_GRACE_S) -> None:
         """Let the reply in progress end (so it is saved), then exit: the jobs that wait are
-        dropped, the reply in progress stops, and the chat screen exits once its job ends. A
-        load cannot be interrupted: the process ends after it (cli/launch.py)."""
+        dropped, their messages and the draft kept in the log as unanswered (chat/unsent.py),
+        the reply in progress stops, and the chat screen exits once its job ends. A load
+        cannot be interrupted: the process ends after it (cli/launch.py)."""
         screen, jobs = self.chat_screen, self.chat_screen.jobs
         screen.controls.crowd.stop()        # at once: the simulated users are never waited for
+        await self._typed_settled()
         code = 128 + self.signalled if self.signalled is not None else 0
         screen.quitting, screen.exit_code = True, code
-        jobs.clear()
+        session, draft = screen.conversations.session, None
+        if screen.is_mounted and (session is None or session.editing is None):
+            draft = (screen.view, screen.input.text)        # an edit's draft is not a new message
+        keep_unsent(jobs, draft, screen.options, screen.conversations.data_root, self.options.model,
+                    screen.restored)
         if jobs.busy in (None, Busy.LOAD):
             self.exit(return_code=code)
             return
@@ -177,6 +184,26 @@ class KvChatApp(App[int], inherit_bindings=False):
             jobs.replying.cancel.set()
         screen.panels.status("quitting…")
         self.set_timer(grace, lambda: self.exit(return_code=code))    # a stuck job must not keep the app open
+
+    async def _typed_settled(self, timeout: float = 1.0) -> None:
+        """Wait until the keys typed before ctrl+q have landed: in a terminal a burst (text,
+        Enter, ctrl+q) reaches this action while the input's queue still holds the text's last
+        keys and its Enter; the message that Enter posts then bubbles up through the input's
+        parents to the screen, one queue at a time. A callback through each of those queues,
+        twice (the Enter's message is posted behind the first one), runs after all of it."""
+        screen = self.chat_screen
+        if not screen.is_mounted:
+            return
+        field = screen.input
+        path = [field, *field.ancestors[:field.ancestors.index(screen) + 1]]
+        deadline = time.monotonic() + timeout
+        for node in path + path:
+            landed = asyncio.get_running_loop().create_future()
+            node.call_later(lambda f=landed: f.done() or f.set_result(None))
+            try:
+                await asyncio.wait_for(landed, max(0.0, deadline - time.monotonic()))
+            except asyncio.TimeoutError:
+                return          # a queue that does not answer must not keep the app open
 
     async def on_app_command(self, msg: AppCommand) -> None:
         """/help, /theme NAME, /quit, typed in the chat."""

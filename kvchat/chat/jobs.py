@@ -54,6 +54,24 @@ class RunningTurn:
     quitting: bool = False              # stopped because the app quits: a message never answered stays
                                         # in the log, so --resume puts it back in the input
     saved: threading.Event = field(default_factory=threading.Event)   # the worker wrote the turn's end
+    unsent: list[str] = field(default_factory=list)   # messages typed behind it when the app quit
+    ended: bool = False                 # its worker has written its end (and took `unsent`)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def keep_after(self, texts: list[str]) -> bool:
+        """Hand the worker messages to log after this turn's end (chat/unsent.py); False once
+        that end is written, when the caller must log them itself."""
+        with self.lock:
+            if self.ended:
+                return False
+            self.unsent.extend(texts)
+            return True
+
+    def end(self) -> list[str]:
+        """The worker is done with the log: what it must still write behind the turn."""
+        with self.lock:
+            self.ended = True
+            return list(self.unsent)
 
 
 Job = Union[RunningTurn, Op]

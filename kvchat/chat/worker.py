@@ -39,6 +39,7 @@ def run_turn(turn: RunningTurn, session: Session, backend: Backend, sampling: Sa
     try:
         _run_turn(turn, session, backend, sampling, focus, interval, post)
     finally:
+        session.log.keep_unsent(turn.end())     # typed behind it when the app quit (chat/unsent.py)
         turn.saved.set()
 
 

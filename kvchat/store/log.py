@@ -295,6 +295,20 @@ class ConversationLog:
                 h.replace(messages)
             h.dropped = dropped
 
+    def keep_unsent(self, texts: list[str]) -> None:
+        """Messages typed but never sent (they waited behind a reply when the app quit): kept as
+        the conversation's unanswered last message, joined by blank lines (to one already
+        unanswered too), so --resume puts them back in the input, as it does a message whose
+        reply a kill cut off before its first token."""
+        if not texts:
+            return
+        h = self.history
+        visible = [dict(m) for m in h.visible]
+        last = len(h.messages) - 1
+        if visible and visible[-1]["role"] == "user" and not h.is_dropped(last):
+            texts = [visible.pop()["content"], *texts]
+        self.sync(visible + [{"role": "user", "content": "\n\n".join(texts)}], h.dropped)
+
     def turn(self, record: TurnRecord) -> None:
         with self._lock:
             self._put({"type": "turn", **record.to_dict()})

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvchat.keys import KEYS
+from kvchat.store.log import restore
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")]
@@ -91,12 +92,21 @@ def test_chat_in_tmux_shows_the_reply_and_the_panels_and_quits_cleanly(tmp_path)
         tmux.wait_for(lambda t: t.count(f"/load {long_file}") >= 2, timeout=30, what="the command in the input")
         long_file.unlink()
 
-        tmux.run("send-keys", "-t", tmux.session, "C-q")
+        # a message sent in the same instant as ctrl+q (one burst: ctrl+q reaches the App before
+        # the input has handled Enter) is kept
+        tmux.run("send-keys", "-t", tmux.session, "C-u")
+        tmux.wait_for(lambda t: t.count(f"/load {long_file}") == 1, timeout=30, what="the input cleared")
+        tmux.run("send-keys", "-t", tmux.session, "-l", "Sent as it quits.")
+        tmux.run("send-keys", "-t", tmux.session, "Enter", "C-q")
         deadline = time.monotonic() + 30
         while tmux.alive() and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not tmux.alive(), "kvchat did not exit after ctrl+q"
         assert exit_file.read_text().strip() == "0"
+        # kept: unanswered (back in the input on --resume), or sent, its reply cut by the quit
+        kept = restore(log)
+        users = [m["content"] for m in kept.messages if m["role"] == "user"] + [kept.unanswered]
+        assert "Sent as it quits." in users[-2:], (kept.messages[-2:], kept.unanswered)
     finally:
         tmux.run("kill-server", check=False)
 

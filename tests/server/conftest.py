@@ -28,7 +28,12 @@ def pytest_configure(config):
 
 
 def pytest_collection_modifyitems(config, items):
+    """The server-killing tests last; and under pytest-xdist (`make test`) every test here in
+    one worker (`--dist loadgroup`), so one server starts, not one per worker."""
     items.sort(key=lambda item: item.get_closest_marker("kills_server") is not None)
+    for item in items:
+        if item.nodeid.startswith("tests/server/"):
+            item.add_marker(pytest.mark.xdist_group("vllm-server"))
 
 
 def pytest_terminal_summary(terminalreporter):
