@@ -111,6 +111,22 @@ def shown(text: object) -> str:
     return inert(redact(str(text)))
 
 
+# what the engine's cap refusal (engine/policy.py) offers, in the chat's words
+_CHAT_REMEDIES = re.compile(r"(raise the cap \(/cap\), )?switch to /policy drop-oldest \(or sink-window\), or start "
+                            r"a new conversation \(ctrl\+n\) with what matters")
+
+
+def command_remedies(line: str, flags: bool) -> str:
+    """A cap refusal as a command (ask, replay, crowd) words it: the engine offers the chat's
+    remedies (/cap, /policy, a new conversation), which a command has none of. With `flags`
+    (replay's --cap and --policy) they become flags; without, a shorter message is the way."""
+    def words(m: re.Match) -> str:
+        if not flags:
+            return "send a shorter message"
+        return f"{'raise --cap, ' if m.group(1) else ''}give --policy drop-oldest (or sink-window), or send less"
+    return _CHAT_REMEDIES.sub(words, line)
+
+
 def plural(n: int, word: str) -> str:
     """'1 turn', '2 turns', '1,024 tokens'."""
     return f"{n:,} {word}{'' if n == 1 else 's'}"
@@ -194,6 +210,17 @@ def collapsed(text: str) -> str:
     if text.count("\n") < LONG_LINES and len(text) <= LONG_CHARS:
         return text
     return message_preview(text, "a long message, collapsed")
+
+
+def earlier_line(hidden: int, page: int) -> str:
+    """The line above a resumed transcript's newest messages, standing for the older ones."""
+    return (f"▸ {plural(hidden, 'earlier message')} not drawn yet (the conversation keeps them): "
+            f"click or press Enter to show {'them' if page >= hidden else f'{page:,} more'}")
+
+
+def reading_line(name: str, done: int, total: int) -> str:
+    """Progress while a saved conversation is read back: `done` of `total` bytes."""
+    return f"reading {name}: {done / 2**20:,.0f} of {total / 2**20:,.0f} MiB ({100 * done // max(total, 1)}%)"
 
 
 # ---- the prefill progress line -------------------------------------------------------------------

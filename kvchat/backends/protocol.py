@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, Union, runtime_checkable
 
+from kvchat.engine.errors import KvchatError
 from kvchat.engine.geometry import Geometry
 from kvchat.engine.telemetry import (CacheSnapshot, PrefillEvent, PrefillProgress, SchedulerSnapshot, TokenEvent,
                                      TurnStats)
@@ -28,6 +29,13 @@ Message = dict[str, str]          # {"role": "system" | "user" | "assistant", "c
 # what a backend may lack; each name is a key of Capabilities.missing
 RESET, CACHE_TOGGLE, KV_DTYPE, SINK_WINDOW, BLOCK_MAP, REGENERATE = (
     "reset", "cache_toggle", "kv_dtype", "sink_window", "block_map", "regenerate")
+
+
+
+class ReplyLost(KvchatError):
+    """The backend lost its connection mid-reply and kept nothing of the turn: the chat's
+    messages are as they were. str() is one line that speaks of no conversation (ask, replay,
+    bench, crowd and plan have none); the chat says the conversation is kept."""
 
 
 @dataclass(frozen=True, slots=True)

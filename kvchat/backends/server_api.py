@@ -21,6 +21,7 @@ import httpx
 from kvchat.engine.errors import KvchatError
 
 from ..text import API_KEY_ENVS, keep_secret, keep_url_secrets, redact, shown
+from .protocol import ReplyLost
 from .deadlines import Deadlines
 from .sse import EventStream, StreamError
 
@@ -35,6 +36,10 @@ class ServerError(KvchatError):
     def __init__(self, line: str, status: int | None = None) -> None:
         super().__init__(shown(line))
         self.status = status
+
+
+class ConnectionLost(ServerError, ReplyLost):
+    """The connection broke mid-reply (sse.LOST)."""
 
 
 def normalise_url(url: str) -> str:

@@ -74,8 +74,8 @@ class EventStream:
                 yield _event(data, self._where)
         except (httpx.TransportError, httpx.StreamError, OSError) as err:
             if self._cut is None:
-                self._end(LOST, f"connection to {self._where} lost mid-reply ({_short(err)}); the conversation so "
-                                "far is kept, send again once the server is back")
+                self._end(LOST, f"connection to {self._where} lost mid-reply ({_short(err)}); try again once "
+                                "the server is back")
                 return
         if self._cut is not None:
             self._end(*self._cut_reason())

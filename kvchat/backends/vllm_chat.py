@@ -17,7 +17,7 @@ from kvchat.engine.sampler import SamplingParams
 from kvchat.engine.telemetry import PrefillEvent, TokenEvent, TurnStats
 
 from .protocol import CACHE_TOGGLE, SINK_WINDOW, Capabilities, ChatState, Event, Message
-from .server_api import ServerApi, ServerError, error_text
+from .server_api import ConnectionLost, ServerApi, ServerError, error_text
 from .server_model import ServerModel
 from .server_shapes import ShapeError, Usage, chunk
 from .server_stats import ServerSnapshot
@@ -260,7 +260,9 @@ class VllmChat:
             return _FINISH.get(finish, finish)
         if stream.ended in (None, DONE):
             return "eos"
-        if not arrived or stream.ended == LOST:
+        if stream.ended == LOST:
+            raise ConnectionLost(stream.why)
+        if not arrived:
             raise ServerError(stream.why)
         return "timeout" if stream.ended == TIMEOUT else "cut"
 

@@ -15,6 +15,8 @@ from kvchat.engine.errors import KvchatError
 
 from ..backends.protocol import RESET
 from ..backends.server_shapes import count
+from ..backends.server_api import ConnectionLost, ServerError
+from ..backends.sse import LOST, TIMEOUT
 from .report import Series, Timing
 
 
@@ -62,6 +64,10 @@ class VllmPeer:
                         break
                 if isinstance(chunk.get("usage"), dict):
                     usage = chunk["usage"]
+            if events.ended == LOST:       # a broken stream's tokens are no measurement
+                raise ConnectionLost(events.why)
+            if events.ended == TIMEOUT:
+                raise ServerError(events.why)
         if not times:
             raise KvchatError(f"vLLM peer: no token for a {len(ids)}-token prompt")
         ttft = (times[0] - t0) * 1000

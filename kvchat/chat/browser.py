@@ -15,12 +15,12 @@ from kvchat.engine.errors import KvchatError
 
 from ..screens.chat_browser import ChatBrowser
 from ..store import catalog
+from ..store.history import replies
 from ..store.log import ConversationBusy, Restored, StoreError, restore
-from ..text import plural
+from ..text import plural, reading_line
 from . import numbering
 from .conversations import Conversations, read_the_cache
 from .host import Host
-from ..store.history import replies
 from .session import Session
 from .view import ChatView
 
@@ -83,16 +83,18 @@ class Browser:
             self.conversations.switch_to(open_view)
             self.host.notice(f"conversation {open_view.number} is {path.name}, already open")
             return
-        try:
-            restored = restore(path)
-        except StoreError as err:
-            self.host.notice(str(err), error=True)
-            return
-        if self.host.jobs.busy is None:
-            self.host.call_later(self._open, restored)
-        else:
-            self.host.run_op(f"reopen {path.name}", read_the_cache, then=lambda: self._open(restored),
-                             interrupt=False)
+        host, read = self.host, []
+
+        def tell(done: int, total: int) -> None:        # in the worker: the status line says how far
+            host.call_later(host.panels.status, reading_line(path.name, done, total))
+
+        def read_back() -> None:
+            """In a worker, after the job in progress: a long log takes seconds to read."""
+            try:
+                read.append(restore(path, tell))
+            except StoreError as err:
+                raise KvchatError(str(err)) from None   # one line in the transcript, not "internal error"
+        host.run_op(f"reopen {path.name}", read_back, then=lambda: self._open(read[0]), interrupt=False)
 
     async def _open(self, restored: Restored, focus: bool = True, resuming: bool = False) -> None:
         """Reopen a conversation; `resuming` (--resume) gives it its own number back if free."""

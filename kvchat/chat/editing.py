@@ -10,7 +10,6 @@ reply, and the block map, show the prefix reuse breaking at exactly the edited b
 from __future__ import annotations
 
 from ..text import plural
-from ..widgets.transcript import UserMessage
 from .host import Host
 
 STILL_REPLYING = "still replying: press escape to stop it, then "
@@ -70,11 +69,7 @@ class Editor:
             return
         session.editing = None
         number = sum(m["role"] == "user" for m in session.state.messages[:index]) + 1
-        shown = [w for w in view.query(UserMessage) if not w.has_class("refused") and not w.has_class("dropped")]
-        if number <= len(shown):         # drop the edited message and all that came after it
-            first = shown[number - 1]
-            later = list(view.children)[list(view.children).index(first):]
-            view.remove_children(later)
+        view.remove_from_user(number)    # drop the edited message and all that came after it
 
         def truncate() -> str:
             session.chat.truncate(index)

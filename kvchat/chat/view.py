@@ -77,18 +77,22 @@ class ChatView(Transcript):
     def mark_dropped(self, n: int, policy: str | None, max_position: int | None) -> int:
         """Dim the n oldest messages the model still saw: drop-oldest took them out of what
         it reads, not out of the transcript. Returns how many were marked."""
+        earlier = self.earlier             # the oldest messages may not be drawn yet (earlier.py)
+        waiting = [e for e in earlier.entries if not e.dropped][:n] if earlier is not None else []
+        for e in waiting:
+            e.dropped = True
         shown: list[Widget] = [w for w in self.query("UserMessage, Reply")
                                if not w.has_class("dropped") and not w.has_class("refused")]
-        marked = shown[:n]
-        for w in marked:
+        for w in shown[:n - len(waiting)]:
             w.add_class("dropped")
             w.tooltip = DROPPED
+        marked = len(waiting) + len(shown[:n - len(waiting)])
         if marked:
             top = max_position
             cap = self.session.cap if self.session is not None else None
             limit = (f"the cap of {cap:,}" if cap is not None and (top is None or cap <= top)
                      else f"the model's maximum context of {top:,}" if top else "the limit")
-            self.add_notice(f"{plural(len(marked), 'message')} dimmed above: {policy or 'the policy'} dropped "
-                            f"{'it' if len(marked) == 1 else 'them'} to stay under {limit} tokens; the model no "
+            self.add_notice(f"{plural(marked, 'message')} dimmed above: {policy or 'the policy'} dropped "
+                            f"{'it' if marked == 1 else 'them'} to stay under {limit} tokens; the model no "
                             "longer sees them (the transcript, /save and --resume keep them, dimmed)")
-        return len(marked)
+        return marked

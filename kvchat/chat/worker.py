@@ -14,7 +14,7 @@ from kvchat.engine.errors import KvchatError
 from kvchat.engine.sampler import SamplingParams
 from kvchat.engine.telemetry import CacheSnapshot, TurnStats
 
-from ..backends.protocol import Backend
+from ..backends.protocol import Backend, ReplyLost
 from ..store.errors import log_error
 from ..store.records import TurnRecord
 from .jobs import Op, RunningTurn
@@ -72,6 +72,8 @@ def _run_turn(turn: RunningTurn, session: Session, backend: Backend, sampling: S
     error = None
     try:
         stats = relay(events, snapshot, emit, interval=interval)
+    except ReplyLost as err:        # its line is every command's: here the conversation is kept
+        error = f"{one_line(err)}; the conversation so far is kept"
     except Exception as err:
         error = one_line(err)
     record = TurnRecord.from_stats(stats) if stats is not None else None

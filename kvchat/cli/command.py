@@ -14,7 +14,7 @@ from typing import Any
 
 from .args import (Parser, UsageError, add_cap_args, add_model_args, add_sampling_args, check_start, engine_config, positive_int, sampling, utf8_text)
 from ..store.files import FileRefused, read_text
-from ..text import STOP_WORDS, inert, shown
+from ..text import STOP_WORDS, command_remedies, inert, shown
 
 EXIT_USAGE = 2
 
@@ -365,6 +365,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from ..store.log import StoreError
     parser = build_parser()
+    args = None
     try:
         args = parser.parse_args(argv)
         if args.func is not cmd_chat and (sys.stdout is None or sys.stdout.closed):
@@ -377,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
             sys.stdout.flush()
         return code
     except (UsageError, KvchatError, StoreError) as err:
-        line = shown(" ".join(str(err).split()))
+        line = command_remedies(shown(" ".join(str(err).split())), flags=args is not None and args.func is cmd_replay)
         print(line if line.startswith("kvchat") else f"kvchat: {line}", file=sys.stderr)
         return EXIT_USAGE
     except BrokenPipeError:

@@ -18,7 +18,7 @@ from ..store.catalog import resume_paths
 from ..chat.session import ChatOptions
 from ..store.settings import SettingsError
 from ..store.log import Restored, StoreError, lock_holder, restore
-from ..text import shown
+from ..text import reading_line, shown
 
 
 class LaunchError(Exception):
@@ -104,6 +104,18 @@ def _prepare_server(args, settings, path, theme) -> KvChatApp:
     return KvChatApp(lambda: backend, options, settings, path)
 
 
+def _reading(path: Path):
+    """A big log takes seconds to read back before the UI starts: its progress, on one line
+    of stderr rewritten in place (a terminal only; nothing for a small log)."""
+    if not sys.stderr.isatty():
+        return None
+
+    def tell(done: int, total: int) -> None:
+        end = "\n" if done >= total else ""
+        print(f"\r{shown(reading_line(path.name, done, total))}", end=end, file=sys.stderr, flush=True)
+    return tell
+
+
 def _options(args, settings, path, theme, model: str, sp) -> AppOptions:
     restored: Restored | None = None
     reopen: list[Path] = []
@@ -114,7 +126,7 @@ def _options(args, settings, path, theme, model: str, sp) -> AppOptions:
         holder = lock_holder(last)
         if holder is not None and holder != os.getpid():
             raise KvchatError(f"--resume: {last.name} is open in another kvchat (pid {holder}); close it there first")
-        restored = restore(last)   # damaged records are skipped; the app says how many
+        restored = restore(last, _reading(last))   # damaged records are skipped; the app says how many
     if args.theme is not None and args.theme != settings.theme:
         settings.theme = args.theme
         settings_mod.save(settings, path)

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 from ..cli.args import UsageError, add_model_args, float_in, positive_int
+from ..text import command_remedies
 
 MAX_USERS = 64     # as kvchat/crowd/driver.py (not imported here: it pulls the engine in)
 
@@ -100,5 +101,5 @@ def run(args, load_backend) -> int:
 
 
 def _progress(t) -> None:
-    what = f"refused: {t.error}" if t.error else f"{t.prompt_tokens:,} + {t.generated_tokens} tokens, TTFT {t.ttft_ms} ms"
+    what = f"refused: {command_remedies(t.error, flags=False)}" if t.error else f"{t.prompt_tokens:,} + {t.generated_tokens} tokens, TTFT {t.ttft_ms} ms"
     print(f"  user {t.user + 1} turn {t.turn + 1}: {what}", file=sys.stderr, flush=True)

@@ -32,7 +32,7 @@ from typing import Any
 
 from .files import cannot_write
 from .history import History
-from .log_records import SETTINGS, Appended, Event, Replaced, Start, read_log
+from .log_records import SETTINGS, Appended, Event, Progress, Replaced, Start, read_log
 from .log_records import StoreError  # noqa: F401  (the store's error, where callers have always found it)
 from .records import TurnRecord
 from ..text import stats_line
@@ -366,12 +366,12 @@ def last_conversation(root: Path | None = None) -> Path | None:
     return files[-1] if files else None
 
 
-def restore(path: Path) -> Restored:
+def restore(path: Path, progress: Progress | None = None) -> Restored:
     """Replay a conversation log (read once, by log_records.read_log). A damaged record (a
     torn line after a crash, a hand edit) is skipped and named in `problems`; the rest of the
     conversation is kept. The messages fold through a History, so drop-oldest's dropped
     messages stay (dimmed, out of the model's sight) and each turn record is tied to its reply."""
-    log = read_log(path)
+    log = read_log(path, progress)
     out = Restored(path, problems=log.problems)
     history = History()
     for number, rec in enumerate(log.records):

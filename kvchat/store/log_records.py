@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Callable
 from typing import Any, Union
 
 from kvchat.engine.policy import POLICIES
@@ -21,6 +22,7 @@ from .files import FileRefused, read_bytes
 from .records import MAX_COUNT, RecordError, TurnRecord
 
 MAX_LOG_BYTES = 256 * 2**20     # about 50,000 long turns; a log past it is refused, not read slowly
+PROGRESS_BYTES = 4 * 2**20     # read_log tells its progress this often
 MAX_NAME = 512                  # a model's name, a title
 ROLES = ("system", "user", "assistant")
 
@@ -62,6 +64,7 @@ class Event:
 
 
 Record = Union[Start, Appended, Replaced, TurnRecord, Event]
+Progress = Callable[[int, int], None]       # bytes read so far, of the total
 
 
 @dataclass(slots=True)
@@ -71,20 +74,29 @@ class LogRead:
     problems: list[str] = field(default_factory=list)    # "FILE line N: why", one per skipped line
 
 
-def read_log(path: Path) -> LogRead:
-    """Every valid record of the log at `path`, in order; StoreError if it cannot be read."""
+def read_log(path: Path, progress: Progress | None = None) -> LogRead:
+    """Every valid record of the log at `path`, in order; StoreError if it cannot be read.
+    `progress(done, total)` hears the bytes parsed so far, every PROGRESS_BYTES (a 97 MB
+    log takes seconds: the screen says how far it is)."""
     try:
         data = read_bytes(path, MAX_LOG_BYTES)
     except FileRefused as err:
         raise StoreError(f"cannot read saved conversation {path}: {err}") from None
     out = LogRead(path)
+    done = told = 0
     for number, raw in enumerate(data.split(b"\n"), 1):
+        if progress is not None and done - told >= PROGRESS_BYTES:
+            progress(done, len(data))      # the lines before this one are parsed
+            told = done
+        done += len(raw) + 1
         if not raw.strip():
             continue
         try:
             out.records.append(parse_record(raw))
         except RecordError as err:
             out.problems.append(f"{path.name} line {number}: {err}")
+    if progress is not None and told:
+        progress(len(data), len(data))     # the end, for a log long enough to have told its progress
     return out
 
 

@@ -19,6 +19,7 @@ from textual.widgets.markdown import MarkdownStream
 from ..store.history import History
 from ..store.records import TurnRecord
 from ..text import inert, stats_line
+from .earlier import Earlier, Entry, page_start
 from .fold import Cut, Fold, fold_point, pieces, too_long
 from .long_table import ReplyMarkdown
 
@@ -219,20 +220,60 @@ class Transcript(VerticalScroll):
 
     async def show_history(self, history: History) -> None:
         """Replay a restored conversation: each reply with its own turn's stats line, the
-        messages drop-oldest dropped dimmed."""
-        widgets: list[Widget] = []
-        for i, m in enumerate(history.messages):
-            if m["role"] == "user":
-                widgets.append(UserMessage(m["content"]))
-            elif m["role"] == "assistant":
-                widgets.append(Reply(m["content"], history.reply_record(i)))
-            else:
-                continue
-            if history.is_dropped(i):
-                widgets[-1].add_class("dropped")
-                widgets[-1].tooltip = DROPPED
+        messages drop-oldest dropped dimmed. Only the newest page is drawn; one line above it
+        stands for the older messages and draws them a page at a time (earlier.py)."""
+        entries = [Entry(m["role"], m["content"], history.reply_record(i), history.is_dropped(i))
+                   for i, m in enumerate(history.messages) if m["role"] in ("user", "assistant")]
+        start = page_start(entries)
+        widgets: list[Widget] = [Earlier(entries[:start])] if start else []
+        widgets += [self._drawn(e) for e in entries[start:]]
         if widgets:
             await self.mount_all(widgets)
+
+    @staticmethod
+    def _drawn(entry: Entry) -> Widget:
+        widget: Widget = UserMessage(entry.content) if entry.role == "user" else Reply(entry.content, entry.record)
+        if entry.dropped:
+            widget.add_class("dropped")
+            widget.tooltip = DROPPED
+        return widget
+
+    @property
+    def earlier(self) -> Earlier | None:
+        """The line standing for the messages not drawn yet, if any."""
+        found = self.query(Earlier)
+        return found.first() if found else None
+
+    async def on_earlier_more(self, event: Earlier.More) -> None:
+        """Draw the page before the oldest message drawn, keeping the view where it was."""
+        event.stop()
+        earlier = self.earlier
+        if earlier is None:
+            return
+        first = next((w for w in self.children if w is not earlier), None)
+        await self.mount_all([self._drawn(e) for e in earlier.take_page()], after=earlier)
+        if not earlier.hidden:
+            await earlier.remove()
+        if first is not None:
+            self.call_after_refresh(self.scroll_to_widget, first, animate=False, top=True)
+
+    def remove_from_user(self, number: int) -> None:
+        """Take the `number`th user message the model still sees (1-based) and all after it
+        off the transcript (an edit resends it), whether it is drawn or still waiting above."""
+        earlier = self.earlier
+        waiting = [i for i, e in enumerate(earlier.entries) if e.role == "user" and not e.dropped] \
+            if earlier is not None else []
+        if earlier is not None and number <= len(waiting):
+            earlier.keep(waiting[number - 1])
+            later = list(self.children)[list(self.children).index(earlier) + 1:]
+            if not earlier.hidden:
+                later.append(earlier)
+            self.remove_children(later)
+            return
+        shown = [w for w in self.query(UserMessage) if not w.has_class("refused") and not w.has_class("dropped")]
+        if number - len(waiting) <= len(shown):
+            first = shown[number - len(waiting) - 1]
+            self.remove_children(list(self.children)[list(self.children).index(first):])
 
     def last_reply(self) -> Reply | None:
         replies = self.query(Reply)

@@ -72,3 +72,25 @@ async def test_a_reply_past_max_tokens_is_ended_by_the_client(running_app):
                 assert turn.stop_reason == "max_tokens" and turn.reply == " x" * 16
         finally:
             backend.shutdown()
+
+
+async def test_a_reply_whose_connection_is_lost_says_the_conversation_is_kept(running_app):
+    """The backend's line speaks of no conversation (ask, replay, bench and crowd share it);
+    the chat, which has one, adds that it is kept."""
+    from hostile.test_command_wording import lost
+    from kvchat.widgets import Notice, Reply
+    with fake_vllm({"/v1/chat/completions": lost}) as server:
+        backend = VllmBackend(server.url, geometry="smollm2-135m")
+        try:
+            async with running_app(backend) as (app, pilot):
+                app.query_one("#input").load_text("are you there")
+                await pilot.press("enter")
+
+                def said() -> list[str]:
+                    lines = [n.text for n in app.query(Notice) if n.has_class("error")]
+                    return lines + [str(r.query_one(".stats").render()) for r in app.query(Reply)]
+                await wait_until(pilot, lambda: any("lost mid-reply" in line for line in said()), what="the error line")
+                line = next(line for line in said() if "lost mid-reply" in line)
+                assert line.endswith("the conversation so far is kept") and "try again once the server is back" in line
+        finally:
+            backend.shutdown()
