@@ -15,6 +15,7 @@ import pytest
 from kvchat.chat.session import ChatOptions, Session
 from kvchat.cli.command import main
 from kvchat.store import catalog
+from kvchat.store.history import replies
 from kvchat.store.log import StoreError, conversations_dir, data_dir, restore
 from kvchat.store.settings import config_path
 from kvchat.widgets import LatencyPanel, Notice, Reply, UserMessage
@@ -88,7 +89,7 @@ def test_the_browser_and_resume_read_the_same_records():
                                                                    "value": "named here"}])
     summary = catalog.summarize(path)
     restored = restore(path)
-    assert (summary.title, summary.turns, summary.model) == ("named here", len(restored.turns), restored.model)
+    assert (summary.title, summary.turns, summary.model) == ("named here", replies(restored.messages), restored.model)
 
 
 # ---- files that are not kvchat's --------------------------------------------------------------------

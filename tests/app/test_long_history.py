@@ -108,6 +108,7 @@ async def test_reopening_a_long_log_from_the_browser_says_how_far_the_read_is(ru
         assert len(lines) >= 5 and lines[-1].endswith("(100%)")
         percents = [int(line.rsplit("(", 1)[1].rstrip("%)")) for line in lines]
         assert percents == sorted(percents) and percents[0] < 50
+        await wait_until(pilot, lambda: bool(drawn(app.chat_screen.view)), what="the reopened page drawn")
         assert drawn(app.chat_screen.view) == everything()[-len(drawn(app.chat_screen.view)):]
         for session in app.chat_screen.conversations.sessions:
             session.log.close()
