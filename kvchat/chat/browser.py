@@ -99,7 +99,7 @@ class Browser:
     async def _open(self, restored: Restored, focus: bool = True, resuming: bool = False) -> None:
         """Reopen a conversation; `resuming` (--resume) gives it its own number back if free."""
         host, convs = self.host, self.conversations
-        saved = numbering.saved_number(restored.path)
+        saved = restored.number
         number = convs.claim(saved) if resuming else convs.number()
         try:
             session = Session.open(host.backend, number, host.session.options(), self.data_root, restored)
@@ -135,7 +135,7 @@ class Browser:
         session = view.session
         if session is None:
             return
-        saved = numbering.saved_number(restored.path)
+        saved = restored.number
         if saved is not None and saved != view.number:      # no other is open yet: its own number is free
             view.number = session.number = self.conversations.claim(saved)
         await view.show_history(restored.history)

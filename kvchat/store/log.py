@@ -38,6 +38,7 @@ from .records import TurnRecord
 from ..text import stats_line
 
 DATA_ENV = "KVCHAT_DATA_DIR"
+MAX_NUMBER = 10**6       # a conversation number past this in a log is not one kvchat wrote
 Messages = list[dict[str, str]]
 
 
@@ -76,6 +77,7 @@ class Restored:
     dropped: int = 0                # the oldest messages after the system prompt that drop-oldest dropped
     replies: dict[int, TurnRecord] = field(default_factory=dict)   # index in messages -> its reply's turn
     sampling: dict[str, Any] | None = None   # the last /temperature, /top-p, /seed: {"temperature": ...}
+    number: int | None = None       # the number the chat screen last gave it (kvchat/chat/numbering.py)
 
     @property
     def skipped(self) -> int:
@@ -401,6 +403,10 @@ def restore(path: Path, progress: Progress | None = None) -> Restored:
             out.title = rec.value.strip()
         elif isinstance(rec, Event) and rec.name == "model":
             out.model, out.model_from = rec.value, len(out.turns)
+        elif isinstance(rec, Event) and rec.name == "number":
+            value = rec.value       # one kvchat would not have written is left out, not a problem
+            if isinstance(value, int) and not isinstance(value, bool) and 1 <= value <= MAX_NUMBER:
+                out.number = value
     out.messages, out.dropped, out.replies = history.messages, history.dropped, history.replies
     if out.messages and out.messages[-1]["role"] == "user" and not history.is_dropped(len(out.messages) - 1):
         out.unanswered = out.messages.pop()["content"]
