@@ -112,3 +112,31 @@ async def test_reopening_a_long_log_from_the_browser_says_how_far_the_read_is(ru
         assert drawn(app.chat_screen.view) == everything()[-len(drawn(app.chat_screen.view)):]
         for session in app.chat_screen.conversations.sessions:
             session.log.close()
+
+
+async def test_an_edit_of_a_message_not_drawn_yet_cuts_the_transcript_there_and_keeps_what_came_before():
+    """/edit 2 on a resumed conversation whose second message waits above the page: the
+    transcript keeps message 1 and its reply (still waiting) and nothing from message 2 on."""
+    turns = PAGE_MESSAGES       # two pages: the first 30 turns wait above the drawn page
+    restored = restore(write_log(turns))
+    async with make_app(restored=restored).run_test(size=SIZE) as pilot:
+        await ready(pilot)
+        screen = pilot.app.chat_screen
+        view = screen.view
+        screen.input.load_text("/edit 2")
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: screen.input.text == "question 1", what="message 2 in the input")
+        screen.input.load_text("question 1, asked again")
+        await pilot.press("enter")
+        await wait_until(pilot, lambda: len(screen.session.turns) == turns + 1 and screen.jobs.busy is None,
+                         what="the edited turn's reply")
+        earlier = view.query_one(Earlier)
+        assert earlier.hidden == 2                              # message 1 and its reply
+        shown = drawn(view)
+        assert shown[0] == "question 1, asked again" and len(shown) == 2
+        earlier.action_show_more()
+        await wait_until(pilot, lambda: len(drawn(view)) == 4, what="message 1 drawn")
+        assert drawn(view)[:3] == ["question 0", "answer 0", "question 1, asked again"]
+        assert [m["content"] for m in screen.session.log.history.messages[:3]] == \
+            ["question 0", "answer 0", "question 1, asked again"]
+        screen.session.log.close()
