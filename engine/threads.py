@@ -62,6 +62,19 @@ def _own_ticks() -> float:
     return (t.user + t.system) * _TICK
 
 
+def cpus() -> set[str]:
+    """This process's CPUs as /proc/stat names them ("cpu0", ...)."""
+    return {f"cpu{c}" for c in _affinity()}
+
+
+def sample(names: set[str] | None = None) -> tuple[int, int, float] | None:
+    """(busy, total) clock ticks of this process's CPUs and its own CPU ticks, now; None
+    without /proc/stat. Two samples give `free_cpus` (kvchat/host_load.py shows the others'
+    share over a turn)."""
+    ticks = _busy_ticks(names if names is not None else cpus())
+    return None if ticks is None else (*ticks, _own_ticks())
+
+
 def free_cpus(before: tuple[int, int, float], after: tuple[int, int, float], ncpu: int) -> float:
     """CPUs left to this process between two samples (busy, total, own ticks): ncpu less the
     cores other processes kept busy. Own time can exceed what /proc/stat charged the CPUs by
@@ -93,17 +106,16 @@ class Threads:
                 torch.set_num_threads(self.fixed)
             return self.fixed
         if not self._cpus:
-            self._cpus = {f"cpu{c}" for c in _affinity()}
+            self._cpus = cpus()
         self.cap = max(1, min(len(self._cpus), torch.get_num_threads()))   # --threads, OMP_NUM_THREADS
         now = time.monotonic()
         if now >= self._next:
             self._next = now + INTERVAL
-            ticks = _busy_ticks(self._cpus)
-            if ticks is not None:
-                sample = (*ticks, _own_ticks())
+            now_sample = sample(self._cpus)
+            if now_sample is not None:
                 if self._sample is not None:
-                    self.free = round(free_cpus(self._sample, sample, len(self._cpus)))
-                self._sample = sample
+                    self.free = round(free_cpus(self._sample, now_sample, len(self._cpus)))
+                self._sample = now_sample
         self.n = max(1, min(self.cap, self.free if self.free is not None else self.cap))
         return self.n
 

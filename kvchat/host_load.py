@@ -1,30 +1,22 @@
-"""What other processes took of this machine's cores while a turn ran, so a user does not read
+"""What other processes took of this process's cores while a turn ran, so a user does not read
 contention as cache growth (issue 25): a decode step on 2 cores that shares them with one busy
 process takes about twice as long, a jump the latency fit would otherwise blame on the context.
 
-On Linux the figure is exact over the turn: the CPU time every process used (/proc/stat's busy
-jiffies) less the time this process used (os.times, every thread of it: the local engine's
-decode runs here), over the wall time, in cores. Elsewhere the 1-minute load average stands in,
-less the cores this process kept busy, which is rougher (a run queue, not a share).
+The figure is the engine's own measure of the load (engine/threads.py, which picks the C
+kernels' thread count from it): the busy time of this process's CPUs in /proc/stat, less the
+CPU time this process used itself (every thread of it: the local engine decodes here), over
+the turn. Without /proc/stat (macOS) the 1-minute load average stands in, less the cores this
+process kept busy: rougher, a run queue rather than a share.
 """
 from __future__ import annotations
 
 import os
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
-PROC_STAT = Path("/proc/stat")
-BUSY_FIELDS = (0, 1, 2, 5, 6, 7)     # user nice system irq softirq steal (idle 3, iowait 4 are not busy)
+from kvchat.engine import threads
+
 NOTICEABLE = 0.25                    # cores taken by others that make the line a warning
-
-
-def cores() -> int:
-    """The cores this process may run on (its affinity), not the machine's count."""
-    try:
-        return len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        return os.cpu_count() or 1
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,22 +38,6 @@ class HostLoad:
                 "not from the cache")
 
 
-def _busy_jiffies() -> tuple[int, int] | None:
-    """(busy, total) jiffies of every CPU since boot, or None without /proc/stat."""
-    try:
-        with open(PROC_STAT, encoding="ascii") as fh:
-            fields = fh.readline().split()
-    except OSError:
-        return None
-    if len(fields) < 9 or fields[0] != "cpu":
-        return None
-    try:
-        values = [int(v) for v in fields[1:9]]
-    except ValueError:
-        return None
-    return sum(values[i] for i in BUSY_FIELDS), sum(values)
-
-
 def _own_cpu_s() -> float:
     t = os.times()
     return t.user + t.system
@@ -71,28 +47,26 @@ class HostSampler:
     """`start()` when a turn starts, `stop()` when it ends: the others' share in between."""
 
     def __init__(self) -> None:
-        self._start: tuple[float, float, tuple[int, int] | None] | None = None
+        self._start: tuple[float, float, tuple[int, int, float] | None] | None = None
 
     def start(self) -> None:
-        self._start = (time.monotonic(), _own_cpu_s(), _busy_jiffies())
+        self._start = (time.monotonic(), _own_cpu_s(), threads.sample())
 
     def stop(self) -> HostLoad | None:
         """None when not started, or over an interval too short to say anything."""
         if self._start is None:
             return None
-        t0, own0, jiffies0 = self._start
+        t0, own0, before = self._start
         self._start = None
-        wall, own = time.monotonic() - t0, _own_cpu_s() - own0
-        n = cores()
+        wall = time.monotonic() - t0
         if wall < 0.05:
             return None
-        jiffies1 = _busy_jiffies()
-        if jiffies0 is not None and jiffies1 is not None and jiffies1[1] > jiffies0[1]:
-            busy, total = jiffies1[0] - jiffies0[0], jiffies1[1] - jiffies0[1]
-            all_cores = busy / total * (os.cpu_count() or n)
-            return HostLoad(max(0.0, min(float(n), all_cores - own / wall)), n, exact=True)
+        n = len(threads.cpus())
+        after = threads.sample()
+        if before is not None and after is not None and after[1] > before[1]:
+            return HostLoad(n - threads.free_cpus(before, after, n), n, exact=True)
         try:
             load = os.getloadavg()[0]
         except OSError:
             return None
-        return HostLoad(max(0.0, min(float(n), load - own / wall)), n, exact=False)
+        return HostLoad(max(0.0, min(float(n), load - (_own_cpu_s() - own0) / wall)), n, exact=False)

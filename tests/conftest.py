@@ -13,6 +13,13 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Under pytest-xdist each worker gets its share of the cores: two workers of 2 torch threads on
+# 2 cores made the model tests 3-6x slower (test_conversation_machine 14 s -> 82 s). Tests of
+# a thread count set their own; `make test`'s serial part and CI's kernel levels keep the default.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1") or 1)
+if _WORKERS > 1:
+    torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // _WORKERS))
+
 # Tests that bound a wall-clock wait (a key answered within a second, a deadline of 0.5 s, the
 # help screen within 8 s) or run kvchat or a vLLM server in processes of their own: `make test`
 # runs them after the others, alone, so a second pytest-xdist worker never takes the core they

@@ -9,26 +9,23 @@ import time
 import pytest
 
 from kvchat import host_load
+from kvchat.engine import threads
 from kvchat.host_load import HostLoad, HostSampler
 
-pytestmark = pytest.mark.skipif(not host_load.PROC_STAT.exists(), reason="no /proc/stat (not Linux)")
+pytestmark = pytest.mark.skipif(threads.sample() is None, reason="no /proc/stat (not Linux)")
 
 
-def test_the_share_is_the_kernels_busy_time_less_this_processs_own(monkeypatch, tmp_path):
-    """Crafted counters (the real machine's load cannot be set): 150 of 200 jiffies busy on 2
-    CPUs is 1.5 cores; this process used 0.5 s of CPU in 1 s; so others used 1.0 core."""
-    stat = tmp_path / "stat"
-    monkeypatch.setattr(host_load, "PROC_STAT", stat)
-    monkeypatch.setattr(host_load.os, "cpu_count", lambda: 2)
-    monkeypatch.setattr(host_load, "cores", lambda: 2)
-    clock, own = iter([100.0, 101.0]), iter([3.0, 3.5])
+def test_the_share_is_the_cpus_busy_time_less_this_processs_own(monkeypatch):
+    """Crafted counters (the real machine's load cannot be set): over 1 s on 2 CPUs, 150 of
+    200 ticks busy is 1.5 cores, of which this process used 50 ticks (0.5 core): the others
+    used 1.0 core."""
+    samples = iter([(1500, 4600, 300.0), (1650, 4800, 350.0)])     # (busy, total, own) ticks
+    monkeypatch.setattr(threads, "sample", lambda names=None: next(samples))
+    monkeypatch.setattr(threads, "cpus", lambda: {"cpu0", "cpu1"})
+    clock = iter([100.0, 101.0])
     monkeypatch.setattr(host_load.time, "monotonic", lambda: next(clock))
-    monkeypatch.setattr(host_load, "_own_cpu_s", lambda: next(own))
-    # user nice system idle iowait irq softirq steal
-    stat.write_text("cpu  1000 0 500 3000 100 0 0 0 0 0\ncpu0 1 2 3\n")
     sampler = HostSampler()
     sampler.start()
-    stat.write_text("cpu  1100 0 550 3040 110 0 0 0 0 0\ncpu0 1 2 3\n")
     load = sampler.stop()
     assert load == HostLoad(others=pytest.approx(1.0), cores=2, exact=True)
     assert load.noticeable and "1.0 of 2 cores during the last turn" in load.line()

@@ -39,7 +39,9 @@ def run_turn(turn: RunningTurn, session: Session, backend: Backend, sampling: Sa
     try:
         _run_turn(turn, session, backend, sampling, focus, interval, post)
     finally:
-        session.log.keep_unsent(turn.end())     # typed behind it when the app quit (chat/unsent.py)
+        unsent = turn.end()
+        if unsent:      # typed behind it when the app quit (chat/unsent.py)
+            session.log.keep_unsent(unsent)
         turn.saved.set()
 
 

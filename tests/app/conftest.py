@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import inspect
 import re
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -60,6 +61,17 @@ def make_app(backend: FakeBackend | None = None, *, cap: int | None = None, poli
                          chat=ChatOptions(system=system, cap=cap, policy=policy), restored=restored,
                          reopen=reopen or [])
     return KvChatApp(factory or (lambda: backend), options, settings or Settings(), settings_path)
+
+
+def held_load(backend: FakeBackend) -> tuple[threading.Event, Callable[[], FakeBackend]]:
+    """A backend factory whose load waits until the event is set (at most 30 s), so what a
+    test types meanwhile waits for the model."""
+    loaded = threading.Event()
+
+    def factory() -> FakeBackend:
+        loaded.wait(30)
+        return backend
+    return loaded, factory
 
 
 @pytest.fixture

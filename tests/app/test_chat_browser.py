@@ -104,13 +104,19 @@ async def test_slash_chats_opens_the_browser_and_escape_closes_it(running_app):
         await wait_until(pilot, lambda: not isinstance(app.screen, ChatBrowser), what="the browser to close")
 
 
+async def three_conversations(app, pilot) -> None:
+    """Conversations 1, 2 and 3, one turn each."""
+    for text in ("apples are red", "bananas are yellow", "cherries are dark"):
+        if app.chat_screen.session.turns:
+            await pilot.press("ctrl+n")
+            await wait_until(pilot, lambda: app.chat_screen.session.turns == [] and app.chat_screen.jobs.busy is None,
+                             what="a new one")
+        await send(pilot, text)
+
+
 async def test_resume_reopens_every_conversation_open_at_quit_but_not_a_closed_one(running_app):
     async with running_app() as (app, pilot):
-        for text in ("apples are red", "bananas are yellow", "cherries are dark"):
-            if app.chat_screen.session.turns:
-                await pilot.press("ctrl+n")
-                await wait_until(pilot, lambda: app.chat_screen.session.turns == [] and app.chat_screen.jobs.busy is None, what="a new one")
-            await send(pilot, text)
+        await three_conversations(app, pilot)
         app.query_one("#input").load_text("/close 2")
         await pilot.press("enter")
         await wait_until(pilot, lambda: len(app.chat_screen.conversations.views) == 2 and app.chat_screen.jobs.busy is None, what="conversation 2 to close")
@@ -163,11 +169,7 @@ async def test_resume_keeps_each_conversations_number_and_counts_a_regenerated_r
     its note counted a regenerated reply as another turn. Open 1, 2, 3, regenerate 3's reply,
     close 2: the resumed ones are 1 and 3 again, 3 has one turn, and a new one is 4."""
     async with running_app() as (app, pilot):
-        for text in ("apples are red", "bananas are yellow", "cherries are dark"):
-            if app.chat_screen.session.turns:
-                await pilot.press("ctrl+n")
-                await wait_until(pilot, lambda: app.chat_screen.session.turns == [] and app.chat_screen.jobs.busy is None, what="a new one")
-            await send(pilot, text)
+        await three_conversations(app, pilot)
         await pilot.press("f5")
         await wait_until(pilot, lambda: len(app.chat_screen.session.turns) == 2 and app.chat_screen.jobs.busy is None,
                          what="the regenerated reply")

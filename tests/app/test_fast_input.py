@@ -12,9 +12,7 @@ and put back in the input, where the next keys typed go after it; so what the co
 received, followed by what is left in the input, is everything typed, in order."""
 from __future__ import annotations
 
-import threading
-
-from .conftest import make_app, wait_until
+from .conftest import held_load, make_app, wait_until
 from .fake_backend import FakeBackend, FakeConfig
 
 MESSAGES = [f"m{i} " for i in range(20)]
@@ -45,12 +43,7 @@ def split_keys(text: str) -> list[str]:
 
 
 async def test_twenty_messages_typed_while_the_model_loads_crash_nothing_and_lose_nothing():
-    loaded = threading.Event()
-    backend = FakeBackend(FakeConfig(token_delay_s=0.01))
-
-    def factory() -> FakeBackend:
-        loaded.wait(30)
-        return backend
+    loaded, factory = held_load(FakeBackend(FakeConfig(token_delay_s=0.01)))
     app = make_app(factory=factory)
     async with app.run_test(size=(140, 60)) as pilot:
         await type_all(pilot)

@@ -77,9 +77,9 @@ async def test_a_reply_past_max_tokens_is_ended_by_the_client(running_app):
 async def test_a_reply_whose_connection_is_lost_says_the_conversation_is_kept(running_app):
     """The backend's line speaks of no conversation (ask, replay, bench and crowd share it);
     the chat, which has one, adds that it is kept."""
-    from hostile.test_command_wording import lost
+    from hostile.fake_vllm import lost_mid_chunk
     from kvchat.widgets import Notice, Reply
-    with fake_vllm({"/v1/chat/completions": lost}) as server:
+    with fake_vllm({"/v1/chat/completions": lost_mid_chunk}) as server:
         backend = VllmBackend(server.url, geometry="smollm2-135m")
         try:
             async with running_app(backend) as (app, pilot):

@@ -9,12 +9,11 @@ quit before the input has handled Enter, so that message was gone too (the tmux 
 tests/app/test_tmux.py sends that burst)."""
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 from kvchat.store.log import restore
 
-from .conftest import make_app, ready, wait_until
+from .conftest import held_load, make_app, ready, wait_until
 from .fake_backend import FakeBackend, FakeConfig
 
 
@@ -23,12 +22,7 @@ def restored_logs(root: Path) -> list:
 
 
 async def test_a_message_waiting_for_the_load_and_the_draft_are_kept_when_the_app_quits(private_dirs):
-    loaded = threading.Event()
-    backend = FakeBackend(FakeConfig(token_delay_s=0.01))
-
-    def factory() -> FakeBackend:
-        loaded.wait(30)
-        return backend
+    loaded, factory = held_load(FakeBackend(FakeConfig(token_delay_s=0.01)))
     app = make_app(factory=factory)
     async with app.run_test(size=(140, 60)) as pilot:
         app.chat_screen.input.load_text("sent while it loads")

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from kvchat.engine.telemetry import PrefillEvent, PrefillProgress, TokenEvent, TurnStats
+from kvchat.chat.jobs import RunningTurn
 from kvchat.chat.relay import Governor, relay
 
 from .fake_backend import FakeBackend
@@ -98,8 +99,7 @@ def test_the_worker_waits_for_each_batch_to_be_drawn_before_its_next_step(monkey
         return True
     log = types.SimpleNamespace(sync=lambda *a: None, turn=lambda *a: None, history=types.SimpleNamespace(dropped=0))
     session = types.SimpleNamespace(chat=types.SimpleNamespace(send=send, state=chat.state), log=log)
-    turn = types.SimpleNamespace(text="hi", cancel=threading.Event(), prefilled=False, quitting=False,
-                                 saved=threading.Event())
+    turn = RunningTurn(view=None, text="hi")     # its view is the UI's; the worker never touches it
     monkeypatch.setattr(worker, "TurnProgress", lambda t, s, p, f: types.SimpleNamespace(drawn=threading.Event()))
     monkeypatch.setattr(worker, "TurnEnded", lambda *a, **k: object())
     worker.run_turn(turn, session, types.SimpleNamespace(snapshot=lambda chat: None), SamplingParams(),

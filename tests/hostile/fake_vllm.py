@@ -126,6 +126,19 @@ class FakeServer(ThreadingHTTPServer):
         return f"http://127.0.0.1:{self.server_address[1]}"
 
 
+def lost_mid_chunk(h) -> None:
+    """A chunked reply that breaks mid-chunk: the connection is lost, it does not end."""
+    h.protocol_version = "HTTP/1.1"
+    h.send_response(200)
+    h.send_header("Content-Type", "text/event-stream")
+    h.send_header("Transfer-Encoding", "chunked")
+    h.end_headers()
+    data = f"data: {json.dumps(token('partial', 5))}\n\n".encode()
+    h.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n" + b"400\r\ndata: {")
+    h.wfile.flush()
+    h.connection.shutdown(socket.SHUT_RDWR)
+
+
 def vllm_routes() -> dict:
     """vLLM's answers, path -> (status, body) or a function of the handler."""
     return {

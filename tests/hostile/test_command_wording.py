@@ -5,27 +5,13 @@ remedies (/cap, /policy, ctrl+n) where the command has flags or nothing at all."
 from __future__ import annotations
 
 import json
-import socket
 import socketserver
 import threading
 
 from .conftest import cli, one_line
-from .fake_vllm import fake_vllm, models, token
+from .fake_vllm import fake_vllm, lost_mid_chunk
 
 CHAT_WORDS = ("conversation", "/cap", "/policy", "ctrl+n", "send again")
-
-
-def lost(h) -> None:
-    """A chunked reply that breaks mid-chunk: the connection is lost, it does not end."""
-    h.protocol_version = "HTTP/1.1"
-    h.send_response(200)
-    h.send_header("Content-Type", "text/event-stream")
-    h.send_header("Transfer-Encoding", "chunked")
-    h.end_headers()
-    data = f"data: {json.dumps(token('partial', 5))}\n\n".encode()
-    h.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n" + b"400\r\ndata: {")
-    h.wfile.flush()
-    h.connection.shutdown(socket.SHUT_RDWR)
 
 
 def no_chat_words(err: str) -> None:
@@ -49,7 +35,7 @@ def test_info_against_a_server_that_does_not_speak_http(capsys):
 
 
 def test_ask_whose_reply_loses_its_connection(capsys):
-    with fake_vllm({"/v1/chat/completions": lost}) as s:
+    with fake_vllm({"/v1/chat/completions": lost_mid_chunk}) as s:
         code, out, err = cli(capsys, ["ask", "--server", s.url, "hi"])
     one_line(code, err, "lost mid-reply", "try again once the server is back")
     no_chat_words(err)
@@ -66,7 +52,7 @@ def test_ask_past_the_models_context_is_told_to_send_less(capsys):
 
 def test_replay_whose_reply_loses_its_connection(capsys, tmp_path):
     (tmp_path / "r.json").write_text(json.dumps(["hi", "and again"]))
-    with fake_vllm({"/v1/chat/completions": lost}) as s:
+    with fake_vllm({"/v1/chat/completions": lost_mid_chunk}) as s:
         code, out, err = cli(capsys, ["replay", "--server", s.url, str(tmp_path / "r.json")])
     one_line(code, err, "lost mid-reply")
     no_chat_words(err)
@@ -81,7 +67,7 @@ def test_replay_over_its_cap_names_the_flags(capsys, tmp_path):
 
 
 def test_bench_whose_reply_loses_its_connection(capsys):
-    with fake_vllm({"/v1/completions": lost}) as s:
+    with fake_vllm({"/v1/completions": lost_mid_chunk}) as s:
         code, out, err = cli(capsys, ["bench", "--server", s.url, "--runs", "1", "--contexts", "64",
                                       "--new-tokens", "2", "--no-peers"])
     assert code == 2 and "lost mid-reply" in err, err
@@ -89,7 +75,7 @@ def test_bench_whose_reply_loses_its_connection(capsys):
 
 
 def test_crowd_users_whose_replies_lose_their_connection(capsys):
-    with fake_vllm({"/v1/chat/completions": lost}) as s:
+    with fake_vllm({"/v1/chat/completions": lost_mid_chunk}) as s:
         code, out, err = cli(capsys, ["crowd", "--server", s.url, "--users", "1", "--minutes", "0.05"])
     assert "refused: " in err and "lost mid-reply" in err, err
     no_chat_words(err)

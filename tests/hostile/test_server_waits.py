@@ -5,8 +5,6 @@ come from --timeouts, so each case takes about a second; on code without deadlin
 until pytest-timeout stops them."""
 from __future__ import annotations
 
-import json
-import socket
 import threading
 import time
 
@@ -17,7 +15,7 @@ from kvchat.backends.vllm import VllmBackend
 from kvchat.engine import SamplingParams, TokenEvent, TurnStats
 
 from .conftest import cli, one_line
-from .fake_vllm import METRICS, fake_vllm, reply, silent_listener, token, usage
+from .fake_vllm import METRICS, fake_vllm, lost_mid_chunk, reply, silent_listener, token, usage
 
 pytestmark = pytest.mark.timeout(30)
 FAST = "connect=1,answer=0.5,first-token=0.5,gap=0.5,total=3"
@@ -233,18 +231,7 @@ def test_usage_only_after_the_last_token_is_still_read():
 
 
 def test_a_connection_broken_mid_reply_is_one_line_and_keeps_the_conversation(capsys):
-    def reset(h):
-        """A chunked body that stops mid-chunk: the connection breaks, it does not end."""
-        h.protocol_version = "HTTP/1.1"
-        h.send_response(200)
-        h.send_header("Content-Type", "text/event-stream")
-        h.send_header("Transfer-Encoding", "chunked")
-        h.end_headers()
-        data = f"data: {json.dumps(token('partial', 5))}\n\n".encode()
-        h.wfile.write(f"{len(data):x}\r\n".encode() + data + b"\r\n" + b"400\r\ndata: {")
-        h.wfile.flush()
-        h.connection.shutdown(socket.SHUT_RDWR)
-    with fake_vllm({"/v1/chat/completions": reset}) as s:
+    with fake_vllm({"/v1/chat/completions": lost_mid_chunk}) as s:
         backend = VllmBackend(s.url)
         try:
             chat = backend.open()
