@@ -216,8 +216,9 @@ def decode_logits(engine, ids: list[int], kv_dtype: str, table_kind: str = "shuf
     table_kind "shuffled": every block in a random order (more runs than MAX_RUNS: gathered);
     "runs": three runs of consecutive ids out of order, passed as Step.runs as the engine does.
     Each run takes about a minute of CPU on 2 cores: the same inputs through the same paths
-    (the C kernels on or off) are computed once a session."""
-    key = (id(engine), tuple(ids), kv_dtype, table_kind, native.lib() is not None)
+    (the C kernels on or off, at the same thread count: it orders the sums) are computed once
+    a session."""
+    key = (id(engine), tuple(ids), kv_dtype, table_kind, native.lib() is not None, torch.get_num_threads())
     if key not in _LOGITS:
         _LOGITS[key] = _decode_logits(engine, ids, kv_dtype, table_kind)
     return _LOGITS[key].clone()
