@@ -163,7 +163,9 @@ def test_a_server_killed_mid_reply_gives_one_line_and_keeps_the_conversation(vll
                     if tokens == 3:
                         killer.start()
         line = str(err.value)
-        assert len(line.splitlines()) == 1 and "lost" in line and "kept" in line
+        # the backend's line speaks of no conversation (ask and replay share it: issue 27's low
+        # item); the chat adds that it is kept (tests/app/test_hostile_server.py), and it is:
+        assert len(line.splitlines()) == 1 and "lost mid-reply" in line and "try again" in line
         assert tokens >= 3
         assert chat.state().messages == kept
     finally:
