@@ -21,7 +21,8 @@ from cli_helpers import ROOT
 from kvchat.cli.command import main
 from kvchat.store.history import History
 from kvchat.store.records import TurnRecord
-from kvchat.store.log import ConversationBusy, ConversationLog, export, restore
+from kvchat.store.export import export
+from kvchat.store.log import ConversationBusy, ConversationLog, restore
 
 START = {"model": "m", "system": None, "cap": None, "policy": "stop", "mode": "cache"}
 

@@ -24,7 +24,7 @@ from ..backends.protocol import CACHE_TOGGLE, KV_DTYPE, REGENERATE, RESET, SINK_
 from ..commands import Command, CommandError, read_message_file, token_count
 from ..screens.policy_picker import PolicyPicker
 from ..screens.model_info import ModelInfoScreen
-from ..store.log import export
+from ..store.export import export
 from ..text import message_preview, per_token, what_if_command
 from . import planning
 from .browser import Browser

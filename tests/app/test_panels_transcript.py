@@ -5,7 +5,8 @@ from __future__ import annotations
 from textual.app import App, ComposeResult
 
 from kvchat.store.history import History
-from kvchat.store.log import export, stats_line
+from kvchat.store.export import export
+from kvchat.text import stats_line
 from kvchat.widgets import Reply, Transcript
 
 from .conftest import screen_text

@@ -10,7 +10,8 @@ from kvchat.store import settings as settings_mod
 from kvchat.store.history import History
 from kvchat.store.records import TurnRecord
 from kvchat.store.settings import Settings, SettingsError
-from kvchat.store.log import ConversationLog, export, last_conversation, restore
+from kvchat.store.export import export
+from kvchat.store.log import ConversationLog, last_conversation, restore
 from kvchat.widgets import ChatInput, LatencyPanel, Reply, UserMessage
 
 from .conftest import send, wait_until
