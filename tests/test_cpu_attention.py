@@ -225,6 +225,12 @@ def decode_logits(engine, ids: list[int], kv_dtype: str, table_kind: str = "shuf
 
 
 def _decode_logits(engine, ids: list[int], kv_dtype: str, table_kind: str) -> torch.Tensor:
+    return decode_from(engine, ids, *prefilled(engine, ids, kv_dtype, table_kind))
+
+
+def prefilled(engine, ids: list[int], kv_dtype: str, table_kind: str):
+    """A fresh pool with ids[:PREFIX] prefilled in two chunks (the second after a cached
+    prefix); returns (pool, table, runs) for decode_from."""
     from kvchat.engine.kv_cache import KVPool, plan_pool
     from kvchat.engine.model import Step
     from kvchat.engine.sequence import block_runs
@@ -237,19 +243,26 @@ def _decode_logits(engine, ids: list[int], kv_dtype: str, table_kind: str) -> to
     else:
         table = torch.cat((torch.arange(n // 2, n), torch.arange(0, n // 4), torch.arange(n // 4, n // 2))).to(torch.int32)
     runs = block_runs(table.tolist()) if table_kind == "runs" else None
-
-    def slots(a: int, b: int) -> torch.Tensor:
-        pos = torch.arange(a, b)
-        return table.long()[pos // 16] * 16 + pos % 16
-
-    model = engine.model
     for a, b in ((0, 700), (700, PREFIX)):
-        model.forward(torch.tensor(ids[a:b]), torch.arange(a, b), Step(table, slots(a, b), a, False, runs=runs), pool)
+        engine.model.forward(torch.tensor(ids[a:b]), torch.arange(a, b),
+                             Step(table, _slots(table, a, b), a, False, runs=runs), pool)
+    return pool, table, runs
+
+
+def decode_from(engine, ids: list[int], pool, table, runs) -> torch.Tensor:
+    """Decode ids[PREFIX:PREFIX + STEPS] teacher-forced over a prefilled pool (which it
+    writes); their logits (STEPS, vocab)."""
+    from kvchat.engine.model import Step
     out = []
     for p in range(PREFIX, PREFIX + STEPS):
-        out.append(model.forward(torch.tensor([ids[p]]), torch.tensor([p]),
-                                 Step(table, slots(p, p + 1), p, True, runs=runs), pool)[0])
+        out.append(engine.model.forward(torch.tensor([ids[p]]), torch.tensor([p]),
+                                        Step(table, _slots(table, p, p + 1), p, True, runs=runs), pool)[0])
     return torch.stack(out)
+
+
+def _slots(table: torch.Tensor, a: int, b: int) -> torch.Tensor:
+    pos = torch.arange(a, b)
+    return table.long()[pos // 16] * 16 + pos % 16
 
 
 def bundled_text_ids(engine) -> list[int]:

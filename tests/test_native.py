@@ -167,15 +167,21 @@ def test_the_engine_takes_the_kernels_for_a_decode_step(engine, monkeypatch):
 
 
 def _engine_decode_through_the_kernels(engine, monkeypatch) -> None:
-    from test_cpu_attention import REL_TOL, STEPS, _decode_logits, bundled_text_ids, decode_logits  # noqa: PLC0415
+    import copy  # noqa: PLC0415
 
-    ids = bundled_text_ids(engine)      # the torch path's logits: shared with test_cpu_attention's
+    from test_cpu_attention import REL_TOL, STEPS, bundled_text_ids, decode_from, prefilled  # noqa: PLC0415
+
+    ids = bundled_text_ids(engine)
     calls = count_calls(monkeypatch, native, "decode")
     steps = count_calls(monkeypatch, native_step, "decode_step")
     for kv in ("fp32", "fp8"):
-        got = _decode_logits(engine, ids, kv, "runs")     # computed here, so the calls are counted
+        # one prefill (the torch path) for both sides: what is compared is the decode steps,
+        # each side from its own copy of the same cached prefix
         with native.disabled():
-            want = decode_logits(engine, ids, kv, "runs")
+            pool, table, runs = prefilled(engine, ids, kv, "runs")
+            start = copy.deepcopy(pool)
+            want = decode_from(engine, ids, pool, table, runs)
+        got = decode_from(engine, ids, start, table, runs)
         err = float((got - want).abs().max() / want.abs().max())
         assert err < REL_TOL, f"{kv}: max |diff| / max |logit| = {err:.2e}"
     # every decode step is one C call (kv_decode_step: products, RoPE and write, attention);
