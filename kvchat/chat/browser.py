@@ -9,6 +9,8 @@ where the new model's turns begin, so a later resume keeps them apart too.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from pathlib import Path
 
 from kvchat.engine.errors import KvchatError
@@ -43,8 +45,9 @@ class Browser:
         def chosen(path: Path | None) -> None:
             if path is not None:
                 self.reopen(path)
-        self.host.dialog(ChatBrowser(lambda: catalog.list_conversations(self.data_root), self.open_paths,
-                                     self.rename, self.delete), chosen)
+        def load(progress: Callable[[int, int], None] | None) -> list[catalog.Summary]:
+            return catalog.list_conversations(self.data_root, progress)
+        self.host.dialog(ChatBrowser(load, self.open_paths, self.rename, self.delete), chosen)
 
     def _view_of(self, path: Path) -> ChatView | None:
         return next((v for v in self.conversations.views if v.session is not None and v.session.log.path == path),

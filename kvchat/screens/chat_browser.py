@@ -7,6 +7,7 @@ escape closes (or leaves the rename or search box).
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -20,6 +21,8 @@ from textual.widgets import DataTable, Input, Static
 
 from ..store.catalog import Summary
 from ..text import inert
+
+Progress = Callable[[int, int], None]
 
 
 class Confirm(ModalScreen[bool]):
@@ -60,12 +63,13 @@ class ChatBrowser(ModalScreen[Path | None]):
         Binding("d", "delete", "delete", id="browser.delete"),
     ]
 
-    def __init__(self, load: Callable[[], list[Summary]], open_paths: Callable[[], set[Path]],
+    def __init__(self, load: Callable[[Progress | None], list[Summary]], open_paths: Callable[[], set[Path]],
                  rename: Callable[[Summary, str], str | None], delete: Callable[[Summary], str | None]) -> None:
         super().__init__()
         self._load, self._open_paths, self._rename, self._delete = load, open_paths, rename, delete
         self.summaries: list[Summary] = []
         self.query_text = ""
+        self.loaded = False             # the first reading of the logs, in a thread, has ended
 
     def compose(self) -> ComposeResult:
         with Vertical():
@@ -79,8 +83,37 @@ class ChatBrowser(ModalScreen[Path | None]):
     def on_mount(self) -> None:
         table = self.query_one(DataTable)
         table.add_columns("title", "model", "last used", "tokens", "turns", "")
-        self.reload()
         table.focus()
+        # a folder of long logs takes seconds to read the first time: in a thread, so the keys
+        # (escape among them) answer meanwhile and the line below says how far it is
+        self.note("reading the saved conversations ...")
+        self.run_worker(self._read_all, thread=True, exclusive=True, group="browser-read")
+
+    def _read_all(self) -> None:
+        """In the worker's thread: every log's summary, then the table, on the app's thread."""
+        last = [0.0]
+
+        def progress(done: int, total: int) -> None:
+            if time.monotonic() - last[0] > 0.2 and done < total:
+                last[0] = time.monotonic()
+                self._from_thread(self._progress, f"reading the saved conversations: {done:,} of {total:,}")
+        self._from_thread(self._read, self._load(progress))
+
+    def _from_thread(self, fn: Callable[..., object], *args: object) -> None:
+        try:
+            self.app.call_from_thread(fn, *args)
+        except RuntimeError:             # the app has quit meanwhile
+            pass
+
+    def _progress(self, text: str) -> None:
+        if self.is_attached and not self.loaded:
+            self.note(text)
+
+    def _read(self, summaries: list[Summary]) -> None:
+        if not self.is_attached:         # closed while the logs were read
+            return
+        self.summaries, self.loaded = summaries, True
+        self.redraw()
 
     # ---- the list ---------------------------------------------------------------------------
     @property
@@ -89,7 +122,9 @@ class ChatBrowser(ModalScreen[Path | None]):
         return [s for s in self.summaries if s.matches(self.query_text)]
 
     def reload(self) -> None:
-        self.summaries = self._load()
+        """After a rename or a delete: only the changed log is read again (catalog.summarize)."""
+        self.summaries = self._load(None)
+        self.loaded = True
         self.redraw()
 
     def redraw(self) -> None:

@@ -19,6 +19,7 @@ import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -26,7 +27,8 @@ from kvchat.engine.sources import process_alive
 
 from .files import FileRefused, cannot_write, read_text
 from .history import replies
-from .log import ConversationLog, Restored, data_dir, held, is_saved_log, last_conversation, restore, saved_logs
+from .log import (ConversationLog, Restored, conversations_dir, data_dir, held, is_saved_log, last_conversation, restore,
+                  saved_logs)
 from .log_records import StoreError
 
 TITLE_CHARS = 48
@@ -56,9 +58,21 @@ class Summary:
         return all(word in self.text for word in query.lower().split())
 
 
+_READ: dict[Path, tuple[tuple[int, ...], Summary]] = {}   # path: (its stat when read, its summary)
+
+
 def summarize(path: Path) -> Summary:
-    """Read a log; StoreError if it cannot be read. Damaged lines are skipped."""
-    return summary_of(restore(path))
+    """Read a log; StoreError if it cannot be read. Damaged lines are skipped. A log unchanged
+    since this process last read it (the same size and modification time) is not read again:
+    the browser's second opening costs a stat per log, however long the logs are."""
+    st = path.stat()
+    key = (st.st_mtime_ns, st.st_ctime_ns, st.st_size, st.st_ino)
+    known = _READ.get(path)
+    if known is not None and known[0] == key:
+        return known[1]
+    summary = summary_of(restore(path))
+    _READ[path] = (key, summary)
+    return summary
 
 
 def summary_of(r: Restored) -> Summary:
@@ -75,14 +89,23 @@ def summary_of(r: Restored) -> Summary:
                    replies(r.messages), tokens, sum(m["role"] != "system" for m in messages), text)
 
 
-def list_conversations(root: Path | None = None) -> list[Summary]:
-    """Every saved conversation, the most recently used first; unreadable files left out."""
+def list_conversations(root: Path | None = None,
+                       progress: Callable[[int, int], None] | None = None) -> list[Summary]:
+    """Every saved conversation, the most recently used first; unreadable files left out.
+    `progress(read, total)` is called after each log (the browser reads in a thread and says
+    how far it is)."""
     out = []
-    for path in saved_logs(root):
+    paths = list(saved_logs(root))
+    for i, path in enumerate(paths):
         try:
             out.append(summarize(path))
         except (StoreError, OSError):
-            continue
+            pass
+        if progress is not None:
+            progress(i + 1, len(paths))
+    for gone in set(_READ) - set(paths):
+        if gone.parent == conversations_dir(root):     # deleted or moved away: its text is not kept
+            _READ.pop(gone, None)
     return sorted(out, key=lambda s: s.modified, reverse=True)
 
 

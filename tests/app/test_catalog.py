@@ -37,6 +37,30 @@ def test_a_summary_reads_title_model_turns_tokens_and_skips_a_damaged_line():
     assert s.matches("rayleigh SKY") and not s.matches("rayleigh green")
 
 
+def test_a_log_is_read_again_only_when_it_changed(monkeypatch):
+    """The browser's second opening must not read every log again (a 97 MB log took 3 s), and
+    must see a log that changed since, and forget one deleted."""
+    path = write_log("a", START, {"type": "message", "role": "user", "content": "first words"})
+    other = write_log("b", START, {"type": "message", "role": "user", "content": "other words"})
+    reads = []
+    real = catalog.restore
+    monkeypatch.setattr(catalog, "restore", lambda p: reads.append(p.name) or real(p))
+    seen = []
+    assert len(catalog.list_conversations(progress=lambda done, total: seen.append((done, total)))) == 2
+    assert sorted(reads) == ["a.jsonl", "b.jsonl"] and seen == [(1, 2), (2, 2)]
+    reads.clear()
+    catalog.list_conversations()
+    assert reads == []                                   # unchanged: from what was read
+    with open(path, "a") as fh:
+        fh.write(json.dumps({"type": "message", "role": "assistant", "content": "a reply"}) + "\n")
+    catalog.rename(other, "named")                       # an event appended: changed too
+    by_path = {s.path: s for s in catalog.list_conversations()}
+    assert sorted(reads) == ["a.jsonl", "b.jsonl"]
+    assert by_path[path].messages == 2 and by_path[other].title == "named"
+    other.unlink()
+    assert [s.path for s in catalog.list_conversations()] == [path] and other not in catalog._READ
+
+
 def test_a_regenerated_reply_is_no_other_turn_in_the_browsers_count():
     """Two replies generated for one message (F5 regenerates the first): one turn, two records."""
     user = {"role": "user", "content": "Name a colour."}

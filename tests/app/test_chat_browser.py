@@ -25,7 +25,7 @@ async def save_two(running_app, model: str = "fake-smollm2") -> None:
 
 async def open_browser(app, pilot) -> ChatBrowser:
     await pilot.press("ctrl+o")
-    await wait_until(pilot, lambda: isinstance(app.screen, ChatBrowser), what="the chat browser")
+    await wait_until(pilot, lambda: isinstance(app.screen, ChatBrowser) and app.screen.loaded, what="the chat browser")
     await pilot.pause()
     return app.screen
 
@@ -195,3 +195,37 @@ async def test_resume_keeps_each_conversations_number_and_counts_a_regenerated_r
         await pilot.press("ctrl+n")
         await wait_until(pilot, lambda: len(convs.views) == 3, what="a new one")
         assert convs.focused.number == 4
+
+
+async def test_the_browser_reads_the_logs_in_a_thread_says_how_far_and_escape_closes_it_meanwhile():
+    """A folder of long logs took seconds to read on the app's thread, the screen frozen; the
+    reading is a worker's now: the line under the table counts the logs read, keys answer,
+    and closing the browser before the reading ends loses nothing and breaks nothing."""
+    import threading
+
+    from textual.app import App
+    from textual.widgets import Static
+
+    gate, closed = threading.Event(), []
+
+    def load(progress):
+        progress(1, 3)
+        gate.wait(10)
+        return []
+
+    class Host(App):
+        def on_mount(self) -> None:
+            self.push_screen(ChatBrowser(load, set, lambda s, t: None, lambda s: None), closed.append)
+
+    app = Host()
+    async with app.run_test() as pilot:
+        await wait_until(pilot, lambda: isinstance(app.screen, ChatBrowser), what="the browser")
+        browser = app.screen
+        note = browser.query_one("#browser-note", Static)
+        await wait_until(pilot, lambda: "1 of 3" in str(note.render()), what="the reading's progress")
+        assert not browser.loaded
+        await pilot.press("escape")
+        await wait_until(pilot, lambda: closed == [None], what="the browser to close while still reading")
+        gate.set()
+        await pilot.pause(0.2)
+        assert app.is_running and not browser.loaded

@@ -146,7 +146,7 @@ async def test_the_chat_browser_opens_and_quits_with_a_fifo_in_the_folder(runnin
     os.mkfifo(conversations_dir() / "20990101-000000-eeeeeeee.jsonl")
     async with running_app() as (app, pilot):
         await pilot.press("ctrl+o")
-        await wait_until(pilot, lambda: isinstance(app.screen, ChatBrowser), what="the chat browser")
+        await wait_until(pilot, lambda: isinstance(app.screen, ChatBrowser) and app.screen.loaded, what="the chat browser")
         assert [s.title for s in app.screen.shown] == ["first question"]
         await pilot.press("escape")
         await pilot.press("ctrl+q")
@@ -190,7 +190,7 @@ async def test_escape_sequences_in_a_resumed_log_and_its_title_reach_the_screen_
         text = screen_text(app)
         assert "\x1b" not in text and "\x07" not in text and "question\\x1b]0;PWNED" in text
         await pilot.press("ctrl+o")
-        await wait_until(pilot, lambda: isinstance(app.screen, ChatBrowser), what="the chat browser")
+        await wait_until(pilot, lambda: isinstance(app.screen, ChatBrowser) and app.screen.loaded, what="the chat browser")
         await pilot.pause()
         text = screen_text(app)
         assert "\x1b" not in text and "title\\x1b" in text
