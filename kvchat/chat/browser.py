@@ -10,7 +10,6 @@ where the new model's turns begin, so a later resume keeps them apart too.
 from __future__ import annotations
 
 from collections.abc import Callable
-
 from pathlib import Path
 
 from kvchat.engine.errors import KvchatError
