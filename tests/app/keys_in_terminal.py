@@ -10,9 +10,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).parent))
+sys.path.insert(0, str(Path(__file__).parents[1]))     # tests/: its app/ is a package
 
-from fake_backend import FakeBackend  # noqa: E402
+from app.fake_backend import FakeBackend  # noqa: E402
 
 from kvchat.app.shell import AppOptions, KvChatApp  # noqa: E402
 from kvchat.engine.sampler import SamplingParams  # noqa: E402
