@@ -117,7 +117,9 @@ def test_drop_oldest_export_resume_and_a_second_kvchat_that_cannot_delete_an_ope
         # 3. a second kvchat on the same data folder cannot delete the conversation held open
         kvchat(tmux, tmp_path, "second", "")
         tmux.run("send-keys", "-t", "second", "C-o")
-        wait(tmux, "second", lambda t: "Saved conversations" in t, 30, "the chat browser")
+        # the list read (in a thread: until then d has no conversation to delete)
+        wait(tmux, "second", lambda t: "Saved conversations" in t and "reading the saved" not in t, 30,
+             "the chat browser's list")
         tmux.run("send-keys", "-t", "second", "d")
         wait(tmux, "second", lambda t: "cannot be undone" in t, 30, "the delete question")
         tmux.run("send-keys", "-t", "second", "y")
