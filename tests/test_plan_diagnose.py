@@ -9,7 +9,7 @@ import pytest
 
 from kvchat.engine.geometry import KNOWN
 from kvchat.engine.telemetry import StepRecord
-from kvchat.plan.diagnose import Diagnosis, diagnose, engine_stats, request_spans, sim_stats, time_split
+from kvchat.plan.diagnose import Diagnosis, burst_share, diagnose, engine_stats, request_spans, sim_stats, time_split
 from kvchat.plan.fitter import Point, fit
 from kvchat.plan.hardware import TABLE
 from kvchat.plan.request import SchedulerConfig
@@ -175,6 +175,29 @@ def test_the_scheduler_half_sets_the_engines_steps_beside_the_simulators():
     sim = SimpleNamespace(model=SimpleNamespace(timer=Linear), result=res)
     d = diagnose("light", run, records, sim)
     assert isinstance(d, Diagnosis) and d.lag_ms == pytest.approx(3.0) and d.request_ms == pytest.approx(5.0)
+    assert d.bursts == 0.0                      # gaps of 8 and 12 ms
+    burst = SimpleNamespace(t0=0.0, measured=[measured(0, 1.0, [1.2, 1.2004, 1.25, 1.2503])])
+    assert burst_share(burst) == pytest.approx(2 / 3)      # 0.4 and 0.3 ms of 0.4, 49.6, 0.3
     text = "\n".join(d.lines())
     assert "4 / 3 steps" in text and "preemptions 1 / 0" in text and "prompt chunks 1 / 1" in text
     assert d.to_dict()["measured_steps"]["steps"] == 4
+
+
+# ---- the speed probe's scaling ----------------------------------------------------------------------------
+def test_a_drift_factor_scales_every_step_and_request_time_by_itself():
+    """The calibrated constants scaled by 1.5 (drift.scaled): every step of any composition and
+    the request overhead take exactly 1.5 times as long; the efficiencies are left alone."""
+    from kvchat.plan.drift import scaled
+    c = model_costs(KNOWN["smollm2-135m"], "fp32", "fp32", 1, kv_scales=True)
+    cal = {"bandwidth": Constant(20e9, "B/s", "cal"), "flops": Constant(1.2e11, "FLOP/s", "cal"),
+           "attn_flops": Constant(5e9, "FLOP/s", "cal"), "bw_efficiency": Constant(1.0, "", "cal"),
+           "kv_bw_efficiency": Constant(1.0, "", "cal"), "overhead": Constant(0.0485, "s", "cal"),
+           "row_overhead": Constant(0.002, "s", "cal"), "chunk_overhead": Constant(0.195, "s", "cal"),
+           "request_overhead": Constant(0.008, "s", "cal")}
+    slow = scaled(cal, 1.5, "probe")
+    assert slow["overhead"].value == pytest.approx(0.07275) and slow["bandwidth"].value == pytest.approx(20e9 / 1.5)
+    assert slow["bw_efficiency"] is cal["bw_efficiency"] and "x 1.50: probe" in slow["chunk_overhead"].source
+    t0, t1 = (default_model(TABLE["l4"], c, "fp32", o).timer() for o in (cal, slow))
+    for step in ((1, 1, 1, 300.0, 301.0), (4, 4, 4, 1600.0, 1604.0), (302, 3, 3, 900.0, 45_000.0, 1)):
+        assert t1.seconds(*step) == pytest.approx(1.5 * t0.seconds(*step), rel=1e-12)
+    assert t1.request == pytest.approx(0.012)

@@ -14,7 +14,11 @@ of `kvchat plan --validate` says which, per load level:
     many sequences each held (median, p90, mean), the prompt chunks and their tokens, the
     preemptions, and the busy time (the steps' time summed) on each side.
 (c) the client's clock: the first token as the client saw it against the engine's own
-    prefill end for the same turn (both from the turn's start): the delivery lag a TTFT holds.
+    prefill end for the same turn (both from the turn's start): the delivery lag a TTFT holds;
+    and the share of the client's token gaps under 1 ms: tokens read in bursts, several steps'
+    worth at once. kvchat's engine has no thread of its own: whoever waits for a token runs the
+    next step for everyone (Engine.drive), and a reader that keeps winning the engine's lock
+    leaves the others' tokens queued; the simulator hands every token out at its step's end.
 
 A run whose (a) ratios sit near 1 and whose (b) figures agree has its error elsewhere (the
 client side, (c)); a run whose (b) agrees but (a) does not needs another calibration, and the
@@ -124,6 +128,15 @@ def request_spans(run) -> list[tuple[float, float]]:
     return [(run.t0 + m.arrival, run.t0 + m.token_times[-1]) for m in run.measured if m.token_times]
 
 
+BURST_MS = 1.0
+
+
+def burst_share(run) -> float | None:
+    """(c): the share of the client's gaps between two tokens of one request under BURST_MS."""
+    gaps = [b - a for m in run.measured for a, b in zip(m.token_times, m.token_times[1:])]
+    return sum(1 for g in gaps if g * 1000 < BURST_MS) / len(gaps) if gaps else None
+
+
 def delivery_lag_ms(run) -> float | None:
     """(c): the client's first token after the engine's own prefill end, median over turns."""
     lags = [(m.token_times[0] - m.arrival) * 1000 - m.prefill_ms for m in run.measured
@@ -139,10 +152,14 @@ class Diagnosis:
     simulated: StepStats
     lag_ms: float | None
     request_ms: float          # the model's request overhead
+    speed: float | None = None  # the drift probes' step over the calibration's (drift.py): the model was scaled by it
+    bursts: float | None = None  # share of the client's token gaps under BURST_MS
 
     def lines(self) -> list[str]:
         t, m, s = self.time, self.measured, self.simulated
-        out = [f"{self.level}: where the error comes from"]
+        out = [f"{self.level}: where the error comes from"
+               + ("" if self.speed is None else f" (the machine's steps at {self.speed:.2f}x the calibration's time "
+                                                "by the speed probes; the model scaled by it)")]
         out.append(f"  (a) step time: {t.steps} measured steps at {_x(t.ratio_p50)} the model's prediction (p50), "
                    f"{_x(t.ratio_p90)} (p90); decode-only {_x(t.decode_p50)}, with a prompt chunk {_x(t.prompt_p50)}")
         if t.gap_p50_ms is not None:
@@ -155,21 +172,23 @@ class Diagnosis:
                    f"preemptions {m.preemptions} / {s.preemptions}; busy {m.busy_s:.1f} s / {s.busy_s:.1f} s")
         if self.lag_ms is not None:
             out.append(f"  (c) client: first token {self.lag_ms:.1f} ms after the engine's prefill end (p50); the "
-                       f"model's request overhead {self.request_ms:.1f} ms")
+                       f"model's request overhead {self.request_ms:.1f} ms"
+                       + ("" if self.bursts is None else f"; {self.bursts:.0%} of the token gaps under "
+                          f"{BURST_MS:g} ms (read in bursts)"))
         return out
 
     def to_dict(self) -> dict:
         return {"level": self.level, "step_time": asdict(self.time), "measured_steps": asdict(self.measured),
                 "simulated_steps": asdict(self.simulated), "delivery_lag_ms": self.lag_ms,
-                "request_overhead_ms": self.request_ms}
+                "request_overhead_ms": self.request_ms, "speed": self.speed, "burst_share": self.bursts}
 
 
-def diagnose(level: str, run, records, sim) -> Diagnosis:
+def diagnose(level: str, run, records, sim, speed: float | None = None) -> Diagnosis:
     """`run`: the measured TraceRun; `records`: the engine's steps during it; `sim`: the
-    PlanResult of its replay (run with log_steps)."""
+    PlanResult of its replay (run with log_steps); `speed`: the drift factor its model took."""
     timer = sim.model.timer()
     return Diagnosis(level, time_split(records, timer, request_spans(run)), engine_stats(records),
-                     sim_stats(sim.result), delivery_lag_ms(run), timer.request * 1000)
+                     sim_stats(sim.result), delivery_lag_ms(run), timer.request * 1000, speed, burst_share(run))
 
 
 def _x(v: float | None) -> str:

@@ -26,7 +26,8 @@ COMPARED = (("ttft_ms", "p50"), ("ttft_ms", "p90"), ("tpot_ms", "p50"), ("tpot_m
 TARGET = {"ttft_ms": 0.25, "tpot_ms": 0.10, "itl_ms": 0.10}
 LEVELS = (("light", 0.3), ("near saturation", 0.9), ("past it", 1.5))
 # a workload a 2-core CPU serves in minutes, where the flags give none
-DEFAULTS = {"users": 6, "turns": "3", "context": "0-400", "message": "20-80", "reply": "16-64", "think": "exp:2s"}
+DEFAULTS = {"users": 10, "turns": "3", "context": "0-300", "message": "20-60", "reply": "8-32", "think": "exp:1s",
+            "pool": "50MB"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +145,7 @@ def run_validate(args, json_path) -> int:
 
     from ..backends.local import LocalBackend
     from .diagnose import diagnose, every_step
+    from .drift import probe_ms, scaled
     from .hardware import measure_cpu
     from .options import plan_config
     from .trace_runner import run_trace
@@ -160,11 +162,14 @@ def run_validate(args, json_path) -> int:
     if args.server:
         from ..backends.vllm import VllmBackend
         server = VllmBackend(args.server)
+    ref = None                  # the speed probe beside the calibration (none for a file's: taken when?)
     if args.calibration:
-        note = f"constants from {args.calibration}"
+        note = f"constants from {args.calibration} (not scaled by the speed probes: measured at another time)"
     else:
         print("kvchat plan --validate: calibrating on a run of other users at the busiest level's rate ...", flush=True)
         cfg, note = calibrate_on_a_run(cfg, local, engine, cfg.workload.seed + 1)
+        ref = probe_ms(engine)
+        note += f"; speed probe {ref:.1f} ms a step"
     print(f"kvchat plan --validate: {note}", flush=True)
     rows: list[Row] = []
     vllm: dict[str, SimResult] = {}
@@ -174,14 +179,21 @@ def run_validate(args, json_path) -> int:
         trace = level_trace(cfg.workload, rate)
         print(f"kvchat plan --validate: {level}: {len(trace.users)} users at {rate:.3f} turns/s, running them "
               "through kvchat's engine ...", flush=True)
+        before = probe_ms(engine)
         with every_step(engine) as steps:
             run = run_trace(trace, local, salt=2 + i)          # texts no earlier run's cache holds
-        sim = run_plan(cfg.variant(trace=run.replayed), log_steps=True)
+        after = probe_ms(engine)
+        speed = (before + after) / 2 / ref if ref else None
+        level_cfg = cfg if speed is None else cfg.variant(overrides=scaled(
+            cfg.overrides, speed, f"the speed probe's step took {before:.1f} and {after:.1f} ms around this level, "
+            f"{ref:.1f} ms after the calibration"))
+        sim = run_plan(level_cfg.variant(trace=run.replayed), log_steps=True)
         rows += compare(level, run.result(), sim.result)
-        diagnoses.append(diagnose(level, run, steps, sim))
+        diagnoses.append(diagnose(level, run, steps, sim, speed))
         if server is not None:
             vllm[level] = run_trace(trace, server, salt=2 + i).result()
-        records.append({"level": level, "turns_per_s": rate, "wall_s": run.wall_s,
+        records.append({"level": level, "turns_per_s": rate, "wall_s": run.wall_s, "probe_ms": [before, after],
+                        "speed": speed,
                         "errors": [m.error for m in run.measured if m.error]})
     print("\n".join(table(rows, vllm)))
     for d in diagnoses:
