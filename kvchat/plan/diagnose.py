@@ -152,14 +152,14 @@ class Diagnosis:
     simulated: StepStats
     lag_ms: float | None
     request_ms: float          # the model's request overhead
-    speed: float | None = None  # the drift probes' step over the calibration's (drift.py): the model was scaled by it
+    speed: float | None = None  # the drift probes' step over the calibration's (drift.py), reported only
     bursts: float | None = None  # share of the client's token gaps under BURST_MS
 
     def lines(self) -> list[str]:
         t, m, s = self.time, self.measured, self.simulated
         out = [f"{self.level}: where the error comes from"
-               + ("" if self.speed is None else f" (the machine's steps at {self.speed:.2f}x the calibration's time "
-                                                "by the speed probes; the model scaled by it)")]
+               + ("" if self.speed is None else f" (the speed probe's step around it: {self.speed:.2f}x the one "
+                                                "after the calibration)")]
         out.append(f"  (a) step time: {t.steps} measured steps at {_x(t.ratio_p50)} the model's prediction (p50), "
                    f"{_x(t.ratio_p90)} (p90); decode-only {_x(t.decode_p50)}, with a prompt chunk {_x(t.prompt_p50)}")
         if t.gap_p50_ms is not None:
@@ -185,7 +185,7 @@ class Diagnosis:
 
 def diagnose(level: str, run, records, sim, speed: float | None = None) -> Diagnosis:
     """`run`: the measured TraceRun; `records`: the engine's steps during it; `sim`: the
-    PlanResult of its replay (run with log_steps); `speed`: the drift factor its model took."""
+    PlanResult of its replay (run with log_steps); `speed`: the drift probes' factor."""
     timer = sim.model.timer()
     return Diagnosis(level, time_split(records, timer, request_spans(run)), engine_stats(records),
                      sim_stats(sim.result), delivery_lag_ms(run), timer.request * 1000, speed, burst_share(run))

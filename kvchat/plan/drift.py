@@ -1,28 +1,25 @@
 """The machine's speed as it drifts during a validation: a fixed probe, timed on the engine.
 
 This machine is shared: between the calibration run and a load level minutes later, other
-tenants' work can change every step's time by half or more (a validation run measured its
-last level's steps at 0.62x the calibrated model, its first two at 0.94x and 0.99x, the same
-model and engine throughout). A probe measures that drift without looking at the level's own
-runs: the same small batch (two prompts of 64 tokens, 32 decode steps of the pair, through
-Engine.generate, one to two seconds) right after the calibration run and right before and after
-each level; the level's model is the calibrated one with every time scaled by the probes'
-median decode step over the calibration's, their mean before and after.
+tenants' work can change every step's time by a third or more. A probe says how much, without
+looking at the level's own runs: the same small batch (two prompts of 64 tokens, 32 decode
+steps of the pair, through Engine.generate, one to two seconds) right after the calibration
+run and right before and after each level. Its median decode step, over the calibration's, is
+printed beside each level's error split.
 
-The probe is a fixed workload, not the validation's users: it can only say how fast the
-machine is now, not fit the model to what the level measured.
+It is reported, not applied. Scaling each level's model by it was tried on two real runs and
+made the step-time half worse: the measured steps over the model went from 0.77, 0.79 and
+1.16 (unscaled) to 1.00, 1.28 and 1.45 (scaled) in one, from 0.75, 0.62 and 0.67 to 0.74,
+1.26 and 1.10 in the other. A second or two of probe, taken between the levels, samples the
+neighbours' load more noisily than the minutes of a level average it.
 """
 from __future__ import annotations
 
 from statistics import median
 
-from .step_time import Constant
-
 PROMPT_TOKENS = 64
 ROWS = 2
 NEW_TOKENS = 33           # the first from the prefill, then 32 decode steps of both rows
-SCALED_TIMES = ("overhead", "row_overhead", "chunk_overhead", "request_overhead")
-SCALED_RATES = ("bandwidth", "flops", "attn_flops")
 
 
 def probe_ms(engine) -> float:
@@ -34,17 +31,3 @@ def probe_ms(engine) -> float:
     if not steps:
         raise RuntimeError("the speed probe ran no decode step of its batch")
     return median(steps)
-
-
-def scaled(overrides: dict[str, Constant], factor: float, why: str) -> dict[str, Constant]:
-    """The calibrated constants with every time `factor` times longer (rates divided by it)."""
-    out = dict(overrides)
-    for name in SCALED_TIMES:
-        if name in out:
-            c = out[name]
-            out[name] = Constant(c.value * factor, c.unit, f"{c.source}; x {factor:.2f}: {why}")
-    for name in SCALED_RATES:
-        if name in out:
-            c = out[name]
-            out[name] = Constant(c.value / factor, c.unit, f"{c.source}; / {factor:.2f}: {why}")
-    return out

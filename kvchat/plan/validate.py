@@ -9,7 +9,11 @@ percentiles, with each one's error and the mean absolute percentage error; the t
 10% on TPOT and ITL (p50, p90) and 25% on TTFT (p50, p90).
 
 The load levels come from the calibrated model itself: the time one turn of the mean user
-takes alone, S, sets the arrival rates at 0.3, 0.9 and 1.5 turns per S.
+takes alone, S, sets the arrival rates at 0.3, 0.9 and 1.5 turns per S. Each run's texts are
+its own (trace_runner's salt), so no level finds an earlier run's prompts in the engine's
+prefix cache; a speed probe around each level reports the machine's drift (drift.py); and
+each level says where its error comes from, the step-time model or the
+scheduler model (diagnose.py).
 """
 from __future__ import annotations
 
@@ -145,7 +149,7 @@ def run_validate(args, json_path) -> int:
 
     from ..backends.local import LocalBackend
     from .diagnose import diagnose, every_step
-    from .drift import probe_ms, scaled
+    from .drift import probe_ms
     from .hardware import measure_cpu
     from .options import plan_config
     from .trace_runner import run_trace
@@ -164,7 +168,7 @@ def run_validate(args, json_path) -> int:
         server = VllmBackend(args.server)
     ref = None                  # the speed probe beside the calibration (none for a file's: taken when?)
     if args.calibration:
-        note = f"constants from {args.calibration} (not scaled by the speed probes: measured at another time)"
+        note = f"constants from {args.calibration}"
     else:
         print("kvchat plan --validate: calibrating on a run of other users at the busiest level's rate ...", flush=True)
         cfg, note = calibrate_on_a_run(cfg, local, engine, cfg.workload.seed + 1)
@@ -184,10 +188,7 @@ def run_validate(args, json_path) -> int:
             run = run_trace(trace, local, salt=2 + i)          # texts no earlier run's cache holds
         after = probe_ms(engine)
         speed = (before + after) / 2 / ref if ref else None
-        level_cfg = cfg if speed is None else cfg.variant(overrides=scaled(
-            cfg.overrides, speed, f"the speed probe's step took {before:.1f} and {after:.1f} ms around this level, "
-            f"{ref:.1f} ms after the calibration"))
-        sim = run_plan(level_cfg.variant(trace=run.replayed), log_steps=True)
+        sim = run_plan(cfg.variant(trace=run.replayed), log_steps=True)
         rows += compare(level, run.result(), sim.result)
         diagnoses.append(diagnose(level, run, steps, sim, speed))
         if server is not None:
