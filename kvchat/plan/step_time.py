@@ -15,7 +15,7 @@ the new tokens' K/V written; attention FLOPs: 4 x heads x head_dim x layers per 
 pair. B, F and F_a are the hardware's bandwidth and dense FLOP/s; the e's the fractions of them
 reached. The chunk overhead is the cost of the other path a step with a prompt chunk takes:
 kvchat's engine runs a step of decode rows alone as one C call on a CPU (a CUDA graph on a
-GPU), a step with a chunk layer by layer in torch, eagerly; on this CPU that path cost 190-250
+GPU), a step with a chunk layer by layer in torch, eagerly; on this CPU that path cost 170-280
 ms more per step, for the bundled model, than its bytes and FLOPs say (--validate's
 calibrations). A request also waits `request overhead` before the scheduler sees it (a
 server's HTTP and tokenisation; kvchat's rendering of the chat). Every constant carries where it came from: the spec sheet, a calibration file,
