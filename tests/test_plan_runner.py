@@ -18,7 +18,7 @@ class Linear:
     """A step time simple to reason about; these tests check token accounting, not time."""
     request = 0.0
 
-    def seconds(self, tokens, logit_rows, rows, kv_read, pairs) -> float:
+    def seconds(self, tokens, logit_rows, rows, kv_read, pairs, chunks=0) -> float:
         return 1e-3 + 1e-5 * tokens
 
 

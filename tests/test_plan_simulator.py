@@ -27,7 +27,7 @@ class Linear:
     def __init__(self, fixed: float = 1 * MS, per_token: float = 0.1 * MS, request: float = 0.0) -> None:
         self.fixed, self.per_token, self.request = fixed, per_token, request
 
-    def seconds(self, tokens, logit_rows, rows, kv_read, pairs) -> float:
+    def seconds(self, tokens, logit_rows, rows, kv_read, pairs, chunks=0) -> float:
         return self.fixed + self.per_token * tokens
 
 

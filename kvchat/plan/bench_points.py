@@ -53,7 +53,7 @@ def prefill_steps(computed: int, cached: int, chunk: int = CPU_PREFILL_CHUNK) ->
     while done < computed:
         n = min(chunk, computed - done)
         p = cached + done
-        out.append((n, 1, 1, float(p), n * p + n * (n + 1) / 2))
+        out.append((n, 1, 1, float(p), n * p + n * (n + 1) / 2, 1))
         done += n
     return tuple(out)
 

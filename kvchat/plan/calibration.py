@@ -6,11 +6,14 @@ hardware they were measured on, the model, each constant's source and the fit's 
      "constants": {"bandwidth": 4.9e10, "bw_efficiency": 0.64, "kv_bw_efficiency": {"fp32": 0.64,
                    "fp8": 0.2}, "flops": 1.7e11, "attn_flops": 1.1e11, "flops_efficiency": 1.0,
                    "attn_efficiency": 1.0, "overhead": 0.0063, "row_overhead": 0.0,
-                   "request_overhead": 0.074},
+                   "request_overhead": 0.074, "chunk_overhead": 0.15},
      "sources": {name: "where it came from", ...}, "fit": {"mape": 0.09, "points": 24}}
 
 FLOP/s are the fitted effective rates (their efficiencies 1); the bandwidth is the peak the
-measurement took beside the steps, with the fitted efficiencies. `kvchat plan --calibration
+measurement took beside the steps, with the fitted efficiencies, unless the steps read the
+weights faster than that peak (a busy machine's copy test can read low): then the bandwidth is
+the steps' effective rate, its efficiency 1. A file without chunk_overhead (written before it
+was fitted) reads as 0. `kvchat plan --calibration
 FILE` applies it to plans on the same hardware (any model: the constants describe the machine
 and the engine, the model's bytes and FLOPs come from its geometry).
 """
@@ -24,14 +27,14 @@ from pathlib import Path
 from kvchat.engine.geometry import Geometry
 
 from ..cli.args import UsageError
-from .fitter import ATTN, LIN, OVERHEAD, REQUEST, ROW, WEIGHT, Fit, Point
+from .fitter import ATTN, CHUNK, LIN, OVERHEAD, REQUEST, ROW, WEIGHT, Fit, Point
 from .step_time import Constant, ModelCosts, model_costs
 
 CAL_FORMAT = "kvchat-plan-calibration/1"
 SCALARS = ("bandwidth", "bw_efficiency", "flops", "attn_flops", "flops_efficiency", "attn_efficiency", "overhead",
-           "row_overhead", "request_overhead")
+           "row_overhead", "request_overhead", "chunk_overhead")
 UNITS = {"bandwidth": "B/s", "flops": "FLOP/s", "attn_flops": "FLOP/s", "overhead": "s", "row_overhead": "s",
-         "request_overhead": "s"}
+         "request_overhead": "s", "chunk_overhead": "s"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,16 +70,20 @@ def calibration_from_fit(f: Fit, hardware: str, model: str, dtype: str, bandwidt
                          source: str, points: list[Point]) -> Calibration:
     tag = f"calibrated on {len(points)} points of {source}, fit error {f.mape(points):.1%}"
     x = f.x
+    if 1 / x[WEIGHT] > bandwidth:             # the steps read faster than the measured peak
+        bw_source = (f"{tag}: the rate the steps read the weights at, above the {bandwidth / 1e9:,.1f} GB/s "
+                     f"{bw_source}")
+        bandwidth = 1 / x[WEIGHT]
     const = {"bandwidth": bandwidth, "bw_efficiency": 1 / (x[WEIGHT] * bandwidth), "flops": 1 / x[LIN],
              "attn_flops": 1 / x[ATTN], "flops_efficiency": 1.0, "attn_efficiency": 1.0, "overhead": x[OVERHEAD],
-             "row_overhead": x[ROW], "request_overhead": x[REQUEST]}
+             "row_overhead": x[ROW], "request_overhead": x[REQUEST], "chunk_overhead": x[CHUNK]}
     kv = {n[3:]: 1 / (v * bandwidth) for n, v in zip(f.names, x) if n.startswith("kv:")}
     src = {k: tag for k in (*const, "kv_bw_efficiency")}
     src["bandwidth"] = bw_source
     src["flops"] = src["attn_flops"] = f"{tag}: the effective rate"
     src["flops_efficiency"] = src["attn_efficiency"] = "calibrated: folded into the fitted FLOP/s"
     names = {"row": "row_overhead", "request": "request_overhead", "lin": "flops", "attn": "attn_flops",
-             "weight": "bw_efficiency"}
+             "weight": "bw_efficiency", "chunk": "chunk_overhead"}
     for unknown, why in f.fixed.items():
         key = names.get(unknown)
         if key == "bw_efficiency":
@@ -108,6 +115,9 @@ def load_calibration(path: str, hardware: str, geom: Geometry) -> Calibration:
     consts: dict = d["constants"] if isinstance(d.get("constants"), dict) else {}
     sources: dict = d["sources"] if isinstance(d.get("sources"), dict) else {}
     kv = consts.get("kv_bw_efficiency")
+    if "chunk_overhead" not in consts:                    # a file from before it was fitted
+        consts = {**consts, "chunk_overhead": 0.0}
+        sources = {**sources, "chunk_overhead": "not in this file (written before it was fitted): 0"}
     if set(consts) != {*SCALARS, "kv_bw_efficiency"} or not all(_number(consts[k]) for k in SCALARS) or \
             not isinstance(kv, dict) or not kv or not all(_number(v) and v > 0 for v in kv.values()):
         raise UsageError(f"{where}: \"constants\" must give {', '.join(SCALARS)} as finite numbers >= 0 and "

@@ -15,7 +15,8 @@ an fp8 cache differently from an fp32 one: kvchat's bench measures fp8 decode on
 faster than fp32, a quarter of the bytes in the same time). What the points cannot tell apart keeps its
 prior and is named: the weights share the cache's bandwidth efficiency when every point ran the
 same weights (their bytes move in step with the fixed overhead); the per-sequence overhead
-needs steps of more than one sequence.
+needs steps of more than one sequence; the per-chunk-step overhead (the eager path a step
+with a prompt chunk takes: step_time.py) needs such steps timed on their own beside others.
 """
 from __future__ import annotations
 
@@ -24,9 +25,11 @@ from dataclasses import dataclass
 from ..cli.args import UsageError
 from .step_time import ModelCosts
 
-StepRow = tuple[int, int, int, float, float]       # tokens, logit rows, sequences, cached tokens read, pairs
-BASE = ("overhead", "row", "weight", "lin", "attn", "request")
-OVERHEAD, ROW, WEIGHT, LIN, ATTN, REQUEST = range(6)
+# tokens, logit rows, sequences, cached tokens read, pairs[, prompt chunks (0 when left out)]
+StepRow = tuple[int, int, int, float, float] | tuple[int, int, int, float, float, int]
+BASE = ("overhead", "row", "weight", "lin", "attn", "request", "chunk")
+OVERHEAD, ROW, WEIGHT, LIN, ATTN, REQUEST, CHUNK = range(7)
+OVERHEADS = (OVERHEAD, ROW, REQUEST, CHUNK)        # held at zero or above
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,13 +58,16 @@ class Fit:
 def _row(p: Point, c: ModelCosts, x: list[float], kv: int) -> list[float]:
     """The point's coefficient on each unknown, each step's roofline branches chosen by x."""
     phi = [0.0] * len(x)
-    for tokens, logit_rows, rows, cached, pairs in p.steps:
+    for step in p.steps:
+        tokens, logit_rows, rows, cached, pairs = step[:5]
         wb = c.weight_bytes
         lf = c.linear_flops_per_token * tokens + c.head_flops_per_row * logit_rows
         kb = (cached + tokens) * c.kv_bytes_per_token
         af = pairs * c.attn_flops_per_pair
         phi[OVERHEAD] += 1.0
         phi[ROW] += rows
+        if len(step) > 5 and step[5]:
+            phi[CHUNK] += 1.0
         if x[WEIGHT] * wb >= x[LIN] * lf:
             phi[WEIGHT] += wb
         else:
@@ -111,23 +117,27 @@ class _Problem:
         return sum(r * v for r, v in zip(_row(p, self.costs[p.kv_dtype], x, self.kv_of[p.kv_dtype]), x))
 
     def refit(self, x: list[float], free: list[int]) -> list[float] | None:
-        """One least-squares solve for the free unknowns, the overheads kept non-negative: an
-        overhead the solve wants below zero is held at zero and the rest solved again (clamping
-        it after the solve would leave the others fitted to a negative overhead, every point
-        then predicted too slow)."""
+        """One least-squares solve for the free unknowns, the overheads kept non-negative and
+        the rates positive: an overhead the solve wants below zero is held at zero, a rate it
+        wants at or below zero at its current value (the starting rate, or the last step's),
+        and the rest solved again (clamping after the solve would leave the others fitted to
+        an impossible value). A rate once held this way ended the whole start before, and a
+        calibration whose every start did so kept its priors: a 41% error on a real run."""
         free = list(free)
+        x = list(x)
         while True:
             out = self._solve(x, free)
             if out is None:
                 return None
-            negative = [i for i in (OVERHEAD, ROW, REQUEST) if i in free and out[i] < 0]
+            negative = [i for i in OVERHEADS if i in free and out[i] < 0]
+            negative += [i for i in free if i not in OVERHEADS and out[i] <= 0]
             if not negative:
                 break
-            x = list(x)
             for i in negative:
-                x[i] = 0.0
+                if i in OVERHEADS:
+                    x[i] = 0.0
                 free.remove(i)
-        if min(out[i] for i in range(len(out)) if i not in (OVERHEAD, ROW, REQUEST)) <= 0:
+        if min(out[i] for i in range(len(out)) if i not in OVERHEADS) <= 0:
             return None
         return out
 
@@ -156,7 +166,7 @@ def _bound(pb: _Problem, x: list[float], i: int) -> float:
     best = float("inf")
     for p in pb.points:
         c, kv = pb.costs[p.kv_dtype], pb.kv_of[p.kv_dtype]
-        for tokens, logit_rows, _, cached, pairs in p.steps:
+        for tokens, logit_rows, _, cached, pairs, *_ in p.steps:
             if i == LIN:
                 flops, mem = c.linear_flops_per_token * tokens + c.head_flops_per_row * logit_rows, \
                     x[WEIGHT] * c.weight_bytes
@@ -174,12 +184,16 @@ def fit(points: list[Point], costs: dict[str, ModelCosts], prior: dict[str, floa
     if len(points) < 3:
         raise UsageError(f"a calibration needs at least 3 measured points, got {len(points)}")
     pb = _Problem(points, costs, model_kv)
-    start = [prior[n] if n in prior else prior["kv"] for n in pb.names]
+    start = [prior[n] if n in prior else 0.0 if n == "chunk" else prior["kv"] for n in pb.names]
     fixed: dict[str, str] = {}
     if all(s[2] == 1 for p in points for s in p.steps):
         fixed["row"] = "every measured step held one sequence"
     if not any(p.requests for p in points):
         fixed["request"] = "no measured point held a request's first step"
+    chunked = [p for p in points if any(len(s) > 5 and s[5] for s in p.steps)]
+    if not any(not p.requests for p in chunked) or len(chunked) == len(points):
+        fixed["chunk"] = ("no step with a prompt chunk was timed on its own, beside steps without one (a prefill "
+                          "timed with its request cannot tell the two overheads apart)")
     free = [i for i, n in enumerate(pb.names) if n not in fixed and not (pb.tie and i == WEIGHT)]
     best: tuple[float, list[float]] | None = None
     # fastest rates first, and a later start must do strictly better: where a memory-bound and a

@@ -211,10 +211,11 @@ def prepare(cfg: PlanConfig) -> tuple[ModelCosts, PoolPlan, StepModel, Scheduler
     return costs, pool, model, sched, notes
 
 
-def run_plan(cfg: PlanConfig) -> PlanResult:
+def run_plan(cfg: PlanConfig, log_steps: bool = False) -> PlanResult:
+    """log_steps: keep every simulated step's composition (SimResult.step_log)."""
     costs, pool, model, sched, notes = prepare(cfg)
     trace = cfg.trace if cfg.trace is not None else make_trace(cfg.workload)
-    res = Simulator(trace, sched, model.timer(), cfg.horizon).run()
+    res = Simulator(trace, sched, model.timer(), cfg.horizon, log_steps).run()
     start = min((u.start for u in trace.users), default=0.0)
     has_long = any(u.long for u in trace.users)
     summary = summarize(res, cfg.slo, start)

@@ -107,3 +107,6 @@ class SimResult:
     end: float = 0.0
     unfinished: int = 0    # requests still queued or running when the horizon stopped the run
     tokens_scheduled: int = 0
+    # each step's (decode rows, prompt chunks, prompt tokens, seconds), kept only when the
+    # Simulator was asked to (log_steps): validate's diagnostics set them beside the engine's
+    step_log: list[tuple[int, int, int, float]] | None = None

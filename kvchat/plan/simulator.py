@@ -36,7 +36,8 @@ INF = float("inf")
 
 
 class Simulator:
-    def __init__(self, trace: Trace, cfg: SchedulerConfig, timer: StepTimer, horizon: float | None = None) -> None:
+    def __init__(self, trace: Trace, cfg: SchedulerConfig, timer: StepTimer, horizon: float | None = None,
+                 log_steps: bool = False) -> None:
         self.cfg, self.timer, self.horizon = cfg, timer, horizon
         self.bs = cfg.block_size
         self.system = trace.system_tokens
@@ -45,7 +46,7 @@ class Simulator:
         self.waiting: deque[Request] = deque()
         self.events: list[tuple[float, int, User]] = []
         self.now = 0.0
-        self.res = SimResult()
+        self.res = SimResult(step_log=[] if log_steps else None)
         self.long_req: Request | None = None
         # a request reaches the scheduler this long after it is sent (its arrival, for TTFT)
         self.delay = timer.request
@@ -290,18 +291,22 @@ class Simulator:
     def _run(self, sched: list[tuple[Request, int]]) -> None:
         if not sched:
             return                    # everyone preempted this step; the next step admits again
-        tokens = rows = logit_rows = 0
+        tokens = rows = logit_rows = decodes = 0
         kv = pairs = 0.0
         for r, n in sched:
             ctx = r.held(r.computed)
+            if n == 1 and r.out and r.computed == r.num_tokens - 1:
+                decodes += 1
             tokens += n
             rows += 1
             kv += ctx
             pairs += n * ctx + n * (n + 1) / 2
             if r.computed + n == r.num_tokens:
                 logit_rows += 1
-        dt = self.timer.seconds(tokens, logit_rows, rows, kv, pairs)
+        dt = self.timer.seconds(tokens, logit_rows, rows, kv, pairs, rows - decodes)
         self.now += dt
+        if self.res.step_log is not None:
+            self.res.step_log.append((decodes, rows - decodes, tokens - decodes, dt))
         self.res.steps += 1
         self.res.tokens_scheduled += tokens
         now, itl = self.now, self.res.itl
@@ -371,7 +376,7 @@ class Simulator:
         now = self.now
         next_arrival = self.events[0][0] if self.events and not self.waiting else INF
         late = [r for r in running if r.last_t < now]    # skipped last step (the budget ran out): a longer first gap
-        seconds, itl = self.timer.seconds, self.res.itl
+        seconds, itl, log = self.timer.seconds, self.res.itl, self.res.step_log
         t = now
         steps = 0
         while steps < k:
@@ -385,6 +390,8 @@ class Simulator:
                     itl.append((dt, b - len(late)))
             else:
                 itl.append((dt, b))
+            if log is not None:
+                log.append((b, 0, 0, dt))
             steps += 1
             if t >= next_arrival:
                 break

@@ -3,7 +3,7 @@
 A step runs one forward over every token the scheduler gave it (one row per decoding
 sequence, a chunk per prefilling one). Per GPU of a tensor-parallel group:
 
-    t = overhead + rows x row overhead
+    t = overhead + rows x row overhead + [a prompt chunk in the step] x chunk overhead
         + max(weight bytes / (B x e_w),  linear FLOPs / (F x e_f))       the matrix products
         + max(KV bytes / (B x e_kv),     attention FLOPs / (F_a x e_a))   attention over the caches
         + 2 x layers x (all-reduce latency + 2 (tp-1)/tp x activation bytes / link)     (tp > 1)
@@ -13,8 +13,12 @@ embedding table is only looked up); linear FLOPs: 2 x layer parameters per token
 head for each row that samples a token; KV bytes: each sequence's whole cache read once and
 the new tokens' K/V written; attention FLOPs: 4 x heads x head_dim x layers per (query, key)
 pair. B, F and F_a are the hardware's bandwidth and dense FLOP/s; the e's the fractions of them
-reached. A request also waits `request overhead` before the scheduler sees it (a server's HTTP
-and tokenisation; kvchat's rendering of the chat). Every constant carries where it came from: the spec sheet, a calibration file,
+reached. The chunk overhead is the cost of the other path a step with a prompt chunk takes:
+kvchat's engine runs a step of decode rows alone as one C call on a CPU (a CUDA graph on a
+GPU), a step with a chunk layer by layer in torch, eagerly; on this CPU that path cost 170-280
+ms more per step, for the bundled model, than its bytes and FLOPs say (--validate's
+calibrations). A request also waits `request overhead` before the scheduler sees it (a
+server's HTTP and tokenisation; kvchat's rendering of the chat). Every constant carries where it came from: the spec sheet, a calibration file,
 a flag, or a default named as one.
 """
 from __future__ import annotations
@@ -108,6 +112,7 @@ class StepModel:
     request_overhead: Constant
     allreduce_latency: Constant
     link_bandwidth: Constant | None
+    chunk_overhead: Constant = Constant(0.0, "s", DEFAULT_SOURCE)
 
     def __post_init__(self) -> None:
         for name in ("bw_efficiency", "kv_bw_efficiency", "flops_efficiency", "attn_efficiency"):
@@ -117,7 +122,7 @@ class StepModel:
         for name in ("bandwidth", "flops", "attn_flops"):
             if not getattr(self, name).value > 0:
                 raise UsageError(f"step-time constant {name} must be positive, got {getattr(self, name).value}")
-        for name in ("overhead", "row_overhead", "request_overhead", "allreduce_latency"):
+        for name in ("overhead", "row_overhead", "request_overhead", "allreduce_latency", "chunk_overhead"):
             if not 0 <= getattr(self, name).value < 60:
                 raise UsageError(f"step-time constant {name} = {getattr(self, name).value}: seconds must be in [0, 60)")
         if self.costs.tp > 1 and self.link_bandwidth is None:
@@ -133,6 +138,7 @@ class StepModel:
                 ("FLOP/s efficiency, matrix products", self.flops_efficiency),
                 ("FLOP/s efficiency, attention", self.attn_efficiency), ("overhead per step", self.overhead),
                 ("overhead per sequence in a step", self.row_overhead),
+                ("overhead per step with a prompt chunk", self.chunk_overhead),
                 ("overhead per request (before it)", self.request_overhead)]
         if self.costs.tp > 1:
             rows += [("all-reduce latency", self.allreduce_latency),
@@ -142,7 +148,7 @@ class StepModel:
 
 CONSTANT_NAMES = ("bandwidth", "flops", "attn_flops", "bw_efficiency", "kv_bw_efficiency", "flops_efficiency",
                   "attn_efficiency", "overhead", "row_overhead", "request_overhead", "allreduce_latency",
-                  "link_bandwidth")
+                  "link_bandwidth", "chunk_overhead")
 
 
 def default_model(hw: Hardware, costs: ModelCosts, weight_dtype: str, overrides: dict[str, Constant]) -> StepModel:
@@ -166,6 +172,7 @@ def default_model(hw: Hardware, costs: ModelCosts, weight_dtype: str, overrides:
                                                "out"),
         "allreduce_latency": Constant(DEFAULT_ALLREDUCE_US / 1e6, "s", DEFAULT_SOURCE),
         "link_bandwidth": Constant(hw.link_bandwidth, "B/s", sheet) if hw.link_bandwidth else None,
+        "chunk_overhead": Constant(0.0, "s", DEFAULT_SOURCE),
     }
     for name, const in overrides.items():
         if name not in c:
@@ -176,7 +183,8 @@ def default_model(hw: Hardware, costs: ModelCosts, weight_dtype: str, overrides:
 
 class StepTimer:
     """A StepModel's per-unit seconds, computed once: `seconds` runs for every simulated step."""
-    __slots__ = ("_w", "_lin", "_head", "_kv", "_att", "_overhead", "_row", "_ar_fixed", "_ar_tok", "request")
+    __slots__ = ("_w", "_lin", "_head", "_kv", "_att", "_overhead", "_row", "_chunk", "_ar_fixed", "_ar_tok",
+                 "request")
 
     def __init__(self, m: StepModel) -> None:
         c, bw = m.costs, m.bandwidth.value
@@ -186,19 +194,20 @@ class StepTimer:
         self._head = c.head_flops_per_row / f
         self._kv = c.kv_bytes_per_token / (bw * m.kv_bw_efficiency.value)
         self._att = c.attn_flops_per_pair / (m.attn_flops.value * m.attn_efficiency.value)
-        self._overhead, self._row = m.overhead.value, m.row_overhead.value
+        self._overhead, self._row, self._chunk = m.overhead.value, m.row_overhead.value, m.chunk_overhead.value
         self.request = m.request_overhead.value
         self._ar_fixed = self._ar_tok = 0.0
         if c.tp > 1 and m.link_bandwidth is not None:
             self._ar_fixed = 2 * c.layers * m.allreduce_latency.value
             self._ar_tok = 2 * c.layers * 2 * (c.tp - 1) / c.tp * c.allreduce_bytes_per_token / m.link_bandwidth.value
 
-    def seconds(self, tokens: int, logit_rows: int, rows: int, kv_read: float, pairs: float) -> float:
+    def seconds(self, tokens: int, logit_rows: int, rows: int, kv_read: float, pairs: float, chunks: int = 0) -> float:
         """One step: `tokens` computed in all, `logit_rows` of them sampling a token, `rows`
-        sequences, `kv_read` cached tokens read, `pairs` (query, key) pairs attended."""
+        sequences, `kv_read` cached tokens read, `pairs` (query, key) pairs attended, `chunks`
+        of the rows prompt chunks (not decode rows)."""
         lin = tokens * self._lin + logit_rows * self._head
         w = self._w
         kv = (kv_read + tokens) * self._kv
         att = pairs * self._att
-        return (self._overhead + rows * self._row + (w if w > lin else lin) + (kv if kv > att else att)
-                + self._ar_fixed + tokens * self._ar_tok)
+        return (self._overhead + rows * self._row + (self._chunk if chunks else 0.0) + (w if w > lin else lin)
+                + (kv if kv > att else att) + self._ar_fixed + tokens * self._ar_tok)

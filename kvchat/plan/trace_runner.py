@@ -102,13 +102,18 @@ def _history(segments: tuple[int, ...], count, seed: int) -> list[dict[str, str]
     return msgs
 
 
-def run_trace(trace: Trace, backend, timeout_s: float = 3600.0) -> TraceRun:
+def run_trace(trace: Trace, backend, timeout_s: float = 3600.0, salt: int = 0) -> TraceRun:
     """Every user in its own thread, all on one clock; returns when all are done (or the
-    timeout passed: a user still waiting stops there)."""
+    timeout passed: a user still waiting stops there). `salt`: a different number for each run
+    on one backend, so that no run's texts begin with an earlier run's (the same user index
+    and turn once drew the same words in every run, and a later level's prompts hit the
+    engine's prefix cache of the calibration's and the earlier levels' conversations: 30
+    prompt tokens computed where the simulator, starting empty, computed 526)."""
     from kvchat.engine.sampler import SamplingParams
     count = backend.count_tokens if backend.count_tokens("a b") is not None else None
     lagged = backend.info().kind == "local"
-    system = text_of(trace.system_tokens, count, 0) if trace.system_tokens else None
+    system = text_of(trace.system_tokens, count, 0) if trace.system_tokens else None   # shared: the same each run
+    base = 1_000_003 * salt
     out: list[list[Measured]] = [[] for _ in trace.users]
     stop = threading.Event()
     t0 = time.perf_counter()
@@ -121,7 +126,7 @@ def run_trace(trace: Trace, backend, timeout_s: float = 3600.0) -> TraceRun:
         try:
             if u.history:
                 chat.restore(([{"role": "system", "content": system}] if system else [])
-                             + _history(u.history, count, 1000 * i))
+                             + _history(u.history, count, base + 1000 * i))
             ready = u.start
             for k, turn in enumerate(u.turns):
                 wait = ready + turn.think - clock()
@@ -130,7 +135,8 @@ def run_trace(trace: Trace, backend, timeout_s: float = 3600.0) -> TraceRun:
                 m = Measured(u.uid, k, u.long, clock())
                 out[i].append(m)
                 try:
-                    timed_turn(chat, text_of(turn.new, count, 7919 * i + k), SamplingParams(max_tokens=turn.reply),
+                    timed_turn(chat, text_of(turn.new, count, base + 7919 * i + k + 500),
+                               SamplingParams(max_tokens=turn.reply),
                               m, clock, lagged, stop)
                 except Exception as err:    # a refused or failed turn ends this user, and is reported
                     m.error = f"{type(err).__name__}: {err}"

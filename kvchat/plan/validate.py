@@ -9,7 +9,11 @@ percentiles, with each one's error and the mean absolute percentage error; the t
 10% on TPOT and ITL (p50, p90) and 25% on TTFT (p50, p90).
 
 The load levels come from the calibrated model itself: the time one turn of the mean user
-takes alone, S, sets the arrival rates at 0.3, 0.9 and 1.5 turns per S.
+takes alone, S, sets the arrival rates at 0.3, 0.9 and 1.5 turns per S. Each run's texts are
+its own (trace_runner's salt), so no level finds an earlier run's prompts in the engine's
+prefix cache; a speed probe around each level reports the machine's drift (drift.py); and
+each level says where its error comes from, the step-time model or the
+scheduler model (diagnose.py).
 """
 from __future__ import annotations
 
@@ -26,7 +30,8 @@ COMPARED = (("ttft_ms", "p50"), ("ttft_ms", "p90"), ("tpot_ms", "p50"), ("tpot_m
 TARGET = {"ttft_ms": 0.25, "tpot_ms": 0.10, "itl_ms": 0.10}
 LEVELS = (("light", 0.3), ("near saturation", 0.9), ("past it", 1.5))
 # a workload a 2-core CPU serves in minutes, where the flags give none
-DEFAULTS = {"users": 6, "turns": "3", "context": "0-400", "message": "20-80", "reply": "16-64", "think": "exp:2s"}
+DEFAULTS = {"users": 10, "turns": "3", "context": "0-300", "message": "20-60", "reply": "8-32", "think": "exp:1s",
+            "pool": "50MB"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,28 +100,25 @@ def level_trace(w: Workload, turns_per_s: float) -> Trace:
 
 
 def calibrate_on_a_run(cfg: PlanConfig, backend, engine, seed: int) -> tuple[PlanConfig, str]:
-    """Fit the constants to a light run of other users (another seed) on the same engine in
-    the same process: the machine's state now, not a bench's an hour ago. The points are the
-    engine's own steps of that run (run_points.py), every one kept while it runs."""
-    from collections import deque
+    """Fit the constants to a run of other users (another seed) on the same engine in the same
+    process: the machine's state now, not a bench's an hour ago. The run goes at the highest
+    level's rate, so that its steps cover what the levels' steps hold (one to several decode
+    rows, prompt chunks beside them); a light run gave the fit steps of one sequence alone and
+    left it to extrapolate to every busier step. The points are the engine's own steps of that
+    run (run_points.py); the per-request overhead is measured on its turns that waited alone."""
+    from dataclasses import replace as dc_replace
 
-    from .bench_points import CPU_PREFILL_CHUNK
     from .calibration import calibration_from_fit, costs_for
+    from .diagnose import every_step
     from .fitter import fit
-    from .run_points import first_token_points, step_points
+    from .run_points import request_overhead_ms, step_points
     from .step_time import DEFAULT_BW_EFF, DEFAULT_OVERHEAD_MS
     from .trace_runner import run_trace
     w = replace(cfg.workload, seed=seed)
-    light = rates(cfg)[0][1]
-    sched = engine.scheduler
-    kept, sched.recent = sched.recent, deque()        # every step of the run, not the panels' last few hundred
-    try:
-        run = run_trace(level_trace(w, light), backend)
-        records = list(sched.recent)
-    finally:
-        sched.recent = kept
+    busiest = rates(cfg)[-1][1]
+    with every_step(engine) as records:               # every step of the run, not the panels' last few hundred
+        run = run_trace(level_trace(w, busiest), backend, salt=1)
     points = step_points(records, cfg.kv_dtype)
-    points += first_token_points(run, records, run.t0, cfg.kv_dtype, CPU_PREFILL_CHUNK)
     if len(points) < 3:
         raise UsageError(f"the calibration run gave {len(points)} measured points; give more --users or --turns")
     bw = cfg.hardware.bandwidth
@@ -128,9 +130,17 @@ def calibrate_on_a_run(cfg: PlanConfig, backend, engine, seed: int) -> tuple[Pla
     source = f"a calibration run of {w.users} other users (seed {seed}, {len(records)} engine steps)"
     cal = calibration_from_fit(f, "cpu", cfg.geometry.name, cfg.dtype, bw,
                                f"measured: {cfg.hardware.quoted}", source, points)
+    alone = request_overhead_ms(run, records)
+    request = alone[0] / 1000 if alone else 0.0
+    cal = dc_replace(cal, constants={**cal.constants, "request_overhead": max(0.0, request)},
+                     sources={**cal.sources, "request_overhead":
+                              f"measured on {alone[1]} turns of {source} that waited alone: the TTFT less its steps"
+                              if alone else f"no turn of {source} waited alone: 0"})
     note = f"calibrated on {len(points)} points of {source}: fit error {f.mape(points):.1%}"
-    consts = ", ".join(f"{k} {cal.constants[k] * 1e3:.2f} ms" for k in ("overhead", "row_overhead", "request_overhead"))
-    note += f" ({consts}; {', '.join(sorted(f.fixed))} not identifiable)" if f.fixed else f" ({consts})"
+    consts = ", ".join(f"{k} {cal.constants[k] * 1e3:.2f} ms"
+                       for k in ("overhead", "row_overhead", "chunk_overhead", "request_overhead"))
+    fixed = sorted(set(f.fixed) - {"request"})
+    note += f" ({consts}; {', '.join(fixed)} not identifiable)" if fixed else f" ({consts})"
     return cfg.variant(overrides=cal.overrides(cfg.kv_dtype)), note
 
 
@@ -138,6 +148,8 @@ def run_validate(args, json_path) -> int:
     from kvchat.engine import Engine, EngineConfig
 
     from ..backends.local import LocalBackend
+    from .diagnose import diagnose, every_step
+    from .drift import probe_ms
     from .hardware import measure_cpu
     from .options import plan_config
     from .trace_runner import run_trace
@@ -154,32 +166,45 @@ def run_validate(args, json_path) -> int:
     if args.server:
         from ..backends.vllm import VllmBackend
         server = VllmBackend(args.server)
+    ref = None                  # the speed probe beside the calibration (none for a file's: taken when?)
     if args.calibration:
         note = f"constants from {args.calibration}"
     else:
-        print("kvchat plan --validate: calibrating on a light run of other users ...", flush=True)
+        print("kvchat plan --validate: calibrating on a run of other users at the busiest level's rate ...", flush=True)
         cfg, note = calibrate_on_a_run(cfg, local, engine, cfg.workload.seed + 1)
+        ref = probe_ms(engine)
+        note += f"; speed probe {ref:.1f} ms a step"
     print(f"kvchat plan --validate: {note}", flush=True)
     rows: list[Row] = []
     vllm: dict[str, SimResult] = {}
     records = []
-    for level, rate in rates(cfg):
+    diagnoses = []
+    for i, (level, rate) in enumerate(rates(cfg)):
         trace = level_trace(cfg.workload, rate)
         print(f"kvchat plan --validate: {level}: {len(trace.users)} users at {rate:.3f} turns/s, running them "
               "through kvchat's engine ...", flush=True)
-        run = run_trace(trace, local)
-        sim = run_plan(cfg.variant(trace=run.replayed))
+        before = probe_ms(engine)
+        with every_step(engine) as steps:
+            run = run_trace(trace, local, salt=2 + i)          # texts no earlier run's cache holds
+        after = probe_ms(engine)
+        speed = (before + after) / 2 / ref if ref else None
+        sim = run_plan(cfg.variant(trace=run.replayed), log_steps=True)
         rows += compare(level, run.result(), sim.result)
+        diagnoses.append(diagnose(level, run, steps, sim, speed))
         if server is not None:
-            vllm[level] = run_trace(trace, server).result()
-        records.append({"level": level, "turns_per_s": rate, "wall_s": run.wall_s,
+            vllm[level] = run_trace(trace, server, salt=2 + i).result()
+        records.append({"level": level, "turns_per_s": rate, "wall_s": run.wall_s, "probe_ms": [before, after],
+                        "speed": speed,
                         "errors": [m.error for m in run.measured if m.error]})
     print("\n".join(table(rows, vllm)))
+    for d in diagnoses:
+        print("\n".join(d.lines()))
     if server is None:
         print("the vLLM column needs --server URL (a vLLM CPU server: scripts/setup-vllm.sh)")
     if json_path is not None:
         import json
         json_path.write_text(json.dumps({"format": "kvchat-plan-validation/1", "calibration": note, "levels": records,
+                                         "diagnosis": [d.to_dict() for d in diagnoses],
                                          "rows": [{"level": r.level, "metric": r.metric, "measured_ms": r.measured,
                                                    "simulated_ms": r.simulated, "error": r.error} for r in rows]},
                                         indent=1) + "\n", encoding="utf-8")
