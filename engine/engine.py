@@ -16,7 +16,6 @@ no engine thread has to be started, stopped, or outlive its caller.
 """
 from __future__ import annotations
 
-import threading
 import time
 from dataclasses import dataclass
 
@@ -26,6 +25,7 @@ from . import native
 from .block_manager import BlockManager
 from .chat_template import check_chat_template
 from .errors import KvchatError
+from .fair_lock import FairLock
 from .geometry import KV_DTYPES, MODEL_DTYPES, Geometry
 from .kv_cache import TORCH_DTYPES, KVPool, PoolSpec, plan_pool
 from .request import Request
@@ -186,7 +186,7 @@ class Engine:
             native.lib()   # the C kernels compile (once per machine, about 4 s) while the model loads, not at the first reply
             if self.dtype == torch.bfloat16 and native.lib() is not None:
                 self.model.fp32_rows()
-        self.lock = threading.RLock()  # held for one step, or one change to the pool
+        self.lock = FairLock()  # held for one step, or one change to the pool; handed over in order
         self.conversations: list = []
         self.prefill_chunk = PREFILL_CHUNK if self.device.type == "cuda" else CPU_PREFILL_CHUNK
         self._next_conversation = 0

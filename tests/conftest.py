@@ -27,7 +27,8 @@ if _WORKERS > 1:
 SERIAL = ("tests/server/", "tests/app/test_tmux", "tests/app/test_long_reply.py", "tests/app/test_hostile_server.py",
           "tests/app/test_hostile_state.py", "tests/app/test_crowd_app.py", "tests/app/test_prefill_progress.py",
           "tests/app/test_layout_sizes.py", "tests/app/test_fast_input.py", "tests/hostile/test_server_waits.py",
-          "tests/hostile/test_bench_bounds.py", "tests/test_faults.py")
+          "tests/hostile/test_bench_bounds.py", "tests/test_faults.py",
+          "tests/test_fair_lock.py::test_three_conversations")
 
 
 def pytest_collection_modifyitems(config, items):
