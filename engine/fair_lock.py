@@ -36,7 +36,18 @@ class FairLock:
             gate = threading.Lock()
             gate.acquire()
             self._waiters.append((me, gate))
-        gate.acquire()                   # opened by the release that made this thread the owner
+        try:
+            gate.acquire()               # opened by the release that made this thread the owner
+        except BaseException:            # interrupted (ctrl+c in the main thread): leave the queue
+            with self._mutex:
+                try:
+                    self._waiters.remove((me, gate))
+                except ValueError:       # handed over meanwhile: this thread owns it, so gives it on
+                    pass
+                else:
+                    raise
+            self.release()
+            raise
         return True
 
     def release(self) -> None:

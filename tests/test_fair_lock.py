@@ -86,6 +86,39 @@ def test_a_release_by_a_thread_that_does_not_hold_it_is_an_error():
     assert len(errors) == 1
 
 
+def test_a_wait_interrupted_by_a_signal_leaves_the_queue_and_the_lock_still_works():
+    """ctrl+c while the main thread waits: it must not stay queued, or the next release would
+    hand the lock to a thread no longer waiting and every later reader would hang."""
+    import signal
+
+    lock, held, go = FairLock(), threading.Event(), threading.Event()
+
+    def holder() -> None:
+        with lock:
+            held.set()
+            go.wait(5)
+    t = threading.Thread(target=holder)
+    t.start()
+    held.wait(5)
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+    previous = signal.signal(signal.SIGALRM, interrupt)
+    signal.setitimer(signal.ITIMER_REAL, 0.1)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            lock.acquire()
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+    assert lock.waiting() == 0
+    go.set()
+    t.join(5)
+    order: list[str] = []
+    taker(lock, order, "after").join(5)
+    assert order == ["after"]
+
+
 @pytest.mark.slow   # the bundled model
 def test_three_conversations_decoding_at_once_get_their_tokens_one_step_at_a_time(engine):
     """Three readers of the real engine, each a thread: each token arrives after its own step,
