@@ -85,8 +85,8 @@ def read_log(path: Path, progress: Progress | None = None) -> LogRead:
     out = LogRead(path)
     done = told = 0
     for number, raw in enumerate(data.split(b"\n"), 1):
-        if progress is not None and done - told >= PROGRESS_BYTES:
-            progress(done, len(data))      # the lines before this one are parsed
+        if progress is not None and done - told >= PROGRESS_BYTES and done < len(data):
+            progress(done, len(data))      # the lines before this one are parsed (the end: below, once)
             told = done
         done += len(raw) + 1
         if not raw.strip():
