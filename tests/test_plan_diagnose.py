@@ -85,6 +85,8 @@ def test_a_step_with_a_chunk_is_a_calibration_point_even_alone():
     assert len(points) == 2
     (chunked,) = [p for p in points if len(p.steps[0]) > 5 and p.steps[0][5]]
     assert chunked.ms == 300.0 and chunked.steps[0][:3] == (52, 3, 3)
+    (decode,) = [p for p in points if p is not chunked]
+    assert decode.weight == 3 and chunked.weight == 1          # the fit weighs each by the steps it stands for
     assert step_row(records[-1])[5] == 1
 
 

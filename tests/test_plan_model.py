@@ -187,3 +187,37 @@ def test_the_fit_explains_the_benchs_own_measurements(tmp_path):
     assert len(decode) == 8 and all(abs(m - p) / p < 0.05 for p, m in decode)
     assert "row" in f.fixed and "weight" in f.fixed          # one sequence per step; one set of weights
     assert math.isfinite(f.value("request")) and f.value("request") > 0
+
+
+def test_each_point_weighs_as_many_steps_as_it_stands_for():
+    """Two decode compositions, the short one measured twice (40 ms for a bin of 3 steps, 60 ms
+    for a lone step), the long one once at 50 ms. The model (an overhead plus the bytes read)
+    has two free constants here, so it meets the long point exactly and puts the short one where
+    the weighted relative error is least: p minimising 3 ((p - 40) / 40)^2 + ((p - 60) / 60)^2,
+    p = (3 / 40 + 1 / 60) / (3 / 40^2 + 1 / 60^2) = 42.58 ms (46.15 ms unweighted, where the lone
+    step pulled as hard as the three). The weighted point is the same fit as three copies of it,
+    and the fit error counts it three times."""
+    c = model_costs(KNOWN["smollm2-135m"], "fp32", "fp32", 1, kv_scales=False)
+    short, long_ = (1, 1, 1, 100.0, 101.0), (1, 1, 1, 3000.0, 3001.0)
+    prior = {"overhead": 1e-3, "row": 0.0, "weight": 1e-10, "kv": 1e-10, "lin": 1e-15, "attn": 1e-15,
+             "request": 0.0}
+    weighted = [Point("bin of 3", "fp32", (short,), 40.0, weight=3), Point("lone", "fp32", (short,), 60.0),
+                Point("long", "fp32", (long_,), 50.0)]
+    f = fit(weighted, {"fp32": c}, prior, model_kv="fp32")
+    p = (3 / 40 + 1 / 60) / (3 / 40**2 + 1 / 60**2)
+    assert f.predicted_ms[0] == pytest.approx(p, rel=1e-6) and f.predicted_ms[1] == pytest.approx(p, rel=1e-6)
+    assert p == pytest.approx(42.58, abs=0.01)
+    assert f.predicted_ms[2] == pytest.approx(50.0, rel=1e-6)
+    assert f.value("overhead") > 0
+    assert f.mape(weighted) == pytest.approx((3 * (p - 40) / 40 + (60 - p) / 60) / 5, rel=1e-6)
+    copies = [Point("step", "fp32", (short,), 40.0)] * 3 + weighted[1:]
+    g = fit(copies, {"fp32": c}, prior, model_kv="fp32")
+    assert g.x == pytest.approx(f.x, rel=1e-6)
+    unweighted = fit([Point("one", "fp32", (short,), 40.0)] + weighted[1:], {"fp32": c}, prior, model_kv="fp32")
+    q = (1 / 40 + 1 / 60) / (1 / 40**2 + 1 / 60**2)
+    assert unweighted.predicted_ms[0] == pytest.approx(q, rel=1e-6) and q == pytest.approx(46.15, abs=0.01)
+
+
+def test_a_point_of_no_weight_is_refused():
+    with pytest.raises(ValueError, match="weight"):
+        Point("p", "fp32", ((1, 1, 1, 0.0, 1.0),), 1.0, weight=0)

@@ -171,17 +171,19 @@ users = st.lists(st.tuples(st.floats(0.0, 0.05), turns, st.integers(0, 120)), mi
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(users=users, blocks=st.integers(16, 60), system=st.sampled_from([0, 8, 20]), caching=st.booleans(),
-       budget=st.sampled_from([16, 64, 4096]), policy=st.sampled_from(["stop", "drop-oldest", "sink-window"]))
-def test_decode_stretches_give_the_same_run_as_single_steps(users, blocks, system, caching, budget, policy):
+       budget=st.sampled_from([16, 64, 4096]), policy=st.sampled_from(["stop", "drop-oldest", "sink-window"]),
+       engine=st.booleans())
+def test_decode_stretches_give_the_same_run_as_single_steps(users, blocks, system, caching, budget, policy, engine):
     """Random users in small pools (preemptions included): the fast path's records, gaps,
-    counters and final clock equal the step-by-step run's."""
+    counters and final clock equal the step-by-step run's, in vLLM's order and in kvchat's
+    engine's (idle histories held between turns)."""
     trace = [user(i, s, [(n, r, think) for n, r, think in t], history=(h,) if h else ()) for i, (s, t, h) in
              enumerate(users)]
     out = []
     for fast in (True, False):
         res, _ = simulate(trace, system=system, num_blocks=blocks, block_size=4, max_len=blocks * 4,
                           prefix_caching=caching, max_batched_tokens=budget, cap=48 if policy != "stop" else None,
-                          policy=policy, fast_forward=fast, timer=Linear(1 * MS, 0.013 * MS))
+                          policy=policy, fast_forward=fast, decode_first=engine, timer=Linear(1 * MS, 0.013 * MS))
         out.append(res)
     fast, slow = out
     key = lambda r: (r.user, r.turn)      # noqa: E731
@@ -213,3 +215,40 @@ def test_kvchats_engine_order_admits_a_prompt_only_when_its_whole_prompt_fits(fa
     vllm, _ = simulate(users, **kw)
     assert vllm.preemptions >= 1
 
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_kvchats_engine_keeps_an_idle_history_held_and_preempts_it_first(fast):
+    # kvchat's engine (decode_first): blocks of 4 tokens. A (t=0) sends 8 and wants 4 back:
+    # a prefill of 1.8 ms, 3 decodes of 1.1 ms, done at 5.1 ms holding 3 blocks (11 tokens
+    # computed, 2 full blocks), which it keeps while idle (history 12 tokens). B (t=1 s) sends 8
+    # and wants 10: it holds 2 blocks, then 3 (9 tokens), 4 (13); its 9th decode (17 tokens)
+    # needs a 5th. A 6-block pool fits A's idle history and B's turn until then: there B's
+    # block comes from preempting idle A (its 3 blocks freed and uncached), not from B
+    # yielding; B ends at 1 s + 1.8 + 9 x 1.1 = 11.7 ms. A's second turn (2 s after its reply)
+    # is 12 + 4 = 16 tokens, none cached: it computes 16 (TTFT 2.6 ms), 12 of them recomputed.
+    users = [user(0, 0.0, [(8, 4, 0.0), (4, 2, 2.0)]), user(1, 1.0, [(8, 10, 0.0)])]
+    kw = dict(block_size=4, max_len=24, max_batched_tokens=64, fast_forward=fast)
+    res, _ = simulate(users, num_blocks=6, decode_first=True, **kw)
+    r = by_user(res)
+    assert (r[0, 0].e2e, r[1, 0].e2e, r[1, 0].preemptions) == (pytest.approx(5.1 * MS), pytest.approx(11.7 * MS), 0)
+    assert (r[0, 1].prompt, r[0, 1].cached, r[0, 1].ttft, r[0, 1].recomputed) == (16, 0, pytest.approx(2.6 * MS), 12)
+    assert (res.preemptions, res.recomputed) == (1, 12)
+    # 8 blocks hold both: A's second turn finds its 2 full blocks (8 tokens) and computes 8
+    res, _ = simulate(users, num_blocks=8, decode_first=True, **kw)
+    r = by_user(res)
+    assert (r[0, 1].cached, r[0, 1].ttft, res.preemptions, res.recomputed) == (8, pytest.approx(1.8 * MS), 0, 0)
+    # vLLM frees A's blocks into the cache when its reply ends: B takes them without a preemption
+    res, _ = simulate(users, num_blocks=6, **kw)
+    assert res.preemptions == 0
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_a_prompt_preempts_idle_histories_only_when_that_admits_it(fast):
+    # 6 blocks of 4. A (t=0, 8 tokens, 4 back) holds 3 blocks idle from 5.1 ms. B (t=1 s)
+    # sends 16 (4 blocks for its whole prompt; 3 free): preempting idle A makes room, so B is
+    # admitted at once (TTFT 2.6 ms) and A's second turn recomputes its 12 history tokens.
+    users = [user(0, 0.0, [(8, 4, 0.0), (4, 2, 2.0)]), user(1, 1.0, [(16, 2, 0.0)])]
+    res, _ = simulate(users, num_blocks=6, block_size=4, max_len=24, decode_first=True, fast_forward=fast)
+    r = by_user(res)
+    assert (r[1, 0].ttft, r[0, 1].cached, r[0, 1].recomputed, res.preemptions) == (pytest.approx(2.6 * MS), 0, 12, 1)

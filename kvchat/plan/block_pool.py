@@ -108,6 +108,20 @@ class BlockPool:
                 if b.key is not None:
                     self.cached_free += 1
 
+    def drop(self, blocks: list[Block]) -> None:
+        """Free the blocks and take those left unreferenced out of the index, to the queue's
+        head: a preempted idle history (idle.py), whose blocks the engine frees without
+        keeping them cached."""
+        self.free(blocks)
+        q = self.free_q
+        for b in blocks:
+            if b.ref == 0:
+                if b.key is not None:
+                    del self.index[b.key]
+                    b.key = None
+                    self.cached_free -= 1
+                q.move_to_end(b, last=False)
+
     def check(self) -> None:
         """Every invariant, for the tests: the queue holds exactly the unreferenced blocks,
         the index exactly the keyed blocks, and the evictable count matches."""

@@ -6,7 +6,11 @@ at some context, a prefill of several chunks, a turn's first token after a cache
 step-time model (step_time.py) is linear in its unknowns once each step's roofline branch
 (memory- or compute-bound) is fixed, so the fit alternates: choose the branches with the
 current values, solve the least squares on the relative error, repeat until the branches
-settle; it starts from several FLOP rates and keeps the best.
+settle; it starts from several FLOP rates and keeps the best. Each point weighs as many
+measurements as it stands for (Point.weight: a bin of n steps at their median counts n times,
+a lone step with a prompt chunk once): unweighted, a validation run's ~30 chunk steps, each its
+own point, outweighed its hundreds of decode steps in a dozen bins, and the fit traded the
+decode steps (which set TPOT and ITL) for them.
 
 The unknowns, in seconds: per step, per sequence in a step, per weight byte, per matrix-product
 FLOP, per attention FLOP, per request (time before its first step that the measurement holds:
@@ -39,6 +43,11 @@ class Point:
     steps: tuple[StepRow, ...]
     ms: float
     requests: int = 0         # request overheads inside the measured time (a TTFT holds one)
+    weight: float = 1.0       # how many measurements it stands for (a bin of n steps at their median: n)
+
+    def __post_init__(self) -> None:
+        if not self.weight > 0:
+            raise ValueError(f"a point's weight must be positive, got {self.weight}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +61,9 @@ class Fit:
         return self.x[self.names.index(name)]
 
     def mape(self, points: list[Point]) -> float:
-        return sum(abs(p - q.ms) / q.ms for p, q in zip(self.predicted_ms, points)) / len(points)
+        """Per measurement: each point counts as often as the steps it stands for."""
+        return sum(q.weight * abs(p - q.ms) / q.ms for p, q in zip(self.predicted_ms, points)) / \
+            sum(q.weight for q in points)
 
 
 def _row(p: Point, c: ModelCosts, x: list[float], kv: int) -> list[float]:
@@ -146,8 +157,9 @@ class _Problem:
         for p in self.points:
             phi = self.row(p, x)
             y = p.ms / 1000 - sum(phi[i] * x[i] for i in range(len(x)) if i not in free)
-            rows.append([phi[i] * 1000 / p.ms for i in free])
-            ys.append(y * 1000 / p.ms)
+            scale = 1000 / p.ms * p.weight ** 0.5       # relative error, squared, times the weight
+            rows.append([phi[i] * scale for i in free])
+            ys.append(y * scale)
         cols = [j for j in range(len(free)) if any(r[j] for r in rows)]
         sol = solve([[sum(r[i] * r[j] for r in rows) for j in cols] for i in cols],
                     [sum(r[i] * y for r, y in zip(rows, ys)) for i in cols])
@@ -207,7 +219,7 @@ def fit(points: list[Point], costs: dict[str, ModelCosts], prior: dict[str, floa
             if new is None or new == x:
                 break
             x = new
-        err = sum(((pb.predict(p, x) - p.ms / 1000) * 1000 / p.ms) ** 2 for p in points)
+        err = sum(p.weight * ((pb.predict(p, x) - p.ms / 1000) * 1000 / p.ms) ** 2 for p in points)
         if best is None or err < best[0] * (1 - 1e-9) - 1e-18:
             best = (err, x)
     x = best[1]                                               # type: ignore[index]

@@ -44,10 +44,12 @@ class SchedulerConfig:
 
 
 class User:
-    __slots__ = ("trace", "history", "epoch", "turn", "long")
+    __slots__ = ("trace", "history", "epoch", "turn", "long", "order", "lost")
 
-    def __init__(self, trace: UserTrace) -> None:
+    def __init__(self, trace: UserTrace, order: int = 0) -> None:
         self.trace = trace
+        self.order = order            # when its conversation was opened (idle ones are preempted newest first)
+        self.lost = 0                 # history tokens its preempted idle blocks held: recomputed next turn
         self.history = list(trace.history)
         self.epoch = 0
         self.turn = 0

@@ -59,7 +59,8 @@ def step_points(records, kv_dtype: str, least: int = 3) -> list[Point]:
         mean = tuple(sum(x[i] for x in rows) / len(rows) for i in range(5))
         step: StepRow = (round(mean[0]), round(mean[1]), round(mean[2]), mean[3], mean[4], chunks)
         what = f"{len(rs)} steps: {dec} decode rows" + (f", {chunks} chunks of {round(mean[0]) - dec}" if chunks else "")
-        points.append(Point(f"{what}, {mean[3]:,.0f} cached", kv_dtype, (step,), median(r.step_ms for r in rs)))
+        points.append(Point(f"{what}, {mean[3]:,.0f} cached", kv_dtype, (step,), median(r.step_ms for r in rs),
+                            weight=len(rs)))
     return points
 
 

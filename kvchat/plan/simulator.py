@@ -27,6 +27,7 @@ import heapq
 from collections import deque
 
 from .block_pool import Block, BlockPool, Key
+from .idle import IdleHistories
 from .request import Request, RequestRecord, SchedulerConfig, SimResult, User
 from .step_time import StepTimer
 from .workload import Trace
@@ -48,10 +49,12 @@ class Simulator:
         self.now = 0.0
         self.res = SimResult(step_log=[] if log_steps else None)
         self.long_req: Request | None = None
+        # kvchat's engine keeps a conversation's blocks between its turns (idle.py); vLLM frees them
+        self.idle = IdleHistories(self.pool) if cfg.decode_first else None
         # a request reaches the scheduler this long after it is sent (its arrival, for TTFT)
         self.delay = timer.request
         for i, u in enumerate(trace.users):
-            heapq.heappush(self.events, (u.start + u.turns[0].think + self.delay, i, User(u)))
+            heapq.heappush(self.events, (u.start + u.turns[0].think + self.delay, i, User(u, i)))
         self._seq = len(trace.users)
 
     # ---- the loop ------------------------------------------------------------------------------
@@ -102,6 +105,8 @@ class Simulator:
                 need = self.system + hist + turn.new
             if need >= limit:             # at least one reply token must fit
                 self.res.refused.append((user.trace.uid, user.turn, need))
+                if self.idle is not None:
+                    self.idle.release(user)   # the chat is closed: its blocks go to the cache
                 return                    # the conversation ends here, as a refused chat does
             prompt, max_out = need, min(turn.reply, limit - need)
         req = Request(user, t - self.delay, prompt, turn.new, max_out, window)
@@ -111,9 +116,12 @@ class Simulator:
 
     def _finish(self, r: Request) -> None:
         self.running.remove(r)
-        self.pool.free(r.blocks)
-        r.blocks = []
         u = r.user
+        if self.idle is not None and u.turn + 1 < len(u.trace.turns):
+            self.idle.hold(u, r.blocks)       # kept for its next turn (its last closes the chat)
+        else:
+            self.pool.free(r.blocks)
+        r.blocks = []
         self.res.records.append(RequestRecord(u.trace.uid, r.turn, u.long, r.arrival, r.prompt, r.hits, r.out,
                                               r.first_t - r.arrival, self.now - r.arrival,   # type: ignore[operator]
                                               r.preemptions, r.recomputed))
@@ -155,6 +163,13 @@ class Simulator:
         self.res.preemptions += 1
         self.waiting.appendleft(r)
 
+    def _preempt_idle(self) -> bool:
+        """Preempt the newest idle conversation (kvchat's engine); False when none is idle."""
+        if self.idle is None or self.idle.preempt_newest() is None:
+            return False
+        self.res.preemptions += 1
+        return True
+
     def _computed(self, r, before: int) -> None:
         """r's computed tokens went from `before` up: what was computed before a preemption
         counts as recomputed, the high-water mark follows, and new full blocks are hashed."""
@@ -171,7 +186,12 @@ class Simulator:
         hits, n, need = admission
         self.waiting.popleft()
         self.pool.touch(hits)
+        while need > self.pool.num_free and self._preempt_idle():
+            pass
         r.blocks = hits + self.pool.allocate(need)
+        lost, r.user.lost = r.user.lost, 0      # a preempted idle history, computed again (as the engine counts it)
+        r.recomputed += lost
+        self.res.recomputed += lost
         r.computed, r.hashed = len(hits) * self.bs, len(hits)
         if not r.admitted:
             r.admitted, r.hits = True, r.computed
@@ -181,12 +201,17 @@ class Simulator:
     def _admission(self, r: Request, budget: int, whole: bool = False) -> tuple[list[Block], int, int] | None:
         """(prefix hits, tokens to compute now, blocks to allocate) for a waiting request, or
         None when the free blocks cannot take it. `whole`: the blocks of its whole prompt at
-        once (kvchat's engine), not only of the chunk computed now (vLLM)."""
+        once (kvchat's engine), not only of the chunk computed now (vLLM). kvchat's engine
+        first hands the turn's own held history back to the cache (idle.py), and admits it
+        when preempting idle conversations makes room."""
+        if self.idle is not None:
+            self.idle.release(r.user)
         hits = self.pool.match(self._keys(r))
         start = len(hits) * self.bs
         n = min(r.num_tokens - start, budget)
         need = self._blocks_for(r, r.num_tokens if whole else start + n) - len(hits)
-        if need + self.pool.taken_from_free(hits) > self.pool.num_free:
+        short = need + self.pool.taken_from_free(hits) - self.pool.num_free
+        if short > 0 and (self.idle is None or self.idle.reclaimable(hits) < short):
             return None
         return hits, n, need
 
@@ -262,6 +287,8 @@ class Simulator:
                 continue
             need = self._blocks_for(r, r.computed + n) - len(r.blocks)
             while need > pool.num_free:
+                if self._preempt_idle():        # idle conversations first, the newest first
+                    continue
                 victim = running.pop()          # the newest
                 yielded.add(id(victim))
                 taken = sched.pop(id(victim), None)

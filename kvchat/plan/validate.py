@@ -99,13 +99,15 @@ def level_trace(w: Workload, turns_per_s: float) -> Trace:
     return make_trace(replace(w, rate=turns_per_s / max(1.0, w.turns.mean), ramp=0.0))
 
 
-def calibrate_on_a_run(cfg: PlanConfig, backend, engine, seed: int) -> tuple[PlanConfig, str]:
+def calibrate_on_a_run(cfg: PlanConfig, backend, engine, seed: int) -> tuple[PlanConfig, str, list[dict]]:
     """Fit the constants to a run of other users (another seed) on the same engine in the same
     process: the machine's state now, not a bench's an hour ago. The run goes at the highest
     level's rate, so that its steps cover what the levels' steps hold (one to several decode
     rows, prompt chunks beside them); a light run gave the fit steps of one sequence alone and
     left it to extrapolate to every busier step. The points are the engine's own steps of that
-    run (run_points.py); the per-request overhead is measured on its turns that waited alone."""
+    run (run_points.py); the per-request overhead is measured on its turns that waited alone.
+    The third value is the points as measured and fitted (for --json: a later fitter can be
+    checked on them offline)."""
     from dataclasses import replace as dc_replace
 
     from .calibration import calibration_from_fit, costs_for
@@ -141,7 +143,9 @@ def calibrate_on_a_run(cfg: PlanConfig, backend, engine, seed: int) -> tuple[Pla
                        for k in ("overhead", "row_overhead", "chunk_overhead", "request_overhead"))
     fixed = sorted(set(f.fixed) - {"request"})
     note += f" ({consts}; {', '.join(fixed)} not identifiable)" if fixed else f" ({consts})"
-    return cfg.variant(overrides=cal.overrides(cfg.kv_dtype)), note
+    kept = [{"what": p.what, "step": list(p.steps[0]), "ms": p.ms, "weight": p.weight, "fitted_ms": q}
+            for p, q in zip(points, f.predicted_ms)]
+    return cfg.variant(overrides=cal.overrides(cfg.kv_dtype)), note, kept
 
 
 def run_validate(args, json_path) -> int:
@@ -166,12 +170,13 @@ def run_validate(args, json_path) -> int:
     if args.server:
         from ..backends.vllm import VllmBackend
         server = VllmBackend(args.server)
+    cal_points: list[dict] = []
     ref = None                  # the speed probe beside the calibration (none for a file's: taken when?)
     if args.calibration:
         note = f"constants from {args.calibration}"
     else:
         print("kvchat plan --validate: calibrating on a run of other users at the busiest level's rate ...", flush=True)
-        cfg, note = calibrate_on_a_run(cfg, local, engine, cfg.workload.seed + 1)
+        cfg, note, cal_points = calibrate_on_a_run(cfg, local, engine, cfg.workload.seed + 1)
         ref = probe_ms(engine)
         note += f"; speed probe {ref:.1f} ms a step"
     print(f"kvchat plan --validate: {note}", flush=True)
@@ -203,7 +208,8 @@ def run_validate(args, json_path) -> int:
         print("the vLLM column needs --server URL (a vLLM CPU server: scripts/setup-vllm.sh)")
     if json_path is not None:
         import json
-        json_path.write_text(json.dumps({"format": "kvchat-plan-validation/1", "calibration": note, "levels": records,
+        json_path.write_text(json.dumps({"format": "kvchat-plan-validation/1", "calibration": note,
+                                         "calibration_points": cal_points, "levels": records,
                                          "diagnosis": [d.to_dict() for d in diagnoses],
                                          "rows": [{"level": r.level, "metric": r.metric, "measured_ms": r.measured,
                                                    "simulated_ms": r.simulated, "error": r.error} for r in rows]},
