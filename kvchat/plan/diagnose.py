@@ -27,6 +27,7 @@ reverse, another scheduler model.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
@@ -35,7 +36,7 @@ from .run_points import step_row
 
 
 @contextmanager
-def every_step(engine):
+def every_step(engine) -> Iterator[list]:
     """Keep every StepRecord the engine makes inside the block (its ring keeps only the last
     few hundred) in the list this yields; the ring is put back after."""
     sched = engine.scheduler
@@ -96,7 +97,10 @@ def time_split(records, timer, busy: list[tuple[float, float]]) -> TimeSplit:
     """`timer`: the calibrated StepTimer; `busy`: (start, end) on the records' clock of each
     request in flight (a gap between two steps inside one of them is the engine's loop, not
     idle time between turns)."""
-    ratios, dec, pro, gaps = [], [], [], []
+    ratios: list[float] = []
+    dec: list[float] = []
+    pro: list[float] = []
+    gaps: list[float] = []
     step_s = 0.0
     for r in records:
         if r.step_ms <= 0 or r.dense_rows:
