@@ -67,8 +67,7 @@ def table(rows: list[Row], vllm: dict[str, SimResult] | None = None) -> list[str
         line = (f"{r.level:<17}{r.metric:<10}{_ms(r.measured):>18}{_ms(r.simulated):>11}"
                 f"{'' if r.error is None else format(r.error, '+.1%'):>8}")
         if vllm and r.level in vllm:
-            key, q = {f"{k[:-3].upper()} {p}": (k, p) for k, p in COMPARED}[r.metric]
-            line += f"{_ms(summarize(vllm[r.level], {})[key][q]):>16}"
+            line += f"{_ms(vllm_value(r, vllm)):>16}"
         out.append(line)
     for prefix, name in (("TTFT", "TTFT"), ("TPOT", "TPOT"), ("ITL", "ITL")):
         e = mape(rows, prefix)
@@ -76,6 +75,14 @@ def table(rows: list[Row], vllm: dict[str, SimResult] | None = None) -> list[str
         out.append(f"mean absolute percentage error, {name} p50 and p90: "
                    + ("n/a" if e is None else f"{e:.1%} (target {target:.0%}: {'met' if e <= target else 'missed'})"))
     return out
+
+
+def vllm_value(r: Row, vllm: dict[str, SimResult]) -> float | None:
+    """The vLLM server's measured figure for a row's level and metric (None without --server)."""
+    if r.level not in vllm:
+        return None
+    key, q = {f"{k[:-3].upper()} {p}": (k, p) for k, p in COMPARED}[r.metric]
+    return summarize(vllm[r.level], {})[key][q]
 
 
 def _ms(x: float | None) -> str:
@@ -212,6 +219,7 @@ def run_validate(args, json_path) -> int:
                                          "calibration_points": cal_points, "levels": records,
                                          "diagnosis": [d.to_dict() for d in diagnoses],
                                          "rows": [{"level": r.level, "metric": r.metric, "measured_ms": r.measured,
-                                                   "simulated_ms": r.simulated, "error": r.error} for r in rows]},
+                                                   "simulated_ms": r.simulated, "error": r.error,
+                                                   "vllm_measured_ms": vllm_value(r, vllm)} for r in rows]},
                                         indent=1) + "\n", encoding="utf-8")
     return 0
