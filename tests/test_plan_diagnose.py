@@ -204,3 +204,20 @@ def test_a_rate_the_solve_wants_at_or_below_zero_is_held_and_the_rest_refitted()
     assert f.mape(points) < 0.02
     assert f.value("chunk") == pytest.approx(0.2, rel=0.05)
     assert 1 / f.value("lin") == pytest.approx(1.2e11, rel=0.05)
+
+
+def test_the_vllm_column_is_the_servers_own_figure_in_the_table_and_the_json():
+    """--validate --server: each row's vLLM figure is the server run's percentile of that
+    metric at that level (hand-computed: TTFT p50 of 100, 200, 300 ms is 200 ms); none
+    without a server run at the level."""
+    from kvchat.plan.request import RequestRecord, SimResult
+    from kvchat.plan.validate import Row, table, vllm_value
+    res = SimResult()
+    for i, ttft in enumerate((0.1, 0.2, 0.3)):
+        res.records.append(RequestRecord(i, 0, False, 0.0, 50, 0, 10, ttft, ttft + 0.9, 0, 0))
+    res.itl = [(0.1, 9)] * 3
+    row = Row("light", "TTFT p50", 150.0, 160.0)
+    assert vllm_value(row, {"light": res}) == pytest.approx(200.0)
+    assert vllm_value(row, {}) is None and vllm_value(Row("past it", "TTFT p50", 1.0, 1.0), {"light": res}) is None
+    lines = table([row], {"light": res})
+    assert "vLLM, measured" in lines[0] and lines[1].rstrip().endswith("200.0")
