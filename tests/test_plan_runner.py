@@ -30,14 +30,10 @@ def run(engine):
     from kvchat.backends.local import LocalBackend
     trace = Trace(12, (UserTrace(0, 0.0, (40,), (Turn(30, 5, 0.0), Turn(20, 4, 0.05))),
                        UserTrace(1, 0.02, (), (Turn(25, 6, 0.0), Turn(15, 3, 0.0), Turn(10, 3, 0.01)))))
-    from collections import deque
-    sched = engine.scheduler
-    kept, sched.recent = sched.recent, deque()
-    try:
+    from kvchat.plan.diagnose import every_step
+    with every_step(engine) as steps:             # every engine step of the run
         r = run_trace(trace, LocalBackend(engine), timeout_s=300)
-        RECORDS[:] = sched.recent                 # every engine step of the run
-    finally:
-        sched.recent = kept
+    RECORDS[:] = steps
     return trace, r
 
 
