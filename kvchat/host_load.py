@@ -30,12 +30,21 @@ class HostLoad:
         return self.others >= NOTICEABLE
 
     def line(self) -> str:
-        share = f"{self.others:.1f} of {self.cores} core{'s' if self.cores != 1 else ''}"
+        return self.lines()[0]
+
+    def lines(self) -> tuple[str, ...]:
+        """The line's forms, longest first (a narrow panel takes a shorter one)."""
+        cores = f"{self.cores} core{'s' if self.cores != 1 else ''}"
+        share = f"{self.others:.1f} of {cores}"
         how = "during the last turn" if self.exact else "(1-minute load average)"
         if not self.noticeable:
-            return f"host: other processes used {share} {how}"
+            return (f"host: other processes used {share} {how}", f"host: others used {share}",
+                    f"host: others {self.others:.1f}/{self.cores}")
         return (f"host: other processes used {share} {how}: steps slow down from sharing the cores, "
-                "not from the cache")
+                "not from the cache",
+                f"host: others used {share}: slower from sharing, not the cache",
+                f"host: others used {share}: not the cache",
+                f"host busy: {self.others:.1f}/{self.cores} cores")
 
 
 def _own_cpu_s() -> float:

@@ -54,10 +54,13 @@ class Fit:
     reason: str = ""
     line: tuple[tuple[float, float], tuple[float, float]] | None = None   # the fitted line's ends (context, ms)
 
-    def describe(self) -> str:
+    def describe(self, short: bool = False) -> str:
+        """The slope, its error and the points; `short` for a narrow panel."""
         if self.slope is None:
             return f"no fit: {self.reason}"
         digits = 0 if abs(self.slope) >= 100 else 1 if abs(self.slope) >= 1 else 2
+        if short:
+            return f"{self.slope:+,.{digits}f}±{self.stderr:,.{digits}f} ms/1k ({self.points:,} pts)"
         return f"{self.slope:+,.{digits}f} ± {self.stderr:,.{digits}f} ms per 1k tokens ({self.points:,} points)"
 
 

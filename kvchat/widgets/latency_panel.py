@@ -96,6 +96,9 @@ def tick_labels(ticks: list[float]) -> list[str]:
     return [f"{t:,.{decimals}f}" for t in ticks]
 
 
+ROOMY_HEIGHT = 30      # terminal rows from which the latency panel's notes may take two lines each
+
+
 def fitting(options: tuple[str, ...], room: int) -> str:
     """The longest of `options` (longest first) that fits in `room` columns, else the shortest."""
     return next((o for o in options if len(o) <= room), options[-1])
@@ -274,24 +277,42 @@ class LatencyPanel(Panel, Vertical):
         """The plot's data rows: its height less the title, two borders, tick labels and x label."""
         return max((plot.size.height or 11) - 5, 2)
 
+    def _wrapped(self, options: tuple[str, ...], room: int, lines: int = 2) -> str:
+        """The longest of `options` (longest first) that wraps into at most `lines` lines of
+        `room` columns, else the shortest: on a small terminal a long note would push the
+        panel past the screen's bottom."""
+        console = self.app.console
+        return next((o for o in options if len(Text(o).wrap(console, max(room, 1))) <= lines), options[-1])
+
     def _fit_lines(self, fits: dict[Key, Fit]) -> Text:
-        """One line per series: its growth per 1k tokens, or why it has no fit."""
+        """One line per series: its growth per 1k tokens, or why it has no fit; then the notes
+        (slow steps above the chart, the host's load), each in the longest form that takes at
+        most two lines of the panel's width, one on a terminal under ROOMY_HEIGHT rows (at 80x24
+        the panel has 21 rows for the chart, the turn table and these)."""
         if not fits:
             return Text("growth per 1k tokens: no points yet", style="dim")
+        room = self.content_region.width or self._width
+        notes = 2 if self.app.size.height >= ROOMY_HEIGHT else 1     # lines a note may take
         out = Text()
         if self.outliers:
             n, worst = len(self.outliers), max(m for _, m in self.outliers)
-            out.append(f"{OUTLIER} {n:,} slow step{'s' if n > 1 else ''} above the chart (up to {duration(worst)}), "
-                       "marked on its top row; the fits use every point\n", style="red")
+            steps = f"{n:,} slow step{'s' if n > 1 else ''}"
+            out.append(self._wrapped((f"{OUTLIER} {steps} above the chart (up to {duration(worst)}), "
+                                      "marked on its top row; the fits use every point",
+                                      f"{OUTLIER} {steps} above the chart (up to {duration(worst)}), on its top row",
+                                      f"{OUTLIER} {steps}, up to {duration(worst)}, top row",
+                                      f"{OUTLIER} {n:,} slow, ≤{duration(worst)}"), room, notes), style="red")
         for key, fit in fits.items():
             if out:
                 out.append("\n")
+            label = f"• {series_label(key)}: "
+            text = self._wrapped((label + fit.describe(), label + fit.describe(short=True)), room)[len(label):]
             out.append("• ", style=_colours(key)[1])
             out.append(f"{series_label(key)}: ", style="bold")
-            out.append(fit.describe(), style="" if fit.slope is not None else "dim")
+            out.append(text, style="" if fit.slope is not None else "dim")
         host = self.data.host
         if self.show_host and host is not None:
-            out.append("\n" + host.line(), style="yellow" if host.noticeable else "dim")
+            out.append("\n" + self._wrapped(host.lines(), room, notes), style="yellow" if host.noticeable else "dim")
         return out
 
     def on_resize(self) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvchat.widgets.layout import CHAT, COLUMNS, COMPACT, STACKED, TABS, layout_for
+from kvchat.host_load import HostLoad
 from kvchat.store.settings import Settings
 from kvchat.widgets import BlockMap, CachePanel, CapGauge, ChatInput, LatencyPanel
 from kvchat.widgets.panel_switcher import PANELS, PanelScroll, PanelSwitcher, PanelTabs
@@ -75,6 +76,28 @@ async def test_on_a_smaller_terminal_the_key_cycles_the_panels_and_latency_fits(
         assert "context position" in screen_text(app)
         assert app.query_one("#chat").region.width > app.query_one(PanelSwitcher).region.width
         assert app.focused is app.query_one(ChatInput)      # the key leaves typing with the input
+
+
+async def test_at_80x24_latency_fits_with_slow_steps_and_a_busy_host_under_its_fits(running_app):
+    """A loaded machine adds two notes under the fits (slow steps above the chart, the host's
+    load): on the smallest tabbed layout each takes its short form, so the panel still fits."""
+    async with running_app(size=(80, 24)) as (app, pilot):
+        await four_turns(pilot)
+        latency = panel(app, "latency")
+        key = latency.data.latest_key("cache")
+        last = latency.data.series[key][-1][0]
+        latency.data.begin_turn(*key)
+        latency.data.add_points(((last + 1, 60_000.0), (last + 2, 45_000.0)))   # far above the chart's top
+        latency.data.host = HostLoad(1.6, 2, exact=True)
+        latency.show_host = True
+        while displayed(app) != ["latency"]:
+            await pilot.press("f10")
+        latency.draw()
+        await pilot.pause()
+        assert len(latency.outliers) == 2
+        text = screen_text(app)
+        assert "2 slow" in text and "1.6" in text, text
+        assert fully_visible(app, latency), (latency.region, app.query_one(PanelScroll).region, text)
 
 
 async def test_a_click_on_a_tab_shows_its_panel(running_app):
