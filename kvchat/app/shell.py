@@ -118,6 +118,12 @@ class KvChatApp(App[int], inherit_bindings=False):
         self.chat_screen.closing = True     # worker messages still in the queue are dropped from now on
         super().exit(result, return_code, message)
 
+    def settle(self, wait_s: float) -> bool:
+        """After the app ended: the crowd's threads out of the engine within `wait_s` (True),
+        so the interpreter never ends under a thread that is inside torch."""
+        screen = getattr(self, "chat_screen", None)
+        return screen is None or screen.controls.crowd.join(wait_s)
+
     def keymap(self) -> dict[str, str]:
         return {k.id: self.settings.keys.get(k.id, k.keys) for k in keys.KEYS}
 

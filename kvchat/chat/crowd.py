@@ -6,12 +6,15 @@ turns still run one at a time through it, and Escape, ctrl+r, the cap and the po
 on the user's conversation only. A poller thread reads the scheduler and the cache twice a
 second (both take the engine's lock, which a step holds, so never on the UI thread) and
 posts the figures to the panel. The crowd's turns stay in memory (`Crowd.turns()`); they
-are never saved as the user's conversations. Quitting stops the crowd without waiting: its
-threads are daemons, cancelled at their next step.
+are never saved as the user's conversations. Quitting stops the crowd without waiting (the
+app stays responsive): its threads are cancelled at their next step, and the process waits for
+them after the app ends (`join`), since a thread still inside torch or the C kernels' OpenMP
+while the interpreter shuts down can abort the process.
 """
 from __future__ import annotations
 
 import threading
+import time
 
 from kvchat.engine.errors import KvchatError
 
@@ -38,6 +41,7 @@ class CrowdControl:
         self.crowd: Crowd | None = None
         self._poll_stop = threading.Event()
         self._poller: threading.Thread | None = None
+        self._ended: list[Crowd] = []      # stopped crowds whose threads may still be in a step
 
     @property
     def running(self) -> bool:
@@ -83,10 +87,26 @@ class CrowdControl:
         self._poll_stop.set()
         if crowd is not None:
             crowd.stop(wait_s=0.0)
+            self._ended.append(crowd)
             try:
                 self.host.panels.switcher.offer("crowd", False)
             except LookupError:      # the screen is being torn down (quitting)
                 pass
+
+    def join(self, wait_s: float) -> bool:
+        """After the app ended: stop any crowd and wait up to `wait_s` for its users and the
+        poller to leave the engine; True when all of them did."""
+        if self.crowd is not None:
+            self.crowd.stop(wait_s=0.0)
+            self._ended.append(self.crowd)
+            self.crowd = None
+        self._poll_stop.set()
+        deadline = time.perf_counter() + wait_s
+        left = lambda: max(0.0, deadline - time.perf_counter())  # noqa: E731
+        if self._poller is not None:
+            self._poller.join(left())
+        done = all(c.stop(wait_s=left()) for c in self._ended)
+        return done and (self._poller is None or not self._poller.is_alive())
 
     def _poll(self, crowd: Crowd, stop: threading.Event) -> None:
         """Twice a second: the scheduler, the cache with the focused conversation's blocks

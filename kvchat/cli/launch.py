@@ -20,6 +20,8 @@ from ..store.settings import SettingsError
 from ..store.log import Restored, StoreError, lock_holder, restore
 from ..text import reading_line, shown
 
+EXIT_JOIN_S = 3.0     # after the app ends: the crowd's users have this long to leave the engine
+
 
 class LaunchError(Exception):
     """Why kvchat cannot start; str() is one line."""
@@ -37,6 +39,12 @@ def run_chat(args) -> int:
         print("kvchat: kvchat needs a terminal; use kvchat ask \"...\" (or kvchat replay FILE)", file=sys.stderr)
         return 2
     app.run()
+    if not app.settle(EXIT_JOIN_S):
+        # a crowd user still inside a step: ending the interpreter under it can abort the
+        # process (torch's and OpenMP's threads torn down mid-call); nothing of it is saved
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(app.return_code or 0)
     if app.backend is not None:
         app.backend.shutdown()
     if app.failure:

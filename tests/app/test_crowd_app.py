@@ -5,6 +5,7 @@ conversation keeps replying, /crowd off and the key end them, and quitting with 
 running exits at once and keeps the user's conversation, and only it."""
 from __future__ import annotations
 
+import threading
 import time
 
 import pytest
@@ -95,6 +96,9 @@ async def test_quitting_with_a_crowd_running_exits_at_once_and_saves_only_the_us
         took = time.monotonic() - t0
     assert took < 1.0, f"quitting took {took:.2f} s with a crowd running"
     assert app.return_code == 0
+    # then, before the interpreter ends (cli/launch.py), every crowd thread has left the backend
+    assert app.settle(5.0)
+    assert not [t.name for t in threading.enumerate() if t.name.startswith("crowd-")]
     text = log.read_text()
     assert "remember me" in text
     saved = [p for p in (private_dirs / "data").rglob("*.jsonl") if p.name != "errors.log"]
