@@ -102,7 +102,10 @@ class CrowdControl:
             self.crowd = None
         self._poll_stop.set()
         deadline = time.perf_counter() + wait_s
-        left = lambda: max(0.0, deadline - time.perf_counter())  # noqa: E731
+
+        def left() -> float:
+            return max(0.0, deadline - time.perf_counter())
+
         if self._poller is not None:
             self._poller.join(left())
         done = all(c.stop(wait_s=left()) for c in self._ended)
