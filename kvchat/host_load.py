@@ -39,12 +39,12 @@ class HostLoad:
         how = "during the last turn" if self.exact else "(1-minute load average)"
         if not self.noticeable:
             return (f"host: other processes used {share} {how}", f"host: others used {share}",
-                    f"host: others {self.others:.1f}/{self.cores}")
+                    f"others: {share}")
         return (f"host: other processes used {share} {how}: steps slow down from sharing the cores, "
                 "not from the cache",
                 f"host: others used {share}: slower from sharing, not the cache",
                 f"host: others used {share}: not the cache",
-                f"host busy: {self.others:.1f}/{self.cores} cores")
+                f"host busy: {share}")
 
 
 def _own_cpu_s() -> float:

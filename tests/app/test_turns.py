@@ -4,6 +4,7 @@ from __future__ import annotations
 from kvchat.widgets import BlockMap, CachePanel, CapGauge, LatencyPanel, Reply, UserMessage
 
 from .conftest import send, wait_until
+from .fake_backend import FakeBackend, FakeConfig
 
 
 async def test_a_reply_streams_into_the_transcript_with_a_stats_line(running_app):
@@ -26,8 +27,11 @@ async def test_panels_show_the_turns_bytes_blocks_and_latency(fake, running_app)
         assert app.query_one(CapGauge).tokens == snap.tokens_held
 
 
-async def test_a_reply_keeps_streaming_while_the_help_screen_is_open(slow_fake, running_app):
-    async with running_app(slow_fake) as (app, pilot):
+async def test_a_reply_keeps_streaming_while_the_help_screen_is_open(running_app):
+    # 2,000 words at 50 ms each: on a loaded machine the help screen can take seconds, and the
+    # reply must still be running when it closes (slow_fake's 200 words ended first at load 5)
+    endless = FakeBackend(FakeConfig(token_delay_s=0.05, replies=(" ".join(f"w{i}" for i in range(2000)),)))
+    async with running_app(endless) as (app, pilot):
         app.query_one("#input").load_text("go on")
         await pilot.press("enter")
         await pilot.press("f1")
