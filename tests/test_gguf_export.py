@@ -295,7 +295,8 @@ def prompt(engine, text: str) -> list[int]:
 
 
 @needs_llama_cpp
-@pytest.mark.parametrize("text", ["What is the capital of France?", "Write two sentences about the sea."])
+@pytest.mark.parametrize("text", ["Tell me about the history of the printing press in Europe.",
+                                  "Write two sentences about the sea."])
 def test_llama_cpp_greedy_tokens_on_the_f32_file_are_kvchats(engine, llama_f32, text):
     from kvchat.engine import SamplingParams
     conv = engine.new_conversation()
@@ -311,20 +312,20 @@ def test_llama_cpp_greedy_tokens_on_the_f32_file_are_kvchats(engine, llama_f32, 
         if tok in stops or len(theirs) == 24:
             break
         theirs.append(tok)
-    assert len(ours) >= 8
+    assert len(ours) == 24           # 24 tokens, no early stop: a long enough run to diverge on
     assert theirs == ours
 
 
-# Logits: relative error max|llama.cpp - kvchat| / max|kvchat| over a prompt's every position,
-# under 1e-3: the bound test_model_reference.py holds kvchat to against transformers. Both sides
-# are fp32 throughout (weights, activations, K/V); they differ only in how each GEMM and each
-# reduction is ordered and blocked (ggml's 8/16-wide vector sums and its own expf/silu against
-# torch's and kvchat's C kernels). One dot product of length n <= 1536 in a different order moves
-# by at most gamma_n = n 2^-24 ~ 1e-4 of the sum of the terms' magnitudes and typically by
-# sqrt(n) 2^-24 ~ 2e-6; through 30 residual layers that stays orders below 1e-3 (measured: see
-# the test's message), while a wrong rotary order, a missing norm or a bf16-rounded tensor is
-# far above it (bf16 weights alone: about 1e-2).
-LOGITS_REL_TOL = 1e-3
+# Logits: relative error max|llama.cpp - kvchat| / max|kvchat| over every position of a prompt,
+# under 1e-4. Both sides are fp32 throughout (weights, activations, K and V: the fixture asks
+# llama.cpp for an F32 cache); they differ only in how each product and reduction is ordered
+# and blocked (ggml's vector sums, its own expf and SiLU, against kvchat's C kernels). A dot
+# product of length n <= 1536 summed in another order moves by about sqrt(n) 2^-24 ~ 2e-6 of its
+# terms' magnitudes (gamma_n = n 2^-24 ~ 1e-4 at worst); measured through the 30 layers, with
+# llama-cpp-python 0.3.36 on an AVX512 Xeon: 2.8e-6. The bound leaves 35x that for other
+# CPUs' vector widths and orders, and stays under what one real difference gives: llama.cpp's
+# default F16 K/V cache alone measured 1.1e-3, the BF16 file 1.4e-2.
+LOGITS_REL_TOL = 1e-4
 
 
 @needs_llama_cpp
