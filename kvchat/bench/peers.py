@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 from kvchat.engine.errors import KvchatError
 
@@ -133,7 +134,7 @@ class LlamaCppPeer:
         if precision:
             self.name = f"llama.cpp {precision}"
         # f32_cache: K and V in F32, like kvchat's CPU cache (llama.cpp's default is F16)
-        cache = {"type_k": F32_TYPE, "type_v": F32_TYPE} if f32_cache else {}
+        cache: dict[str, Any] = {"type_k": F32_TYPE, "type_v": F32_TYPE} if f32_cache else {}
         self.llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                          n_batch=512, verbose=False, **cache)
 
