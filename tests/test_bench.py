@@ -116,7 +116,8 @@ def test_summary_ratios_point_the_way_the_targets_read():
     hf = Series(decode_ms=[20.0], prefill_ms=[400.0], prefill_tokens=1000, ttft_reset_ms=[500.0])
     s = summarise({1024: {"kvchat": ours, "transformers": hf}})
     assert s == {"decode_ratio_vs_hf": {"1024": 0.5}, "prefill_ratio_vs_hf": {"1024": 4.0},
-                 "reuse_ttft_speedup_vs_hf": {"1024": 100.0}, "floor_ratio": {}, "fp8_ratio_vs_fp32": {}}
+                 "reuse_ttft_speedup_vs_hf": {"1024": 100.0}, "floor_ratio": {}, "fp8_ratio_vs_fp32": {},
+                 "decode_ratio_vs_llama_cpp": {}}
 
 
 def test_floor_is_the_bytes_a_step_reads_over_the_bandwidth():

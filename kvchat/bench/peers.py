@@ -7,8 +7,11 @@
   prefill and the per-token decode steps of transformers' own loop with its DynamicCache.
   The next turn after a history is `generate` on the whole re-rendered chat: what a plain
   transformers user does, re-prefilling every token of the history.
-- llama.cpp (optional, `pip install llama-cpp-python`): the bundled Q4_1 GGUF through
-  `Llama.generate`, timing each yielded token. Never installed by kvchat or its CI.
+- llama.cpp (optional, `pip install llama-cpp-python`): `Llama.generate`, timing each yielded
+  token, on up to three files (--llama-cpp): F32 and BF16 GGUF exports of the very safetensors
+  the engine loads (gguf_export.py: same weights, same precision as kvchat's run), and the
+  GGUF those safetensors were converted from (the bundled Q4_1 file: 4-bit weights, about a
+  seventh of the fp32 bytes). Never installed by kvchat or its CI.
 
 This module touches torch because the peer does; kvchat's own engine is only driven
 through its public API in `run.py`.
@@ -17,6 +20,7 @@ from __future__ import annotations
 
 import time
 from pathlib import Path
+from typing import Any
 
 from kvchat.engine.errors import KvchatError
 
@@ -113,16 +117,26 @@ def hf_config(geom):
         rope_theta=geom.rope_theta, tie_word_embeddings=geom.tie_embeddings)
 
 
+# --llama-cpp's choices -> the series each is reported as ("llama_cpp": the original file)
+LLAMA_CPP_FILES = {"f32": "llama_cpp_f32", "bf16": "llama_cpp_bf16", "q4_1": "llama_cpp"}
+SAME_PRECISION = {"fp32": "f32", "bf16": "bf16"}     # kvchat's --dtype -> the export of its precision
+F32_TYPE = 0                                         # ggml's GGML_TYPE_F32, for llama.cpp's type_k/type_v
+
+
 class LlamaCppPeer:
     """llama-cpp-python on a GGUF file, with the same thread count as torch."""
 
     name = "llama.cpp"
 
-    def __init__(self, gguf: Path, n_ctx: int, threads: int) -> None:
+    def __init__(self, gguf: Path, n_ctx: int, threads: int, precision: str = "", f32_cache: bool = False) -> None:
         from llama_cpp import Llama  # ImportError: the caller notes the peer as skipped
-        self.gguf = gguf
+        self.gguf, self.precision = gguf, precision
+        if precision:
+            self.name = f"llama.cpp {precision}"
+        # f32_cache: K and V in F32, like kvchat's CPU cache (llama.cpp's default is F16)
+        cache: dict[str, Any] = {"type_k": F32_TYPE, "type_v": F32_TYPE} if f32_cache else {}
         self.llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                         n_batch=512, verbose=False)
+                         n_batch=512, verbose=False, **cache)
 
     def generate(self, ids: list[int], steps: int) -> Timing:
         """Greedy; reset first, so llama.cpp's own prefix reuse never shortens the prefill."""
@@ -152,6 +166,62 @@ def load_llama_cpp(source, model_arg: str | None, n_ctx: int, threads: int) -> t
         return LlamaCppPeer(gguf, n_ctx, threads), ""
     except (OSError, ValueError, RuntimeError) as err:
         return None, f"llama.cpp could not load {gguf.name} ({type(err).__name__}: {err}); skipped"
+
+
+def default_llama_cpp(dtype_name: str) -> tuple[str, ...]:
+    """The export in kvchat's own precision (when there is one), and the original file."""
+    same = SAME_PRECISION.get(dtype_name)
+    return (same, "q4_1") if same else ("q4_1",)
+
+
+def load_llama_cpp_files(source, model_arg: str | None, files: tuple[str, ...], n_ctx: int, threads: int
+                         ) -> tuple[dict[str, LlamaCppPeer], list[str]]:
+    """({series key: peer}, notes): one peer per --llama-cpp choice that loads; a missing
+    llama-cpp-python is one note, and nothing is exported for it."""
+    from kvchat.engine.sources import BUNDLED
+
+    from . import gguf_export
+    try:
+        import llama_cpp  # noqa: F401
+    except ImportError:
+        return {}, [LLAMA_CPP_MISSING]
+    peers: dict[str, LlamaCppPeer] = {}
+    notes: list[str] = []
+    for choice in files:
+        key = LLAMA_CPP_FILES[choice]
+        if choice == "q4_1":
+            gguf = gguf_for(source, model_arg)
+            if gguf is None:
+                notes.append(f"no GGUF file for {source.name}; llama.cpp runs on the bundled model or a --model *.gguf")
+                continue
+        elif source.name != BUNDLED or source.random_weights:
+            notes.append(f"llama.cpp {choice.upper()} skipped: the same-weights GGUF is exported for the bundled "
+                         "model only")
+            continue
+        else:
+            try:
+                gguf = gguf_export.export(choice)
+            except (KvchatError, OSError) as err:
+                notes.append(f"llama.cpp {choice.upper()} skipped: {err}")
+                continue
+        precision = gguf_export.file_precision(gguf)
+        try:
+            peers[key] = LlamaCppPeer(gguf, n_ctx, threads, precision, f32_cache=choice != "q4_1")
+        except (OSError, ValueError, RuntimeError) as err:
+            notes.append(f"llama.cpp could not load {gguf.name} ({type(err).__name__}: {err}); skipped")
+            continue
+        what = ("an export of the safetensors kvchat loads: the same weights, K and V cached in F32 like kvchat's"
+                if choice != "q4_1" else "the GGUF kvchat's weights were converted from: its own quantized weights, "
+                "llama.cpp's default F16 cache")
+        notes.append(f"llama.cpp {precision} runs {gguf} ({what}), {threads} threads")
+    return peers, notes
+
+
+def same_weights_key(dtype_name: str, peers: dict[str, LlamaCppPeer]) -> str | None:
+    """The series of llama.cpp on the export in kvchat's own precision, when it was measured."""
+    same = SAME_PRECISION.get(dtype_name)
+    key = LLAMA_CPP_FILES[same] if same else None
+    return key if key in peers else None
 
 
 def gguf_for(source, model_arg: str | None) -> Path | None:

@@ -8,8 +8,10 @@ median over runs. No torch here: the numbers arrive as plain floats.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -20,9 +22,12 @@ SERIES = {
     "kvchat_nocache": "kvchat, cache off",
     "kvchat_fp8": "kvchat, fp8 KV cache",
     "transformers": "transformers generate",
-    "llama_cpp": "llama.cpp",
+    "llama_cpp_f32": "llama.cpp F32 (same weights)",
+    "llama_cpp_bf16": "llama.cpp BF16 (same weights)",
+    "llama_cpp": "llama.cpp Q4_1 (4-bit file)",
     "vllm": "vLLM server",
 }
+LLAMA_CPP_SERIES = ("llama_cpp_f32", "llama_cpp_bf16", "llama_cpp")
 DECODE_TARGET = 0.5       # our decode ms/token <= 0.5 x transformers', at 1k and 4k
 PREFILL_TARGET = 1.0      # our prefill tokens/s >= transformers', at 1k and 4k
 REUSE_TARGET = 30.0       # transformers re-prefill TTFT / ours with reuse >= 30, after 4k
@@ -107,13 +112,15 @@ def ratio(a: float | None, b: float | None) -> float | None:
 
 
 # ---- summary and targets ------------------------------------------------------------------
-def summarise(results: dict[int, dict[str, Series]], floor: dict[str, Any] | None = None
-              ) -> dict[str, dict[str, float | None]]:
+def summarise(results: dict[int, dict[str, Series]], floor: dict[str, Any] | None = None,
+              same_weights: str | None = None) -> dict[str, dict[str, float | None]]:
     """The ratios the targets name, keyed by context length as a string. `floor` is the
-    run's memory floor (see `floors`); without it `floor_ratio` stays empty."""
+    run's memory floor (see `floors`); without it `floor_ratio` stays empty. `same_weights`:
+    the llama.cpp series on kvchat's own weights in its precision, for
+    decode_ratio_vs_llama_cpp (kvchat's decode ms/token over that column's)."""
     out: dict[str, dict[str, float | None]] = {
         "decode_ratio_vs_hf": {}, "prefill_ratio_vs_hf": {}, "reuse_ttft_speedup_vs_hf": {},
-        "floor_ratio": {}, "fp8_ratio_vs_fp32": {}}
+        "floor_ratio": {}, "fp8_ratio_vs_fp32": {}, "decode_ratio_vs_llama_cpp": {}}
     floor_ms = {row["context"]: row for row in floors(results, floor)} if floor else {}
     for ctx, row in results.items():
         ours, hf, fp8 = row.get("kvchat"), row.get("transformers"), row.get("kvchat_fp8")
@@ -122,6 +129,9 @@ def summarise(results: dict[int, dict[str, Series]], floor: dict[str, Any] | Non
             out["floor_ratio"][key] = rnd(ratio(ours.decode, floor_ms[ctx]["floor_ms"]), 4)
         if ours is not None and fp8 is not None and fp8.decode_ms:
             out["fp8_ratio_vs_fp32"][key] = rnd(ratio(fp8.decode, ours.decode), 4)
+        same = row.get(same_weights) if same_weights else None
+        if ours is not None and same is not None and same.decode_ms:
+            out["decode_ratio_vs_llama_cpp"][key] = rnd(ratio(ours.decode, same.decode), 4)
         if ours is None or hf is None:
             continue
         out["decode_ratio_vs_hf"][key] = rnd(ratio(ours.decode, hf.decode), 4)
@@ -204,16 +214,31 @@ def _mib(n: int | None) -> str:
     return "–" if not n else f"{n / 2**20:.1f} MiB"
 
 
+def label(key: str, meta: dict[str, Any] | None = None) -> str:
+    """A series' name; a llama.cpp column names its file's precision as the file itself says."""
+    files = ((meta or {}).get("llama_cpp") or {}).get("files", {})
+    prec = files.get(key, {}).get("precision")
+    if key not in LLAMA_CPP_SERIES or not prec or prec == "?":
+        return SERIES[key]
+    if key != "llama_cpp":
+        return f"llama.cpp {prec} (same weights)"
+    bits = re.match(r"I?Q(\d+)", prec)       # Q4_1, Q8_0, IQ2_XS: quantized to that many bits
+    return f"llama.cpp {prec} ({bits[1]}-bit file)" if bits else f"llama.cpp {prec} (its own file)"
+
+
 def markdown(results: dict[int, dict[str, Series]], meta: dict[str, Any], summary: dict) -> str:
     runs, steps = meta["runs"], meta["new_tokens"]
     keys = [k for k in SERIES if any(k in row for row in results.values())]
+    same = summary.get("decode_ratio_vs_llama_cpp") or {}
+    extra = " kvchat ÷ llama.cpp (same weights) |" if same else ""
     lines = [f"Decode, ms/token: median (p10–p90) over {runs} run(s) × {steps} tokens; "
              f"cache off over {runs} run(s) × {meta['nocache_tokens']} tokens",
-             "", "| context | " + " | ".join(SERIES[k] for k in keys) + " | kvchat ÷ transformers |",
-             "|---:|" + "---:|" * (len(keys) + 1)]
+             "", "| context | " + " | ".join(label(k, meta) for k in keys) + " | kvchat ÷ transformers |" + extra,
+             "|---:|" + "---:|" * (len(keys) + 1 + bool(same))]
     for ctx, row in results.items():
         cells = [_ms(row[k].decode_ms) if k in row and row[k].decode_ms else _missing(row.get(k)) for k in keys]
-        lines.append(f"| {ctx} | " + " | ".join(cells) + f" | {_x(summary['decode_ratio_vs_hf'].get(str(ctx)))} |")
+        lines.append(f"| {ctx} | " + " | ".join(cells) + f" | {_x(summary['decode_ratio_vs_hf'].get(str(ctx)))} |"
+                     + (f" {_x(same.get(str(ctx)))} |" if same else ""))
 
     lines += ["", f"New turn after the history, TTFT ms (median of {runs} run(s)); prefill tokens/s of the first turn",
               "", "| context | kvchat TTFT, prefix reuse | kvchat TTFT, after reset | transformers TTFT, re-prefill "
@@ -250,7 +275,7 @@ def markdown(results: dict[int, dict[str, Series]], meta: dict[str, Any], summar
 
     lines += floor_table(results, meta, summary)
 
-    notes = [f"- {ctx}, {SERIES[k]}: {n}" for ctx, row in results.items() for k, s in row.items() for n in s.notes]
+    notes = [f"- {ctx}, {label(k, meta)}: {n}" for ctx, row in results.items() for k, s in row.items() for n in s.notes]
     notes += [f"- {n}" for n in meta.get("notes", [])]
     if notes:
         lines += ["", "Notes:"] + notes
@@ -328,19 +353,19 @@ def write_png(path: Path, results: dict[int, dict[str, Series]], meta: dict[str,
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2), dpi=90)
     for key, xs, ys, lo, hi in _lines(results):
-        line, = ax1.plot(xs, ys, marker="o", label=SERIES[key])
+        line, = ax1.plot(xs, ys, marker="o", label=label(key, meta))
         ax1.fill_between(xs, lo, hi, color=line.get_color(), alpha=0.15, linewidth=0)
     ax1.set(xscale="log", yscale="log", xlabel="context (tokens)", ylabel="ms per token",
             title=f"decode: median, p10–p90 band\n{meta['runs']} run(s) × {meta['new_tokens']} tokens "
                   f"(cache off: × {meta['nocache_tokens']})")
     ttft = [("kvchat", "ttft_reuse_ms", "kvchat, prefix reuse"), ("kvchat", "ttft_reset_ms", "kvchat, after reset"),
-            ("transformers", "ttft_reset_ms", "transformers, re-prefill"),
-            ("llama_cpp", "ttft_reset_ms", "llama.cpp, re-prefill")]
-    for key, attr, label in ttft:
+            ("transformers", "ttft_reset_ms", "transformers, re-prefill")]
+    ttft += [(k, "ttft_reset_ms", f"{label(k, meta)}, re-prefill") for k in LLAMA_CPP_SERIES]
+    for key, attr, name in ttft:
         pts = [(ctx, median(getattr(row[key], attr))) for ctx, row in results.items()
                if key in row and getattr(row[key], attr)]
         if pts:
-            ax2.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=label)
+            ax2.plot([c for c, _ in pts], [v for _, v in pts], marker="o", label=name)
     ax2.set(xscale="log", yscale="log", xlabel="history (tokens)", ylabel="ms",
             title=f"TTFT of the next turn\nmedian of {meta['runs']} run(s)")
     for ax in (ax1, ax2):
@@ -365,9 +390,9 @@ def terminal_plot(results: dict[int, dict[str, Series]], meta: dict[str, Any], w
     plt.clear_figure()
     plt.theme("clear")
     plt.plotsize(width, 18)
-    markers = iter("ox+*#")
+    markers = itertools.cycle("ox+*#")
     for key, xs, ys, _, _ in _lines(results):
-        plt.plot(xs, ys, label=SERIES[key], marker=next(markers))
+        plt.plot(xs, ys, label=label(key, meta), marker=next(markers))
     plt.xscale("log")
     plt.xticks(list(results), [str(c) for c in results])
     plt.title(title)

@@ -10,7 +10,9 @@ prompt, then numbered notes the model is asked to repeat, so that it keeps talki
                      (only up to --skip-nocache-above, over --nocache-tokens steps).
   kvchat, fp8 KV     turn 1 and turn 2 with the pool rebuilt as float8 e4m3 plus scales.
   transformers       `generate` on the same turn-1 ids, then on the same turn-2 ids.
-  llama.cpp          the same, on the bundled GGUF, when llama-cpp-python is installed.
+  llama.cpp          the same, when llama-cpp-python is installed, on the GGUF files --llama-cpp
+                     names: F32 or BF16 exports of the safetensors kvchat loads (gguf_export.py;
+                     by default the one in kvchat's own precision) and the bundled Q4_1 file.
 
 The engine is driven only through its public API (Engine, Conversation.send, TurnStats).
 The history is built in history.py, the peers run in peers.py, and statistics, tables, JSON
@@ -32,7 +34,7 @@ from kvchat.engine.errors import KvchatError
 from . import floor as bench_floor
 from . import peers as bench_peers
 from . import report as bench_report
-from .flags import output_path, parse_contexts
+from .flags import output_path, parse_contexts, parse_llama_cpp
 from .history import FOLLOW_UP, SYSTEM, history
 from .machine import busy_note, checkout_commit, load_average
 from .report import Series, Timing
@@ -75,6 +77,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--no-llama-cpp", action="store_true",
                    help="skip the llama.cpp peer even when llama-cpp-python is installed (its spinning threads "
                         "crawl on a machine whose cores are busy)")
+    p.add_argument("--llama-cpp", default=None, metavar="FILES",
+                   help="the GGUF files llama.cpp runs, comma-separated from f32, bf16 (exports of the weights kvchat "
+                        "loads, cached beside them) and q4_1 (the bundled 4-bit file); default: the export in "
+                        "kvchat's --dtype, and q4_1")
     p.add_argument("--skip-nocache-above", type=int_at_least("--skip-nocache-above", 0), default=1024, metavar="N",
                    help="run the cache-off baseline only for contexts up to N tokens (default 1024; 0: never)")
     p.add_argument("--nocache-tokens", type=positive_int("--nocache-tokens"), default=8,
@@ -101,12 +107,20 @@ class BenchConfig:
     nocache_max: int
     nocache_tokens: int
     seed: int
+    llama_cpp_files: tuple[str, ...] | None = None    # --llama-cpp; None: chosen by the engine's dtype
 
     @classmethod
     def from_args(cls, args) -> BenchConfig:
+        files = getattr(args, "llama_cpp", None)
+        if files is not None:
+            if args.no_llama_cpp or args.no_peers:
+                raise UsageError(f"--llama-cpp {files!r} with --{'no-peers' if args.no_peers else 'no-llama-cpp'}: "
+                                 "choose one")
+            files = parse_llama_cpp(files)
         return cls(parse_contexts(args.contexts), args.new_tokens, args.runs,
                    output_path("--json", args.json), output_path("--plot", args.plot, ".png"),
-                   not args.no_peers, not args.no_llama_cpp, args.skip_nocache_above, args.nocache_tokens, args.seed)
+                   not args.no_peers, not args.no_llama_cpp, args.skip_nocache_above, args.nocache_tokens, args.seed,
+                   files)
 
     def command(self, args) -> str:
         parts = ["kvchat", "bench", "--contexts", ",".join(map(str, self.contexts)),
@@ -121,6 +135,8 @@ class BenchConfig:
             parts.append("--no-peers")
         elif not self.llama_cpp:
             parts.append("--no-llama-cpp")
+        elif self.llama_cpp_files:
+            parts += ["--llama-cpp", ",".join(self.llama_cpp_files)]
         if getattr(args, "server", None):
             parts += ["--server", args.server]
         return " ".join(parts)
@@ -144,7 +160,7 @@ class Bench:
     def __init__(self, cfg: BenchConfig, engine) -> None:
         self.cfg, self.engine = cfg, engine
         self.hf: bench_peers.HFPeer | None = None           # the peers, when measured
-        self.llama: bench_peers.LlamaCppPeer | None = None
+        self.llama: dict[str, bench_peers.LlamaCppPeer] = {}   # series key -> peer, one per GGUF file
         self.server: VllmPeer | None = None                 # a vLLM server (--server)
         self.probe: bench_floor.BandwidthProbe | None = None   # sampled before each context
         self.base_kv = engine.kv_dtype
@@ -215,7 +231,7 @@ class Bench:
         ids2 = self.ours(text, steps, s, "both")
         self.say(f"{tag} kvchat          prefill {s.prefill_ms[-1]:8.0f} ms, decode {_med(s.decode_ms[-steps:])} "
                  f"ms/token, next turn {s.ttft_reuse_ms[-1]:.0f} ms reusing / {s.ttft_reset_ms[-1]:.0f} ms after reset")
-        for key, peer in (("transformers", self.hf), ("llama_cpp", self.llama)):
+        for key, peer in (("transformers", self.hf), *self.llama.items()):
             if peer is None:
                 continue
             p = row.setdefault(key, Series())
@@ -321,13 +337,16 @@ def run(args) -> int:
     if cfg.peers:
         bench.hf = bench_peers.HFPeer(engine.source, engine.device, engine.dtype)
         n_ctx = min(max(cfg.contexts) + 2 * cfg.new_tokens + NEXT_TURN_MARGIN, engine.geometry.max_position)
-        bench.llama, why = (bench_peers.load_llama_cpp(engine.source, args.model, n_ctx, threads) if cfg.llama_cpp
-                            else (None, "llama.cpp peer skipped (--no-llama-cpp)"))
-        if bench.llama is None:
-            notes.append(why)
-            print(f"kvchat bench: {why}", file=sys.stderr, flush=True)
+        if cfg.llama_cpp:
+            if cfg.llama_cpp_files is None:
+                cfg.llama_cpp_files = bench_peers.default_llama_cpp(engine.dtype_name)
+            bench.llama, said = bench_peers.load_llama_cpp_files(engine.source, args.model, cfg.llama_cpp_files,
+                                                                 n_ctx, threads)
         else:
-            notes.append(f"llama.cpp runs {bench.llama.gguf.name} (its own quantized weights), {threads} threads")
+            said = ["llama.cpp peer skipped (--no-llama-cpp)"]
+        for line in said:
+            notes.append(line)
+            print(f"kvchat bench: {line}", file=sys.stderr, flush=True)
     else:
         notes.append("peers not measured (--no-peers)")
 
@@ -357,6 +376,9 @@ def run(args) -> int:
 
     meta = {
         "command": cfg.command(args), "model": engine.describe(), "threads": threads,
+        "llama_cpp": {"files": {key: {"file": peer.gguf.name, "precision": peer.precision}
+                                for key, peer in bench.llama.items()},
+                      "same_weights": bench_peers.same_weights_key(engine.dtype_name, bench.llama)},
         "runs": cfg.runs, "new_tokens": cfg.new_tokens, "nocache_tokens": min(cfg.new_tokens, cfg.nocache_tokens),
         "skip_nocache_above": cfg.nocache_max, "method": METHOD, "notes": notes,
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "transformers": _version(),
@@ -368,7 +390,8 @@ def run(args) -> int:
                             "timed steps) over the median of timed torch.sum calls over a buffer larger than them, "
                             "taken before, between and after the contexts of this run"},
     }
-    summary = bench_report.summarise(results, {"gb_s": bw.gb_s, "weight_bytes": weights, "new_tokens": cfg.new_tokens})
+    summary = bench_report.summarise(results, {"gb_s": bw.gb_s, "weight_bytes": weights, "new_tokens": cfg.new_tokens},
+                                     meta["llama_cpp"]["same_weights"])
     try:  # the files first: minutes of measuring must survive a closed stdout (| head)
         if cfg.json_path is not None:
             bench_report.write_json(cfg.json_path, bench_report.record(results, meta, summary))
