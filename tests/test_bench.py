@@ -17,6 +17,10 @@ from kvchat.bench.report import Series, floors, percentile, summarise
 from kvchat.cli.command import main
 from cli_helpers import fails_with
 
+# the module's tests on one pytest-xdist worker: bench_run, module-scoped, ran once per worker
+# that drew one of them (three times, 55-62 s each, in a CI run)
+pytestmark = pytest.mark.xdist_group("bench")
+
 # One thread: on a shared 2-core machine, two OpenMP threads per process made this run five
 # times slower (measured: 23 s against 119 s while other test suites ran).
 TINY = ["bench", "--contexts", "32,64", "--new-tokens", "4", "--runs", "1", "--kv-budget", "64MiB",

@@ -29,6 +29,7 @@ from kvchat.engine.sources import bundled_dir, bundled_gguf
 from cli_helpers import fails_with
 
 gguf = pytest.importorskip("gguf")
+pytestmark = pytest.mark.xdist_group("gguf")     # the module's exports, once, on one worker
 
 
 def _source_copy(root: Path, name: str) -> Path:

@@ -151,12 +151,11 @@ def test_large_scores_do_not_overflow_the_softmax():
 def test_the_engine_takes_the_kernels_for_a_decode_step(engine, monkeypatch):
     """The model's decode step goes through the C step (both kernels and what surrounds them),
     and its logits are the torch path's within the model-level tolerance of
-    tests/test_model_reference.py."""
-    # At a fixed count of 2 threads for torch and the kernels (their splits and GEMM blocking):
-    # the fp8 comparison sits near its bound, 1.07e-3 at 1 thread (a pytest-xdist worker's
-    # share of 2 cores) against 1e-3, as e4m3 roundings flip with a sum's order (issue 21: a
-    # bound for fp8 between two orders is still to be derived), so every machine checks the
-    # same sums, whatever its cores.
+    tests/test_model_reference.py (fp32 cache), or within fp8_bound (fp8 cache)."""
+    # At a fixed count of 2 threads for torch and the kernels (their splits and GEMM blocking),
+    # so every machine checks the same sums, whatever its cores: the fp8 comparison moves with
+    # a sum's order (e4m3 roundings flip), 1.07e-3 at 1 thread on an Intel Xeon, 4.4e-3 at 2
+    # on an AMD EPYC, where a fixed 1e-3 failed CI.
     saved = torch.get_num_threads()
     monkeypatch.setattr(threads._threads, "fixed", 2)
     monkeypatch.setattr(threads._threads, "cap", None)
@@ -164,6 +163,22 @@ def test_the_engine_takes_the_kernels_for_a_decode_step(engine, monkeypatch):
         _engine_decode_through_the_kernels(engine, monkeypatch)
     finally:
         torch.set_num_threads(saved)
+
+
+def fp8_bound(wants: dict) -> float:
+    """The fp8 cache's bound between the two paths: half of what the fp8 cache itself moves
+    the logits (the torch path's fp8 logits against its fp32 ones), and never under REL_TOL.
+    Each decode step quantizes its new K/V rows to e4m3 on both sides from fp32 inputs that
+    differ in their last bits (the fp32 comparison's ~1e-6); an element near a rounding
+    boundary then lands one e4m3 step apart, twice its quantization error at most, and only a
+    few elements are that near, so the paths differ by a fraction of the quantization's own
+    effect. Measured on an AMD EPYC (2 threads): 4.4e-3 between the paths against 2.8e-2 for
+    the quantization (1.07e-3 on an Intel Xeon: the flips follow the sums' order). A dropped
+    block, a wrong scale or a softmax without its running max moves the logits by far more
+    than the quantization does."""
+    from test_cpu_attention import REL_TOL  # noqa: PLC0415
+    quant = float((wants["fp8"] - wants["fp32"]).abs().max() / wants["fp32"].abs().max())
+    return max(REL_TOL, 0.5 * quant)
 
 
 def _engine_decode_through_the_kernels(engine, monkeypatch) -> None:
@@ -174,16 +189,17 @@ def _engine_decode_through_the_kernels(engine, monkeypatch) -> None:
     ids = bundled_text_ids(engine)
     calls = count_calls(monkeypatch, native, "decode")
     steps = count_calls(monkeypatch, native_step, "decode_step")
+    wants = {}
     for kv in ("fp32", "fp8"):
         # one prefill (the torch path) for both sides: what is compared is the decode steps,
         # each side from its own copy of the same cached prefix
         with native.disabled():
             pool, table, runs = prefilled(engine, ids, kv, "runs")
             start = copy.deepcopy(pool)
-            want = decode_from(engine, ids, pool, table, runs)
+            want = wants[kv] = decode_from(engine, ids, pool, table, runs)
         got = decode_from(engine, ids, start, table, runs)
         err = float((got - want).abs().max() / want.abs().max())
-        assert err < REL_TOL, f"{kv}: max |diff| / max |logit| = {err:.2e}"
+        assert err < fp8_bound(wants) if kv == "fp8" else err < REL_TOL, f"{kv}: max |diff| / max |logit| = {err:.2e}"
     # every decode step is one C call (kv_decode_step: products, RoPE and write, attention);
     # the per-layer decode call of the layer-by-layer path never ran
     assert steps["decode_step"] == 2 * STEPS and calls["decode"] == 0

@@ -9,6 +9,7 @@ say so. Their builds go to a folder of their own under the kvchat cache, keyed b
 from __future__ import annotations
 
 import hashlib
+import os
 import shutil
 import struct
 import subprocess
@@ -23,7 +24,8 @@ from tolerance import assert_within, gemv_reference, paged_decode_reference, rms
 from kvchat.engine import attention as A
 from kvchat.engine import native_build as nb
 
-pytestmark = pytest.mark.slow    # a cross compile: about 15 s the first time, cached after
+pytestmark = [pytest.mark.slow,    # a cross compile: about 15 s the first time, cached after
+              pytest.mark.xdist_group("aarch64")]    # one worker builds the driver, once
 
 DRIVER = Path(__file__).with_name("csrc") / "driver.c"
 QEMU = shutil.which("qemu-aarch64") or shutil.which("qemu-aarch64-static")
@@ -51,11 +53,13 @@ def test_the_kernels_compile_for_aarch64_with_its_flags(out_dir):
     """The library as a user's aarch64 machine builds it: its flags minus -mcpu=native (this
     compiler targets another CPU), with OpenMP, warnings as errors."""
     flags = [f for f in (*nb.BASE_FLAGS, *nb.arch_flags("native", "aarch64")[0], "-fopenmp") if "native" not in f]
-    lib = out_dir / "kvchat_cpu.so"
+    lib = out_dir / f"kvchat_cpu-{os.getpid()}.so"     # its own name: workers share out_dir
     done = zig("-target", "aarch64-linux-gnu", *flags, "-Werror", *map(str, nb.SOURCES), "-o", str(lib), "-lm",
                cwd=out_dir)
     assert done.returncode == 0, done.stderr[-3000:]
-    assert lib.read_bytes()[:4] == b"\x7fELF" and lib.read_bytes()[18] == 183, "an aarch64 ELF (e_machine 183)"
+    head = lib.read_bytes()[:20]
+    lib.unlink()
+    assert head[:4] == b"\x7fELF" and head[18] == 183, "an aarch64 ELF (e_machine 183)"
 
 
 @pytest.fixture(scope="module")
@@ -64,10 +68,13 @@ def driver(out_dir) -> Path:
         pytest.skip("no qemu-aarch64 to run aarch64 code (apt-get install qemu-user)")
     exe = out_dir / "driver"
     if not exe.exists():
+        # pytest-xdist workers may build it at once into the same folder: each writes its own
+        # file and renames it into place (the same bytes either way)
+        part = out_dir / f"driver.{os.getpid()}.part"
         done = zig("-target", "aarch64-linux-musl", "-static", "-O2", "-std=c11", "-ffp-contract=fast",
-                   f"-I{nb.CSRC}", str(DRIVER), *map(str, nb.SOURCES), "-o", str(exe) + ".part", "-lm", cwd=out_dir)
+                   f"-I{nb.CSRC}", str(DRIVER), *map(str, nb.SOURCES), "-o", str(part), "-lm", cwd=out_dir)
         assert done.returncode == 0, done.stderr[-3000:]
-        Path(str(exe) + ".part").replace(exe)
+        part.replace(exe)
     return exe
 
 
