@@ -83,24 +83,25 @@ class CrowdControl:
 
     def stop(self) -> None:
         """End the crowd without waiting for a step to finish (the app stays responsive)."""
-        crowd, self.crowd = self.crowd, None
-        self._poll_stop.set()
-        if crowd is not None:
-            crowd.stop(wait_s=0.0)
-            self._ended.append(crowd)
+        if self._end() is not None:
             try:
                 self.host.panels.switcher.offer("crowd", False)
             except LookupError:      # the screen is being torn down (quitting)
                 pass
 
+    def _end(self) -> Crowd | None:
+        """Tell the crowd and the poller to stop; the crowd ended, if one ran."""
+        crowd, self.crowd = self.crowd, None
+        self._poll_stop.set()
+        if crowd is not None:
+            crowd.stop(wait_s=0.0)
+            self._ended.append(crowd)
+        return crowd
+
     def join(self, wait_s: float) -> bool:
         """After the app ended: stop any crowd and wait up to `wait_s` for its users and the
         poller to leave the engine; True when all of them did."""
-        if self.crowd is not None:
-            self.crowd.stop(wait_s=0.0)
-            self._ended.append(self.crowd)
-            self.crowd = None
-        self._poll_stop.set()
+        self._end()
         deadline = time.perf_counter() + wait_s
 
         def left() -> float:

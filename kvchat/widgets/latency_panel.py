@@ -15,7 +15,7 @@ from textual.widgets import Static
 from textual_plotext import PlotextPlot
 
 from ..latency import MODES, Fit, Key, LatencyData, Turn, fit_series, series_key, series_label, turn_field
-from ..text import duration
+from ..text import duration, plural
 from .panel import Panel
 
 __all__ = ["LatencyPanel", "nice_ticks"]
@@ -296,7 +296,7 @@ class LatencyPanel(Panel, Vertical):
         out = Text()
         if self.outliers:
             n, worst = len(self.outliers), max(m for _, m in self.outliers)
-            steps = f"{n:,} slow step{'s' if n > 1 else ''}"
+            steps = plural(n, "slow step")
             out.append(self._wrapped((f"{OUTLIER} {steps} above the chart (up to {duration(worst)}), "
                                       "marked on its top row; the fits use every point",
                                       f"{OUTLIER} {steps} above the chart (up to {duration(worst)}), on its top row",
