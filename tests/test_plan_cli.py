@@ -101,6 +101,9 @@ CASES = [
     ("two-modes", ["plan", "--scenario", "seeds", "--validate"], "one mode at a time"),
     ("write-calibration-alone", ["plan", "--write-calibration", "c.json"], "goes with --calibrate"),
     ("server-alone", ["plan", "--server", "http://127.0.0.1:1"], "goes with --validate or --calibrate"),
+    ("probe-context-alone", ["plan", "--probe-context", "512"], "goes with --calibrate --server"),
+    ("probe-context-tiny", ["plan", "--calibrate", "--server", "http://127.0.0.1:1", "--probe-context", "8"],
+     "--probe-context"),
     ("save-trace-into-a-missing-dir", ["plan", "--save-trace", "/no/such/dir/t.jsonl"], "does not exist"),
     ("calibrate-not-a-bench", lambda tmp: ["plan", "--calibrate", str(ROOT / "pyproject.toml")], "not valid JSON"),
 ]
@@ -197,3 +200,35 @@ def test_the_cpu_row_is_this_machine_measured_and_kvchats_engine_as_it_is(tmp_pa
     assert rec["constants"]["bandwidth"]["source"].startswith("measured: this machine, now")
     assert (rec["scheduler"]["max_seqs"], rec["scheduler"]["max_batched_tokens"]) == (NO_SEQ_LIMIT, 512)
     assert rec["kv_bytes_per_token"] == 46_080                     # 2 x 30 x 3 x 64 x 4 B
+
+
+def test_a_probe_the_server_never_answers_stops_the_calibration_in_one_line():
+    """A server that takes a probe and never answers (a stand-in object: a real server hung on
+    purpose cannot be had): the calibration ends at the probe's time limit with a line naming
+    the probe and the smaller --probe-context, not a wait without end."""
+    import threading
+    import time
+
+    from kvchat.cli.args import UsageError
+    from kvchat.plan.server_probe import _streams
+    release = threading.Event()
+
+    class Hung:
+        def send(self, text, params):
+            release.wait(30)
+            yield from ()
+
+    class Backend:
+        def open(self):
+            return Hung()
+
+        def close(self, chat):
+            pass
+
+    t0 = time.monotonic()
+    with pytest.raises(UsageError) as err:
+        _streams(Backend(), ["a", "b"], 16, "2 streams decoding at 2048", timeout_s=0.5)
+    release.set()
+    assert time.monotonic() - t0 < 5
+    assert "'2 streams decoding at 2048' did not finish within 0.5 s" in str(err.value)
+    assert "--probe-context 512" in str(err.value) and len(str(err.value).splitlines()) == 1

@@ -88,6 +88,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "or both: A.json,B.json), or with --server URL to a vLLM server's own histograms under "
                         "probe requests (--gpu names the server's hardware)")
     x.add_argument("--write-calibration", default=None, metavar="FILE", help="with --calibrate: save the constants")
+    x.add_argument("--probe-context", metavar="N", type=int_at_least("--probe-context", 64, 131_072), default=None,
+                   help="with --calibrate --server: the longest context probed (default 2048; the others are N/8 and "
+                        "N/2); a slow server, such as vLLM on a CPU, calibrates within minutes at 512")
     x.add_argument("--validate", action="store_true",
                    help="run the workload's users for real through kvchat's engine on this CPU (and --server's), at "
                         "three loads, and set the simulation, calibrated on another run, beside each")
@@ -108,6 +111,8 @@ def run(args) -> int:
         raise UsageError("--write-calibration goes with --calibrate (it saves the constants fitted)")
     if args.server and not (args.validate or args.calibrate is not None):
         raise UsageError("--server goes with --validate or --calibrate")
+    if args.probe_context is not None and not (args.server and args.calibrate is not None):
+        raise UsageError("--probe-context goes with --calibrate --server URL (the probes' longest context)")
     json_path = output_path("--json", args.json)
     plot_path = output_path("--plot", args.plot, ".png")
     save = output_path("--save-trace", args.save_trace)

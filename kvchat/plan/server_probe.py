@@ -2,12 +2,14 @@
 URL`): kvchat sends probe requests one set at a time and reads the server's /metrics before and
 after each, so every histogram's difference belongs to that probe alone.
 
-Probes: B concurrent streams at a context of C tokens, each asking for N tokens: the change in
-the server's inter-token histogram (its sum over its count) is the mean step time with B
-sequences decoding at about C + N/2 tokens. One request of P tokens asking for one token: the
+Probes: B concurrent streams at a context of C tokens, each asking for 16 tokens: the change
+in the server's inter-token histogram (its sum over its count) is the mean step time with B
+sequences decoding at about C + 8 tokens. One request of P tokens asking for one token: the
 change in the time-to-first-token histogram is the request's wait before its first step plus
-its prefill, in chunks of the server's token budget. Each probe's prompts are fresh text, so
-the prefix cache gives nothing back. Each probe runs twice and keeps the faster. The server
+its prefill, in chunks of the server's token budget. C is N/8 and N, P is N/8, N/2 and N, for
+N = --probe-context (2048 by default; 512 suits vLLM on a CPU). Each probe's prompts are fresh
+text, so the prefix cache gives nothing back. Each probe runs twice and keeps the faster; one
+that does not end within 300 s stops the calibration with a line saying so. The server
 must be idle while it is probed.
 """
 from __future__ import annotations
@@ -19,11 +21,17 @@ from .bench_points import Measurements, prefill_steps
 from .fitter import Point
 from .trace_runner import text_of
 
-CONTEXTS = (256, 2048)
+PROBE_CONTEXT = 2048        # the longest context probed (--probe-context)
 BATCHES = (1, 4)
-PREFILLS = (256, 1024, 2048)
 NEW_TOKENS = 16
 REPEATS = 2
+PROBE_TIMEOUT_S = 300       # one probe's requests, all together
+
+
+def contexts(longest: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The decode probes' contexts and the prefill probes' lengths for a longest context N:
+    (N/8, N) and (N/8, N/2, N); 2048 gives (256, 2048) and (256, 1024, 2048)."""
+    return (longest // 8, longest), (longest // 8, longest // 2, longest)
 
 
 def _hist(backend, name: str) -> tuple[float, float]:
@@ -35,7 +43,11 @@ def _hist(backend, name: str) -> tuple[float, float]:
     return h.count, h.total
 
 
-def _streams(backend, texts: list[str], max_tokens: int) -> None:
+def _streams(backend, texts: list[str], max_tokens: int, what: str, timeout_s: float) -> None:
+    """The texts sent at once, each asking for max_tokens; all must end within timeout_s (a
+    server too slow for the probes' sizes gets one line saying so, not a wait without end)."""
+    import time
+
     from kvchat.engine.sampler import SamplingParams
     errors: list[str] = []
 
@@ -49,43 +61,63 @@ def _streams(backend, texts: list[str], max_tokens: int) -> None:
         finally:
             backend.close(chat)
 
-    threads = [threading.Thread(target=one, args=(t,), daemon=True) for t in texts]
+    threads = [threading.Thread(target=one, args=(t,), daemon=True, name="probe") for t in texts]
     for th in threads:
         th.start()
+    end = time.monotonic() + timeout_s
     for th in threads:
-        th.join(600)
+        th.join(max(0.0, end - time.monotonic()))
+    if any(th.is_alive() for th in threads):
+        raise UsageError(f"the probe '{what}' did not finish within {timeout_s:g} s: the server is too slow or "
+                         "busy for probes this long; --probe-context 512 (or 256) probes shorter contexts")
     if errors:
         raise UsageError(f"a probe request failed: {errors[0]}")
 
 
-def _timed(backend, hist: str, texts: list[str], max_tokens: int) -> float | None:
+def _timed(backend, hist: str, texts: list[str], max_tokens: int, what: str, timeout_s: float) -> float | None:
     """The mean of the server's `hist` histogram over one probe's requests, in ms (None: the
     histogram did not move)."""
     c0, s0 = _hist(backend, hist)
-    _streams(backend, texts, max_tokens)
+    _streams(backend, texts, max_tokens, what, timeout_s)
     c1, s1 = _hist(backend, hist)
     return 1000 * (s1 - s0) / (c1 - c0) if c1 > c0 else None
 
 
-def probe_points(backend, kv_dtype: str, budget: int, count=None, seed: int = 0,
-                 repeats: int = REPEATS) -> list[Point]:
+def probe_points(backend, kv_dtype: str, budget: int, count=None, seed: int = 0, repeats: int = REPEATS,
+                 longest: int = PROBE_CONTEXT, timeout_s: float = PROBE_TIMEOUT_S, say=print) -> list[Point]:
     """Decode probes at each (B, C) and prefill probes at each P, timed by the server itself;
     each probe runs `repeats` times on fresh text and keeps its fastest: whatever else shares
-    the machine only ever adds time."""
+    the machine only ever adds time. `say` gets a line as each probe ends."""
+    decode_at, prefills = contexts(longest)
+    total = repeats * (len(decode_at) * len(BATCHES) + len(prefills))
+    done = 0
+
+    def measured(what: str, ms: float | None) -> None:
+        nonlocal done
+        done += 1
+        say(f"  probe {done}/{total}: {what}: " + (f"{ms:,.2f} ms" if ms is not None else "the histogram did not move"))
+
     points = []
     n = 0
-    for ctx in CONTEXTS:
+    for ctx in decode_at:
         for b in BATCHES:
-            runs = [_timed(backend, "inter_token",
-                           [text_of(ctx, count, seed + 1000 * (n := n + 1) + i) for i in range(b)], NEW_TOKENS)
-                    for _ in range(repeats)]
+            what = f"{b} streams decoding at {ctx}"
+            runs = []
+            for _ in range(repeats):
+                texts = [text_of(ctx, count, seed + 1000 * (n := n + 1) + i) for i in range(b)]
+                runs.append(_timed(backend, "inter_token", texts, NEW_TOKENS, what, timeout_s))
+                measured(what, runs[-1])
             if (ms := min((r for r in runs if r is not None), default=None)) is not None:
                 mid = ctx + NEW_TOKENS / 2
-                points.append(Point(f"{b} streams decoding at {ctx}", kv_dtype, ((b, b, b, b * mid, b * (mid + 1)),), ms))
-    for p in PREFILLS:
-        runs = [_timed(backend, "ttft", [text_of(p, count, seed + 7 * p + 100_000 * r)], 1) for r in range(repeats)]
+                points.append(Point(what, kv_dtype, ((b, b, b, b * mid, b * (mid + 1)),), ms))
+    for p in prefills:
+        what = f"prefill of {p}"
+        runs = []
+        for r in range(repeats):
+            runs.append(_timed(backend, "ttft", [text_of(p, count, seed + 7 * p + 100_000 * r)], 1, what, timeout_s))
+            measured(what, runs[-1])
         if (ms := min((r for r in runs if r is not None), default=None)) is not None:
-            points.append(Point(f"prefill of {p}", kv_dtype, prefill_steps(p, 0, budget), ms, requests=1))
+            points.append(Point(what, kv_dtype, prefill_steps(p, 0, budget), ms, requests=1))
     return points
 
 
@@ -105,7 +137,11 @@ def from_server(args) -> Measurements:
         if kv not in ("bf16", "fp16", "fp8", "fp32"):
             raise UsageError(f"the server's cache dtype is {kv!r}; give --kv-dtype")
         budget = args.max_batched_tokens or vllm_defaults(hw)[0]
-        points = probe_points(backend, kv, budget, seed=args.seed)
+        longest = args.probe_context or PROBE_CONTEXT
+        print(f"probing {args.server}: {REPEATS * (len(BATCHES) * 2 + 3)} probes, contexts to {longest:,} tokens "
+              f"(--probe-context), each within {PROBE_TIMEOUT_S} s", flush=True)
+        points = probe_points(backend, kv, budget, seed=args.seed, longest=longest,
+                              say=lambda line: print(line, flush=True))
     finally:
         backend.shutdown()
     if len(points) < 3:
