@@ -17,6 +17,7 @@ from kvchat.bench.batch_report import markdown, record, targets
 from kvchat.cli.command import main
 
 TINY = ["bench", "--batch", "1,2", "--contexts", "48,64", "--new-tokens", "3", "--runs", "1", "--threads", "1"]
+pytestmark = pytest.mark.xdist_group("bench-batch")   # the module's bench, once, on one worker (it ran on two: 2x 34 s)
 ROW_KEYS = {"kv_dtype", "context", "batch", "step_ms", "per_user_ms_per_token", "aggregate_tok_s", "gain",
             "weight_bytes", "cache_bytes_per_step", "context_tokens_per_step", "bytes_per_step", "measured_gb_s",
             "roofline", "ours_over_roofline", "peers", "notes", "step_ms_samples"}
