@@ -3,8 +3,9 @@ plain conversation (a syntax error, an undefined name, a sandbox violation, a
 `raise_exception`) is refused in one line then, not mid-turn. A template that fails later,
 on a conversation it does not accept (roles out of order, say), fails that turn in one line.
 
-Templates run in transformers' sandboxed Jinja environment: they can raise, but cannot reach
-Python objects or files. What no check here bounds is a template's running time.
+Templates run in a sandboxed Jinja environment (Jinja's ImmutableSandboxedEnvironment, set up
+by tokenizer.py, or by transformers for a tokenizer without a tokenizer.json): they can raise,
+but cannot reach Python objects or files. What no check here bounds is a template's running time.
 """
 from __future__ import annotations
 
@@ -32,7 +33,7 @@ def render(tok, messages: list[dict[str, str]]) -> list[int]:
         ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     except Exception as err:   # a template can raise any error its expressions do
         raise TemplateFailed(f"the model's chat template failed on this conversation ({describe(err)})") from None
-    if hasattr(ids, "keys"):   # transformers 5 returns a BatchEncoding
+    if hasattr(ids, "keys"):   # transformers 5's tokenizer returns a BatchEncoding (ours, a list)
         ids = ids["input_ids"]
     return list(ids)
 

@@ -36,6 +36,7 @@ from .sequence import Sequence
 from .sources import ModelSource, resolve
 from .telemetry import SHARED, CacheSnapshot, SchedulerSnapshot, StepRecord
 from .template import render_chat, stop_ids
+from .tokenizer import Tokenizer
 from .units import parse_bytes
 from .weights import load_model
 
@@ -402,19 +403,32 @@ class Engine:
 
 
 def load_tokenizer(src: ModelSource):
-    """The model's tokenizer, never its own code (trust_remote_code=False), and no larger
-    than the embedding table: a token id past the config's vocab_size would index out of it."""
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-    hf_logging.set_verbosity_error()
+    """The model's tokenizer, never its own code, and no larger than the embedding table: a
+    token id past the config's vocab_size would index out of it. A directory with a
+    tokenizer.json gets kvchat's own Tokenizer (the `tokenizers` library and a sandboxed Jinja
+    template, no transformers import: that import was most of an engine's start); one with only
+    tokenizer.model or vocab.json and merges.txt, transformers' AutoTokenizer (trust_remote_code=False)."""
+    path = src.tokenizer_path
     try:
-        tok = AutoTokenizer.from_pretrained(str(src.tokenizer_path), trust_remote_code=False)
-    except Exception as err:  # transformers raises OSError, ValueError, and more
+        if (path / "tokenizer.json").exists():
+            tok = Tokenizer.from_dir(path)
+        else:
+            tok = _auto_tokenizer(path)
+    except Exception as err:  # tokenizers raises Exception; transformers OSError, ValueError, and more
         detail = " ".join(str(err).split())[:300]
-        raise KvchatError(f"{src.tokenizer_path}: cannot load the tokenizer ({type(err).__name__}: {detail})") from None
-    check_chat_template(tok, src.tokenizer_path)
+        raise KvchatError(f"{path}: cannot load the tokenizer ({type(err).__name__}: {detail})") from None
+    check_chat_template(tok, path)
     if len(tok) > src.geometry.vocab_size:
-        raise KvchatError(f"{src.tokenizer_path}: the tokenizer has {len(tok):,} tokens but config.json's "
+        raise KvchatError(f"{path}: the tokenizer has {len(tok):,} tokens but config.json's "
                           f"vocab_size is {src.geometry.vocab_size:,}; accepted: a tokenizer no larger than the "
                           "model's vocabulary")
     return tok
+
+
+def _auto_tokenizer(path):
+    """transformers' tokenizer for a directory without tokenizer.json (a SentencePiece
+    tokenizer.model, or vocab.json and merges.txt), never running the directory's code."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)
