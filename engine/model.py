@@ -147,7 +147,7 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
     it serves, else apply_rope and write_kv."""
     t = qkv.shape[0]
     hk, d = k_cache.shape[2], k_cache.shape[3]
-    if t <= native.GEMV_MAX_ROWS and native_step.rope_serves(qkv, cos, k_cache, positions, slots):
+    if t <= native.max_rows() and native_step.rope_serves(qkv, cos, k_cache, positions, slots):
         return native_step.rope_write(qkv, cos, sin, positions, k_cache, v_cache, slots, k_scale, v_scale, n_heads)
     qk = apply_rope(qkv[:, :(n_heads + hk) * d].view(t, n_heads + hk, d), cos[positions], sin[positions])
     q, k = qk[:, :n_heads], qk[:, n_heads:]                                # (T, hq, d), (T, hk, d)
@@ -156,7 +156,7 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
 
 
 def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x @ w.T. A decode step's fp32 CPU rows (1 to native.GEMV_MAX_ROWS, one per sequence)
+    """x @ w.T. A decode step's fp32 CPU rows (1 to native.max_rows(), one per sequence)
     take the C kernel (engine/native.py) where it compiled: each weight row read once for all.
     Otherwise one row splits w's rows across a batched matmul: a single-row product runs on
     one thread in MKL, a batch of S runs on S threads (the same dot products, so the same

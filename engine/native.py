@@ -105,14 +105,29 @@ def _scale_strides(s: torch.Tensor | None) -> tuple[int, int, int]:
 
 
 # ---- the calls -----------------------------------------------------------------------------
-GEMV_MAX_ROWS = 32   # rows up to which the C product beat MKL's GEMM here, one thread (benchmarks/cpu_gemv_ab.py)
+GEMV_MAX_ROWS = 32   # rows up to which the C product beat MKL's GEMM (4-row tiles: an AVX-512 Xeon, one thread;
+                     # benchmarks/cpu_gemv_ab.py)
+NARROW_MAX_ROWS = 6  # the same with 2-row tiles (AVX2, SSE): on an AVX2 AMD EPYC, 2 cores, the bundled
+                     # model's 120 products with weights from memory, C / torch: 4 rows 89 / 133 ms, 6 rows
+                     # 120 / 120, 8 rows 158 / 136, 16 rows 315 / 136, 32 rows 612 / 204 (the C time grows
+                     # with the rows; MKL's hardly does)
+
+
+def max_rows() -> int:
+    """The most rows the C kernels take in one call in this build (a decode step's sequences,
+    a prompt chunk's tokens); more go to torch. 0 when the kernels are not loaded."""
+    if lib() is None:
+        return 0
+    if "rows" not in _state:
+        _state["rows"] = GEMV_MAX_ROWS if lib().kv_gemv_tile() >= 4 else NARROW_MAX_ROWS
+    return _state["rows"]
 
 
 def gemv_serves(x: torch.Tensor, w: torch.Tensor) -> bool:
-    """Whether gemv (w: (n, k)) or rms_norm (w: (k,)) takes these: 1 to GEMV_MAX_ROWS fp32 CPU
+    """Whether gemv (w: (n, k)) or rms_norm (w: (k,)) takes these: 1 to max_rows() fp32 CPU
     rows x (a decode step's B sequences; a prefill's many rows go to MKL's GEMM), fp32
     contiguous CPU weights (bf16 for gemv), and the kernels loaded."""
-    return (x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.float32
+    return (x.dim() == 2 and 0 < x.shape[0] <= max_rows() and x.dtype == torch.float32
             and (w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and w.dim() == 2)) and x.device.type == "cpu" and w.device.type == "cpu"
             and w.is_contiguous() and x.is_contiguous() and lib() is not None)
 

@@ -56,6 +56,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kv_gemv_bf16.restype = ctypes.c_int
     lib.kv_bf16_native.argtypes = []
     lib.kv_bf16_native.restype = ctypes.c_int
+    lib.kv_gemv_tile.argtypes = []
+    lib.kv_gemv_tile.restype = ctypes.c_int
     lib.kv_rms_norm.argtypes = [ptr] * 3 + [i64, i64, ctypes.c_float]
     lib.kv_rms_norm.restype = None
     lib.kv_decode.argtypes = [ctypes.POINTER(DecodeArgs), ptr, ptr, ctypes.c_int, ctypes.c_int]

@@ -6,7 +6,7 @@ issue 25's note), a fifth of a step on a busy 2-core machine. Two levels replace
 - `add_rms_norm`, `silu_mul`, `rope_write`: one C call each, with the signatures of
   `cuda_graph.TorchOps`, for the few rows of any batch whose rows take the C products
   (Llama.forward uses them when a batch holds prompt chunks beside its decode rows);
-- `decode_step`: a batch of decode rows only (one per sequence, 1 to native.GEMV_MAX_ROWS)
+- `decode_step`: a batch of decode rows only (one per sequence, 1 to native.max_rows())
   through every layer and the logits in one C call (kv_decode_step), which runs those same
   kernels with the products and the attention in between. Its per-layer arguments (weight
   and cache addresses) are built once per model and pool, not once per step.
@@ -22,14 +22,14 @@ import torch
 
 from . import native, threads
 from .attention import triton_kernels
-from .native import FP8, GEMV_MAX_ROWS, lib
+from .native import FP8, lib, max_rows
 from .native_abi import LayerArgs, StepArgs
 
 
 def rows_serve(x: torch.Tensor) -> bool:
-    """Whether the fused ops take rows like x: 1 to GEMV_MAX_ROWS contiguous fp32 CPU rows (a
+    """Whether the fused ops take rows like x: 1 to native.max_rows() contiguous fp32 CPU rows (a
     decode step's; a prefill's keep torch's multithreaded ops), and the kernels loaded."""
-    return (x.dim() == 2 and 0 < x.shape[0] <= GEMV_MAX_ROWS and x.dtype == torch.float32
+    return (x.dim() == 2 and 0 < x.shape[0] <= max_rows() and x.dtype == torch.float32
             and x.device.type == "cpu" and x.is_contiguous() and lib() is not None)
 
 
@@ -125,11 +125,11 @@ def _layer_args(model, pool):
 
 
 def step_serves(x: torch.Tensor, batch) -> bool:
-    """Whether decode_step may take this batch: decode rows only, 1 to GEMV_MAX_ROWS fp32 CPU
+    """Whether decode_step may take this batch: decode rows only, 1 to native.max_rows() fp32 CPU
     rows, their tables and lengths int32 on the CPU, the kernels loaded and the Triton ones
     not forced onto CPU tensors."""
     b = batch.decode
-    return (not batch.prefills and 0 < b <= GEMV_MAX_ROWS and x.shape[0] == b and x.dtype == torch.float32
+    return (not batch.prefills and 0 < b <= max_rows() and x.shape[0] == b and x.dtype == torch.float32
             and x.device.type == "cpu" and batch.block_tables is not None and batch.context_lens is not None
             and batch.block_tables.dtype == torch.int32 and batch.context_lens.dtype == torch.int32
             and batch.block_tables.device.type == "cpu" and lib() is not None

@@ -39,7 +39,7 @@ def test_gemv_is_the_matmul(n, k):
 def test_gemv_declines_what_it_does_not_serve():
     w, x = torch.randn(8, 16), torch.randn(1, 16)
     assert native.gemv_serves(x, w)
-    assert not native.gemv_serves(torch.randn(native.GEMV_MAX_ROWS + 1, 16), w)   # a prefill: MKL's GEMM
+    assert not native.gemv_serves(torch.randn(native.max_rows() + 1, 16), w)   # a prefill: MKL's GEMM
     assert not native.gemv_serves(x, w.t().contiguous().t())            # strided weights
     assert not native.gemv_serves(x.bfloat16(), w.bfloat16())
     with native.disabled():

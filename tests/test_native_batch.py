@@ -48,15 +48,34 @@ def test_gemv_of_the_lm_head_for_one_and_sixteen_rows():
 
 def test_gemv_serves_a_decode_steps_rows_and_leaves_a_prefills_to_mkl():
     w, norm = torch.randn(8, 16), torch.randn(16)
-    for b in range(1, native.GEMV_MAX_ROWS + 1):
+    for b in range(1, native.max_rows() + 1):
         assert native.gemv_serves(torch.randn(b, 16), w) and native.gemv_serves(torch.randn(b, 16), norm)
-    assert not native.gemv_serves(torch.randn(native.GEMV_MAX_ROWS + 1, 16), w)   # a prefill: MKL's GEMM
+    assert not native.gemv_serves(torch.randn(native.max_rows() + 1, 16), w)   # a prefill: MKL's GEMM
     assert not native.gemv_serves(torch.randn(0, 16), w)
     assert not native.gemv_serves(torch.randn(2, 32)[:, ::2], w)                # strided rows
     assert not native.gemv_serves(torch.randn(2, 16), w.t().contiguous().t())   # strided weights
     assert not native.gemv_serves(torch.randn(2, 16).bfloat16(), w.bfloat16())
     with native.disabled():
         assert not native.gemv_serves(torch.randn(2, 16), w)
+
+
+def test_the_row_limit_follows_the_builds_tile():
+    """4-row tiles (AVX-512, aarch64) take up to 32 rows; 2-row tiles (AVX2, SSE, where the C
+    time grows with the rows and MKL's hardly does) up to 6. The tile is the build's, read from
+    the library: the native build of a CPU with AVX-512F has 4-row tiles, one without has 2."""
+    import os
+    from pathlib import Path
+    if native.lib() is None:
+        pytest.skip(f"C kernels off: {native.status()}")
+    tile = native.lib().kv_gemv_tile()
+    assert native.max_rows() == {4: native.GEMV_MAX_ROWS, 2: native.NARROW_MAX_ROWS}[tile]
+    level = os.environ.get("KVCHAT_NATIVE_LEVEL") or "native"
+    cpuinfo = Path("/proc/cpuinfo")
+    if level == "native" and cpuinfo.exists() and os.uname().machine == "x86_64":
+        assert tile == (4 if "avx512f" in cpuinfo.read_text().split() else 2)
+    w = torch.randn(8, 16)
+    assert native.gemv_serves(torch.randn(native.max_rows(), 16), w)
+    assert not native.gemv_serves(torch.randn(native.max_rows() + 1, 16), w)
 
 
 def test_the_model_routes_b_rows_to_the_kernels(monkeypatch):
@@ -66,7 +85,7 @@ def test_the_model_routes_b_rows_to_the_kernels(monkeypatch):
     w, norm, x = torch.randn(40, 64, generator=gen), torch.randn(64, generator=gen), torch.randn(5, 64, generator=gen)
     assert torch.equal(model.linear(x, w), native.gemv(x, w))
     model.rms_norm(x, norm, 1e-5)
-    model.linear(torch.randn(native.GEMV_MAX_ROWS + 1, 64), w)                 # a prefill's rows: MKL
+    model.linear(torch.randn(native.max_rows() + 1, 64), w)                 # a prefill's rows: MKL
     assert calls == {"gemv": 2, "rms_norm": 1}
 
 

@@ -90,3 +90,7 @@ void kv_gemv(const float *x, const float *w, float *y, int64_t b, int64_t n, int
         for (int64_t r = groups * rows; r < n; r++) column(x, w + r * k, y + r, b, n, k, 1, NULL);
     }
 }
+
+/* rows of x per tile in this build (4: AVX-512 or aarch64; 2: AVX2, SSE), so Python can tell how
+ * far the C product beats MKL's GEMM here (engine/native.py: max_rows) */
+int kv_gemv_tile(void) { return XS_MANY; }
