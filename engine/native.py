@@ -61,7 +61,9 @@ def lib():
     if "lib" not in _state:
         with _lock:
             if "lib" not in _state:
-                _state["lib"], _state["why"] = _load()
+                loaded, why = _load()
+                _state["rows"], _state["why"] = _rows(loaded), why
+                _state["lib"] = loaded        # last: another thread seeing "lib" finds the rest set
                 if _state["lib"] is None and _state["why"] != "off: KVCHAT_NATIVE=0":
                     log.warning("kvchat: C kernels %s; the torch paths serve", _state["why"])
     return _state["lib"]
@@ -82,7 +84,7 @@ def using(level: str, cc: str | None = None) -> Iterator[str]:
     global _state
     previous = _state
     loaded, why = _load(level, cc)
-    _state = {"lib": loaded, "why": why}
+    _state = {"lib": loaded, "why": why, "rows": _rows(loaded)}
     try:
         yield why
     finally:
@@ -113,14 +115,15 @@ NARROW_MAX_ROWS = 6  # the same with 2-row tiles (AVX2, SSE): on an AVX2 AMD EPY
                      # with the rows; MKL's hardly does)
 
 
+def _rows(loaded: ctypes.CDLL | None) -> int:
+    return 0 if loaded is None else GEMV_MAX_ROWS if loaded.kv_gemv_tile() >= 4 else NARROW_MAX_ROWS
+
+
 def max_rows() -> int:
     """The most rows the C kernels take in one call in this build (a decode step's sequences,
-    a prompt chunk's tokens); more go to torch. 0 when the kernels are not loaded."""
-    if lib() is None:
-        return 0
-    if "rows" not in _state:
-        _state["rows"] = GEMV_MAX_ROWS if lib().kv_gemv_tile() >= 4 else NARROW_MAX_ROWS
-    return _state["rows"]
+    a prompt chunk's tokens); more go to torch. 0 when the kernels are not loaded, so the
+    callers' row checks also say whether the kernels serve."""
+    return 0 if lib() is None else _state["rows"]
 
 
 def gemv_serves(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -129,7 +132,7 @@ def gemv_serves(x: torch.Tensor, w: torch.Tensor) -> bool:
     contiguous CPU weights (bf16 for gemv), and the kernels loaded."""
     return (x.dim() == 2 and 0 < x.shape[0] <= max_rows() and x.dtype == torch.float32
             and (w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and w.dim() == 2)) and x.device.type == "cpu" and w.device.type == "cpu"
-            and w.is_contiguous() and x.is_contiguous() and lib() is not None)
+            and w.is_contiguous() and x.is_contiguous())
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

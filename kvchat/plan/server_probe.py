@@ -34,6 +34,11 @@ def contexts(longest: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
     return (longest // 8, longest), (longest // 8, longest // 2, longest)
 
 
+def probe_count(longest: int, repeats: int = REPEATS) -> int:
+    decode_at, prefills = contexts(longest)
+    return repeats * (len(decode_at) * len(BATCHES) + len(prefills))
+
+
 def _hist(backend, name: str) -> tuple[float, float]:
     backend.snapshot()                                   # scrapes /metrics again
     h = getattr(backend.metrics, name)
@@ -89,7 +94,7 @@ def probe_points(backend, kv_dtype: str, budget: int, count=None, seed: int = 0,
     each probe runs `repeats` times on fresh text and keeps its fastest: whatever else shares
     the machine only ever adds time. `say` gets a line as each probe ends."""
     decode_at, prefills = contexts(longest)
-    total = repeats * (len(decode_at) * len(BATCHES) + len(prefills))
+    total = probe_count(longest, repeats)
     done = 0
 
     def measured(what: str, ms: float | None) -> None:
@@ -138,7 +143,7 @@ def from_server(args) -> Measurements:
             raise UsageError(f"the server's cache dtype is {kv!r}; give --kv-dtype")
         budget = args.max_batched_tokens or vllm_defaults(hw)[0]
         longest = args.probe_context or PROBE_CONTEXT
-        print(f"probing {args.server}: {REPEATS * (len(BATCHES) * 2 + 3)} probes, contexts to {longest:,} tokens "
+        print(f"probing {args.server}: {probe_count(longest)} probes, contexts to {longest:,} tokens "
               f"(--probe-context), each within {PROBE_TIMEOUT_S} s", flush=True)
         points = probe_points(backend, kv, budget, seed=args.seed, longest=longest,
                               say=lambda line: print(line, flush=True))

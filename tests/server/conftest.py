@@ -56,11 +56,8 @@ def free_port() -> int:
 
 
 def cpu_computes_bf16() -> bool:
-    try:
-        flags = Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-    return "avx512_bf16" in flags or "amx_bf16" in flags
+    from kvchat.engine.native_build import cpu_flags
+    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
 
 
 @dataclass
