@@ -109,10 +109,10 @@ def _scale_strides(s: torch.Tensor | None) -> tuple[int, int, int]:
 # ---- the calls -----------------------------------------------------------------------------
 GEMV_MAX_ROWS = 32   # rows up to which the C product beat MKL's GEMM (4-row tiles: an AVX-512 Xeon, one thread;
                      # benchmarks/cpu_gemv_ab.py)
-NARROW_MAX_ROWS = 6  # the same with 2-row tiles (AVX2, SSE): on an AVX2 AMD EPYC, 2 cores, the bundled
-                     # model's 120 products with weights from memory, C / torch: 4 rows 89 / 133 ms, 6 rows
-                     # 120 / 120, 8 rows 158 / 136, 16 rows 315 / 136, 32 rows 612 / 204 (the C time grows
-                     # with the rows; MKL's hardly does)
+NARROW_MAX_ROWS = 16  # the same with 2-row tiles (AVX2, SSE, aarch64): on an AVX2 AMD EPYC, 2 cores, the
+                      # bundled model's products with weights from memory (benchmarks/cpu_gemv_ab.py), C
+                      # over torch: 1.15-1.61x at 16 rows on every shape, 0.86-1.18x at 32; the SSE build
+                      # (-march=x86-64) against torch's AVX2 MKL: 1.09-1.90x at 8 rows, 0.56-0.72x at 32
 
 
 def _rows(loaded: ctypes.CDLL | None) -> int:

@@ -101,7 +101,7 @@ def test_a_compiler_that_writes_garbage_is_caught_by_the_check(tmp_path):
 
 @needs_cc
 @pytest.mark.parametrize("sabotage, message", [
-    ("s/acc\\[b\\]\\[r\\] += wv\\[r\\] \\* xv/acc[b][r] -= wv[r] * xv/", "failed its check: kv_gemv gave"),
+    ("s/acc\\[b\\]\\[r\\]\\[s\\] += wv\\[r\\] \\* xv/acc[b][r][s] -= wv[r] * xv/", "failed its check: kv_gemv gave"),
     ("s/^void kv_gemv(\\(.*\\)) {$/void kv_gemv(\\1) { __builtin_trap();/", "crashed its check (signal"),
 ], ids=["wrong sums", "crashes"])
 def test_a_compiler_that_produces_a_wrong_library_is_caught_by_the_check(tmp_path, quick, monkeypatch, sabotage,

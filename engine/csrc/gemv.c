@@ -4,8 +4,9 @@
  * bound by reading the weights (538 MB a step for the bundled model in fp32), so each weight
  * row is read from memory once for all B rows: a thread takes R weight rows at a time and
  * runs every tile of X rows of x against them while they sit in L1. One row (B = 1) reads
- * 8 weight rows per pass with x held in L1: torch's one-row product (MKL) streamed the weights
- * at about 21 GB/s on 2 cores where this streams 30+.
+ * ROWS_ONE weight rows per pass with x held in L1: torch's one-row product (MKL) streamed the
+ * weights at about 21 GB/s on 2 cores where this streams 30+. The tile shapes per build, and
+ * why the tile is written in the machine's vector width: vec.h.
  *
  * Every output y[b, i] is summed in the same order whatever the tile: sixteen lanes over k
  * (the accumulation that tile() writes once), their pairwise sum, then k's tail. So a row of
@@ -16,38 +17,34 @@
 #include "kvchat.h"
 #include "vec.h"
 
-#define ROWS_ONE 8      /* weight rows per pass for one row of x */
 #define SMALL 32768     /* multiply-adds below which one thread computes */
-#if defined(__AVX512F__) || defined(__aarch64__)
-#define ROWS_MANY 4     /* weight rows per tile with several rows of x: 32 vector registers */
-#define XS_MANY 4       /* rows of x per tile: R x X accumulators, R weight vectors, one x */
-#else
-#define ROWS_MANY 2     /* 16 registers of half the width (AVX2, SSE): a 2 x 2 tile of f16v */
-#define XS_MANY 2
-#endif
 
 /* R weight rows (at w, stride k) against X rows of x (stride k) into y (stride n). Inlined with
- * R and X constant: the accumulators stay in registers. `next`, when not NULL, is the next R
- * rows a thread will read: fetched into cache meanwhile (see column()). */
+ * R and X constant: the accumulators stay in registers. Lane l of an output's 16 lanes is lane
+ * l % VLANES of its accumulator l / VLANES, so the sums are the same on every width. `next`, when not
+ * NULL, is the next R rows a thread will read: fetched into cache meanwhile (see column()). */
 static inline __attribute__((always_inline)) void tile(const float *x, const float *w, float *y, int64_t n,
                                                        int64_t k, const int R, const int X, const float *next) {
     const int64_t kv = k / LANES * LANES;
-    f16v acc[XS_MANY][ROWS_ONE];
+    fnv acc[XS_MANY][TILE_ROWS][SUBS];
     for (int b = 0; b < X; b++)
-        for (int r = 0; r < R; r++) acc[b][r] = (f16v){0};
+        for (int r = 0; r < R; r++)
+            for (int s = 0; s < SUBS; s++) acc[b][r][s] = (fnv){0};
     for (int64_t j = 0; j < kv; j += LANES) {
-        f16v wv[ROWS_ONE];
-        for (int r = 0; r < R; r++) wv[r] = load(w + r * k + j);
         if (next != NULL)
             for (int r = 0; r < R; r++) __builtin_prefetch(next + r * k + j);
-        for (int b = 0; b < X; b++) {
-            const f16v xv = load(x + b * k + j);
-            for (int r = 0; r < R; r++) acc[b][r] += wv[r] * xv;
+        for (int s = 0; s < SUBS; s++) {
+            fnv wv[TILE_ROWS];
+            for (int r = 0; r < R; r++) wv[r] = loadn(w + r * k + j + s * VLANES);
+            for (int b = 0; b < X; b++) {
+                const fnv xv = loadn(x + b * k + j + s * VLANES);
+                for (int r = 0; r < R; r++) acc[b][r][s] += wv[r] * xv;
+            }
         }
     }
     for (int b = 0; b < X; b++)
         for (int r = 0; r < R; r++) {
-            float s = hsum(acc[b][r]);
+            float s = hsum_subs(acc[b][r]);
             for (int64_t j = kv; j < k; j++) s += w[r * k + j] * x[b * k + j];
             y[b * n + r] = s;
         }
@@ -91,6 +88,6 @@ void kv_gemv(const float *x, const float *w, float *y, int64_t b, int64_t n, int
     }
 }
 
-/* rows of x per tile in this build (4: AVX-512 or aarch64; 2: AVX2, SSE), so Python can tell how
+/* rows of x per tile in this build (4: AVX-512; 2: AVX2, SSE, aarch64), so Python can tell how
  * far the C product beats MKL's GEMM here (engine/native.py: max_rows) */
 int kv_gemv_tile(void) { return XS_MANY; }

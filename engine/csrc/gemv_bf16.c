@@ -21,15 +21,7 @@
 #define DPBF16 0
 #define STEP LANES
 #endif
-#define ROWS_ONE 8
-#define SMALL 32768
-#if defined(__AVX512F__) || defined(__aarch64__)
-#define ROWS_MANY 4
-#define XS_MANY 4
-#else
-#define ROWS_MANY 2
-#define XS_MANY 2
-#endif
+#define SMALL 32768    /* the tile shapes: vec.h */
 
 static inline float bf16_float(uint16_t h) {
     uint32_t u = (uint32_t)h << 16;
@@ -39,29 +31,26 @@ static inline float bf16_float(uint16_t h) {
 }
 
 #if DPBF16
+#define PARTS 1         /* one __m512 accumulator of 16 lanes */
 typedef __m512 acc_t;
 static inline acc_t acc_zero(void) { return _mm512_setzero_ps(); }
-static inline f16v acc_vec(acc_t a) { f16v v; memcpy(&v, &a, sizeof v); return v; }
+static inline float acc_sum(const acc_t *a) { f16v v; memcpy(&v, a, sizeof v); return hsum(v); }
 #else
-typedef f16v acc_t;
-static inline acc_t acc_zero(void) { return (f16v){0}; }
-static inline f16v acc_vec(acc_t a) { return a; }
+#define PARTS SUBS      /* 16 lanes as SUBS accumulators of the machine's width (vec.h) */
+typedef fnv acc_t;
+static inline acc_t acc_zero(void) { return (fnv){0}; }
+static inline float acc_sum(const acc_t *a) { return hsum_subs(a); }
 
-/* sixteen bf16 widened to fp32: the bits moved up 16 places */
-static inline f16v widen_bf16(const uint16_t *p) {
+/* VLANES bf16 widened to fp32: the bits moved up 16 places */
+static inline fnv widen_bf16(const uint16_t *p) {
 #if !defined(KVCHAT_PORTABLE) && defined(__AVX512F__)
-    return (f16v)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+    return (fnv)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
 #elif !defined(KVCHAT_PORTABLE) && defined(__AVX2__)
-    __m256i lo = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
-    __m256i hi = _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + 8))), 16);
-    f16v out;
-    memcpy(&out, &lo, 32);
-    memcpy((char *)&out + 32, &hi, 32);
-    return out;
+    return (fnv)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
 #else
-    uint32_t u[LANES];
-    for (int i = 0; i < LANES; i++) u[i] = (uint32_t)p[i] << 16;
-    f16v out;
+    uint32_t u[VLANES];
+    for (int i = 0; i < VLANES; i++) u[i] = (uint32_t)p[i] << 16;
+    fnv out;
     memcpy(&out, u, sizeof out);
     return out;
 #endif
@@ -74,32 +63,35 @@ static inline __attribute__((always_inline)) void tile(const float *x, const uin
                                                        float *y, int64_t n, int64_t k, const int R, const int X,
                                                        const uint16_t *next) {
     const int64_t kv = k / STEP * STEP;
-    acc_t acc[XS_MANY][ROWS_ONE];
+    acc_t acc[XS_MANY][TILE_ROWS][PARTS];
     for (int b = 0; b < X; b++)
-        for (int r = 0; r < R; r++) acc[b][r] = acc_zero();
+        for (int r = 0; r < R; r++)
+            for (int s = 0; s < PARTS; s++) acc[b][r][s] = acc_zero();
     for (int64_t j = 0; j < kv; j += STEP) {
         if (next != NULL)
             for (int r = 0; r < R; r++) __builtin_prefetch(next + r * k + j);
 #if DPBF16
-        __m512bh wv[ROWS_ONE];
+        __m512bh wv[TILE_ROWS];
         for (int r = 0; r < R; r++) wv[r] = (__m512bh)_mm512_loadu_si512(w + r * k + j);
         for (int b = 0; b < X; b++) {
             const __m512bh xv = (__m512bh)_mm512_loadu_si512(xb + b * k + j);
-            for (int r = 0; r < R; r++) acc[b][r] = _mm512_dpbf16_ps(acc[b][r], wv[r], xv);
+            for (int r = 0; r < R; r++) acc[b][r][0] = _mm512_dpbf16_ps(acc[b][r][0], wv[r], xv);
         }
 #else
         (void)xb;
-        f16v wv[ROWS_ONE];
-        for (int r = 0; r < R; r++) wv[r] = widen_bf16(w + r * k + j);
-        for (int b = 0; b < X; b++) {
-            const f16v xv = load(x + b * k + j);
-            for (int r = 0; r < R; r++) acc[b][r] += wv[r] * xv;
+        for (int s = 0; s < SUBS; s++) {
+            fnv wv[TILE_ROWS];
+            for (int r = 0; r < R; r++) wv[r] = widen_bf16(w + r * k + j + s * VLANES);
+            for (int b = 0; b < X; b++) {
+                const fnv xv = loadn(x + b * k + j + s * VLANES);
+                for (int r = 0; r < R; r++) acc[b][r][s] += wv[r] * xv;
+            }
         }
 #endif
     }
     for (int b = 0; b < X; b++)
         for (int r = 0; r < R; r++) {
-            float s = hsum(acc_vec(acc[b][r]));
+            float s = acc_sum(acc[b][r]);
             for (int64_t j = kv; j < k; j++) s += bf16_float(w[r * k + j]) * x[b * k + j];
             y[b * n + r] = s;
         }

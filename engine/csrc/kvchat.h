@@ -60,7 +60,7 @@ void kv_gemv(const float *x, const float *w, float *y, int64_t b, int64_t n, int
 int kv_gemv_bf16(const float *x, const uint16_t *w, float *y, int64_t b, int64_t n, int64_t k, int threads);
 /* 1 when kv_gemv_bf16 uses AVX512-BF16's vdpbf16ps (x rounded to bf16), 0 when it widens w (gemv_bf16.c) */
 int kv_bf16_native(void);
-/* rows of x per tile in kv_gemv: 4 with 32 vector registers (AVX-512, aarch64), else 2 */
+/* rows of x per tile in kv_gemv: 4 with AVX-512, else 2 (vec.h: the tile shapes) */
 int kv_gemv_tile(void);
 /* x, y: (b, k); w: (k,): y = x / sqrt(mean(x^2) + eps) * w (gemv.c) */
 void kv_rms_norm(const float *x, const float *w, float *y, int64_t b, int64_t k, float eps);

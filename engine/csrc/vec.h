@@ -36,6 +36,49 @@ static inline float hsum(f16v v) {
     return (b[0] + b[2]) + (b[1] + b[3]);
 }
 
+/* The machine's own vector width, VLANES floats, and the products' tile shapes for it (gemv.c,
+ * gemv_bf16.c). Their tiles are written in fnv, not f16v: with 16-float vectors on AVX2, GCC
+ * split each accumulator into two halves kept on the stack, and every multiply-add loaded and
+ * stored its accumulator (seen in its assembly; 12 GFLOP/s on 2 cores, under a tenth of the FMA
+ * units' rate). A 16-lane accumulator is SUBS = LANES / VLANES registers; a tile of R weight rows
+ * against X rows of x holds X * R * SUBS accumulators, R weight vectors and one of x, so the
+ * shape is what the register file holds. ROWS_ONE: weight rows per pass for one row of x;
+ * ROWS_MANY x XS_MANY: the tile with several rows of x. */
+#if defined(__AVX512F__)
+#define VLANES 16
+#define ROWS_ONE 8      /* 8 accumulators + 8 weight vectors of 32 registers */
+#define ROWS_MANY 4     /* a 4 x 4 tile: 16 accumulators + 4 weights + x */
+#define XS_MANY 4
+#elif defined(__AVX__)
+#define VLANES 8
+#define ROWS_ONE 4      /* 8 accumulators + 4 weights + x of 16 registers */
+#define ROWS_MANY 2     /* a 2 x 2 tile: 8 accumulators + 2 weights + x */
+#define XS_MANY 2
+#elif defined(__aarch64__)
+#define VLANES 4
+#define ROWS_ONE 4      /* 16 accumulators + 4 weights + x of NEON's 32 registers */
+#define ROWS_MANY 2     /* a 2 x 2 tile: 16 accumulators + 2 weights + x */
+#define XS_MANY 2
+#else
+#define VLANES 4
+#define ROWS_ONE 2      /* SSE's 16 registers: 8 accumulators + 2 weights + x */
+#define ROWS_MANY 1     /* a 1 x 2 tile: 8 accumulators + 1 weight + x */
+#define XS_MANY 2
+#endif
+#define SUBS (LANES / VLANES)
+#define TILE_ROWS (ROWS_ONE > ROWS_MANY ? ROWS_ONE : ROWS_MANY)
+
+typedef float fnv __attribute__((vector_size(VLANES * sizeof(float))));
+
+static inline fnv loadn(const float *p) { fnv v; memcpy(&v, p, sizeof v); return v; }
+
+/* sixteen lanes kept as SUBS accumulators of VLANES, summed as hsum sums one f16v */
+static inline float hsum_subs(const fnv *parts) {
+    f16v whole;
+    memcpy(&whole, parts, sizeof whole);
+    return hsum(whole);
+}
+
 /* sixteen int8 sign-extended to int32. GCC 12 lowers __builtin_convertvector between these
  * widths one element at a time (seen in its assembly), so x86 takes the one instruction. */
 static inline i16v widen(const int8_t *p) {
