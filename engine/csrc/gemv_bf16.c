@@ -97,11 +97,13 @@ static inline __attribute__((always_inline)) void tile(const float *x, const uin
         }
 }
 
+/* as gemv.c's column(): every tile fetches the next rows (bf16 weights widened on the AVX2 EPYC,
+ * 8 rows of x against lm_head: 5.1 -> 4.8 ms) */
 static inline __attribute__((always_inline)) void column(const float *x, const uint16_t *xb, const uint16_t *w,
                                                          float *y, int64_t b, int64_t n, int64_t k, const int R,
                                                          const uint16_t *next) {
     int64_t x0 = 0;
-    for (; x0 + XS_MANY <= b; x0 += XS_MANY, next = NULL)
+    for (; x0 + XS_MANY <= b; x0 += XS_MANY)
         tile(x + x0 * k, xb + x0 * k, w, y + x0 * n, n, k, R, XS_MANY, next);
     switch (b - x0) {
 #if XS_MANY > 3
