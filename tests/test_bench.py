@@ -139,6 +139,18 @@ def test_floor_is_the_bytes_a_step_reads_over_the_bandwidth():
     assert s["fp8_ratio_vs_fp32"] == {"1024": 1.25}
 
 
+def test_the_bandwidth_probe_fits_beside_a_model_that_fills_most_of_memory():
+    """1.5x the step's bytes when that fits in half of what is available; else half of what
+    is available (Llama 3.1 8B in bf16 on a 24 GB machine: a 22.6 GB buffer beside 16 GB of
+    weights had the bench killed); never under MIN_BUFFER."""
+    from kvchat.bench.floor import MIN_BUFFER, probe_bytes
+    gb = 10**9
+    assert probe_bytes(600_000_000, 20 * gb) == 900_000_000             # the bundled model
+    assert probe_bytes(15 * gb, 7 * gb) == 3_500_000_000                 # 8B bf16 after its load
+    assert probe_bytes(15 * gb, 8 * 2**20) == MIN_BUFFER
+    assert probe_bytes(1_000_000, 20 * gb) == MIN_BUFFER
+
+
 def test_bench_json_holds_the_floor_and_its_ratios(bench_run):
     rec = json.loads(bench_run["json"].read_text())
     assert rec["floor"]["bandwidth"]["gb_s"] > 0 and rec["floor"]["weight_bytes"] > 0

@@ -194,7 +194,8 @@ def run_batch(args) -> int:
         notes.append("vLLM not measured: give --server URL of a running vLLM server (scripts/setup-vllm.sh)")
     load0 = busy_note(notes)
     weights = engine.model.step_weight_bytes
-    probe = bench_floor.BandwidthProbe(int(1.5 * weights))
+    from kvchat.engine.engine import available_memory
+    probe = bench_floor.BandwidthProbe(bench_floor.probe_bytes(weights, available_memory(torch.device("cpu"))))
     probe.sample(5)
     flops = gemm_gflops()
     try:

@@ -309,6 +309,7 @@ def run(args) -> int:
         return run_batch(args)
     import torch
     from kvchat.engine import Engine
+    from kvchat.engine.engine import available_memory
 
     from ..backends.deadlines import Deadlines
     from ..cli.args import engine_config
@@ -357,8 +358,9 @@ def run(args) -> int:
 
     load0 = busy_note(notes)
     weights = bench_floor.step_weight_bytes(engine.model)
-    buffer = int(1.5 * (weights + (max(cfg.contexts) + cfg.new_tokens + NEXT_TURN_MARGIN) * engine.bytes_per_token))
-    bench.say(f"measuring read bandwidth (sums over a {max(buffer, bench_floor.MIN_BUFFER) / 2**20:,.0f} MiB buffer, "
+    buffer = bench_floor.probe_bytes(weights + (max(cfg.contexts) + cfg.new_tokens + NEXT_TURN_MARGIN)
+                                     * engine.bytes_per_token, available_memory(torch.device("cpu")))
+    bench.say(f"measuring read bandwidth (sums over a {buffer / 2**20:,.0f} MiB buffer, "
               "before, between and after the contexts)")
     bench.probe = bench_floor.BandwidthProbe(buffer)
     bench.probe.sample(5)
