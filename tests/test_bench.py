@@ -78,6 +78,9 @@ def test_bench_plot_is_a_png(bench_run):
 def test_bench_shows_progress_on_stderr_and_a_terminal_plot(bench_run):
     assert "context 64, run 1/1: transformers" in bench_run["err"]
     assert "decode ms/token vs context" in bench_run["out"]
+    # the discarded warm-up says so: one run gives one "run 1/1" line per engine, not two
+    assert "context 32, warm-up: kvchat " in bench_run["err"]       # at the first context
+    assert bench_run["err"].count("context 32, run 1/1: kvchat          prefill") == 1
 
 
 def test_missing_llama_cpp_is_skipped_with_a_message(bench_run):

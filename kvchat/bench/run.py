@@ -220,10 +220,10 @@ class Bench:
         if ids2 is not None:
             s.ttft_reset_ms.append(peer.generate(ids2, 0).ttft_ms)
 
-    def context(self, ctx: int, run: int, steps: int, row: dict[str, Series]) -> None:
+    def context(self, ctx: int, run: int, steps: int, row: dict[str, Series], warmup: bool = False) -> None:
         cfg, eng = self.cfg, self.engine
         text, ids1 = self._first.pop(ctx) if run == 0 and ctx in self._first else self.history_of(ctx, run)
-        tag = f"context {ctx}, run {run + 1}/{cfg.runs}:"
+        tag = f"context {ctx}, " + ("warm-up:" if warmup else f"run {run + 1}/{cfg.runs}:")
         s = row.setdefault("kvchat", Series())
         if ctx in self.cut:
             s.note(f"history cut to {self.cut[ctx]:,} tokens, so that the timed reply and the next turn fit in "
@@ -268,7 +268,7 @@ class Bench:
     def measure(self) -> dict[int, dict[str, Series]]:
         cfg = self.cfg
         self.say(f"warming up (context {cfg.contexts[0]}, 2 steps; discarded)")
-        self.context(cfg.contexts[0], 0, 2, {})
+        self.context(cfg.contexts[0], 0, 2, {}, warmup=True)
         results: dict[int, dict[str, Series]] = {ctx: {} for ctx in cfg.contexts}
         for run in range(cfg.runs):  # runs outermost, so slow drift on a shared machine hits every context
             for ctx in cfg.contexts:
