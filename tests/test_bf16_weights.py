@@ -70,3 +70,37 @@ def test_auto_picks_bf16_exactly_where_the_kernel_multiplies_bf16_natively():
         assert native.lib() is not None and not native.bf16_native() and cpu_auto_dtype() == "fp32"
     with native.disabled():
         assert cpu_auto_dtype() == "fp32"
+
+
+def test_many_rows_against_bf16_weights_widen_them_where_the_cpu_has_no_bf16_arithmetic(monkeypatch):
+    """A prefill's rows against bf16 weights: on a CPU without bf16 arithmetic the weights are
+    widened to fp32 a slice at a time (model.widened) and the rows stay fp32, so the product
+    carries only fp32's rounding of the bf16 weights' exact values; the bf16 path rounds x to
+    bf16 first (about 2^-9 relative per element). Both against float64 on fresh random data,
+    with slices smaller than the matrix so that several slices and a ragged last one run."""
+    from kvchat.engine import model as M
+    from kvchat.engine.native_build import cpu_flags
+    assert M.WIDEN_BF16 == (not {"avx512_bf16", "amx_bf16"} & cpu_flags())
+    gen = torch.Generator().manual_seed(int(torch.randint(0, 2**31, (1,))))
+    x = torch.randn(M.WIDEN_MIN_ROWS + 7, 576, generator=gen)
+    w = torch.randn(1000, 576, generator=gen).to(torch.bfloat16)
+    ref = x.double() @ w.double().T
+    # fp32 sums of k = 576 products: |error| <= k * 2^-24 * sum |x_i w_i| (a loose form of
+    # Higham's gamma_k bound), far below bf16's rounding of x
+    bound = 576 * 2.0**-24 * (x.double().abs() @ w.double().abs().T)
+    monkeypatch.setattr(M, "WIDEN_SLICE_BYTES", 300 * 576 * 4)         # slices of 300 rows: 300, 300, 300, 100
+    calls = count_calls(monkeypatch, M, "widened")
+    monkeypatch.setattr(M, "WIDEN_BF16", True)
+    wide = M.linear(x, w)
+    assert calls["widened"] == 1 and wide.dtype == torch.float32 and wide.shape == (x.shape[0], 1000)
+    assert bool(((wide.double() - ref).abs() <= bound).all())
+    monkeypatch.setattr(M, "WIDEN_BF16", False)
+    narrow = M.linear(x, w)
+    assert calls["widened"] == 1                                         # the bf16 GEMM instead
+    # x rounded to bf16 breaks the fp32 bound: the test tells the two paths apart
+    assert not bool(((narrow.double() - ref).abs() <= bound).all())
+    # fewer rows than WIDEN_MIN_ROWS keep the bf16 product even where widening is on
+    monkeypatch.setattr(M, "WIDEN_BF16", True)
+    with native.disabled():
+        M.linear(x[:M.WIDEN_MIN_ROWS - 1], w)
+    assert calls["widened"] == 1
