@@ -183,10 +183,11 @@ def _cpu_computes_bf16() -> bool:
 # emulated there (22 GFLOP/s for 128 rows against Llama 3.1 8B's 14336 x 4096 on the AVX2
 # EPYC, where its fp32 GEMM gave 140), so the weights are widened to fp32 a slice at a time and
 # the rows stay fp32 (no rounding of x to bf16 either). Llama 3.1 8B's prefill: 2 tokens/s
-# before. Fewer rows than WIDEN_MIN_ROWS (a decode step without the C kernels) keep the bf16
-# product: widening every weight for one row would write twice the bytes it reads.
+# before, 9 after. Fewer rows than WIDEN_MIN_ROWS keep the bf16 product (a decode step without
+# the C kernels): on that matrix widening took 11 / 30 / 30 / 37 ms for 1 / 4 / 8 / 16 rows,
+# the bf16 product 6 / 27 / 56 / 88 ms.
 WIDEN_BF16 = not _cpu_computes_bf16()
-WIDEN_MIN_ROWS = 32
+WIDEN_MIN_ROWS = 8
 WIDEN_SLICE_BYTES = 4 << 20      # fp32 bytes of weight rows widened at a time: L2 to L3-sized
 
 
