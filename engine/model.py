@@ -23,6 +23,7 @@ from . import native, native_step
 from .attention import causal_attention, paged_decode, paged_prefill, write_kv
 from .geometry import Geometry
 from .kv_cache import KVPool
+from .native_build import computes_bf16
 
 
 Runs = tuple[tuple[int, int], ...]   # a block table as ((first id, blocks), ...): see Sequence.runs
@@ -174,11 +175,6 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x.expand(s, 1, k), w.view(s, n // s, k).transpose(1, 2)).reshape(1, n)  # (1, n)
 
 
-def _cpu_computes_bf16() -> bool:
-    from .native_build import cpu_flags
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
-
-
 # Many fp32 rows against bf16 weights on a CPU without bf16 arithmetic: torch's bf16 GEMM is
 # emulated there (22 GFLOP/s for 128 rows against Llama 3.1 8B's 14336 x 4096 on the AVX2
 # EPYC, where its fp32 GEMM gave 140), so the weights are widened to fp32 a slice at a time and
@@ -186,7 +182,7 @@ def _cpu_computes_bf16() -> bool:
 # before, 9 after. Fewer rows than WIDEN_MIN_ROWS keep the bf16 product (a decode step without
 # the C kernels): on that matrix widening took 11 / 30 / 30 / 37 ms for 1 / 4 / 8 / 16 rows,
 # the bf16 product 6 / 27 / 56 / 88 ms.
-WIDEN_BF16 = not _cpu_computes_bf16()
+WIDEN_BF16 = not computes_bf16()
 WIDEN_MIN_ROWS = 8
 WIDEN_SLICE_BYTES = 4 << 20      # fp32 bytes of weight rows widened at a time: L2 to L3-sized
 

@@ -69,6 +69,12 @@ def cpu_flags() -> set[str]:
     return set(line.partition(":")[2].split())
 
 
+def computes_bf16(flags: set[str] | None = None) -> bool:
+    """Whether the CPU has bf16 arithmetic (AVX512-BF16 or AMX): where it does not, bf16
+    products are emulated (vLLM's and torch's alike) and far slower than fp32."""
+    return bool({"avx512_bf16", "amx_bf16"} & (cpu_flags() if flags is None else flags))
+
+
 def runnable_levels(arch: str | None = None, flags: set[str] | None = None) -> list[str]:
     """The levels whose code this CPU can run: native and portable everywhere, and each
     x86-64 level whose instructions the CPU has (each level includes the ones below)."""

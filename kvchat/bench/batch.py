@@ -159,6 +159,7 @@ def budget_for(engine_cfg, geometry, batches, contexts, steps) -> int:
 def run_batch(args) -> int:
     import torch
     from kvchat.engine import Engine, preflight
+    from kvchat.engine.engine import available_memory
 
     from ..cli.args import engine_config
     json_path, plot_path = output_path("--json", args.json), output_path("--plot", args.plot, ".png")
@@ -194,7 +195,6 @@ def run_batch(args) -> int:
         notes.append("vLLM not measured: give --server URL of a running vLLM server (scripts/setup-vllm.sh)")
     load0 = busy_note(notes)
     weights = engine.model.step_weight_bytes
-    from kvchat.engine.engine import available_memory
     probe = bench_floor.BandwidthProbe(bench_floor.probe_bytes(weights, available_memory(torch.device("cpu"))))
     probe.sample(5)
     flops = gemm_gflops()

@@ -55,18 +55,13 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def cpu_computes_bf16() -> bool:
-    from kvchat.engine.native_build import cpu_flags
-    return bool({"avx512_bf16", "amx_bf16"} & cpu_flags())
-
-
 @dataclass
 class Server:
     url: str
     kv_events: str
     proc: subprocess.Popen
     log: Path
-    dtype: str          # bf16 or fp32 (cpu_computes_bf16)
+    dtype: str          # bf16 or fp32 (native_build.computes_bf16)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -95,7 +90,8 @@ def vllm_server(tmp_path_factory):
     port, events_port = free_port(), free_port()
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
-    dtype = "bf16" if cpu_computes_bf16() else "fp32"
+    from kvchat.engine.native_build import computes_bf16
+    dtype = "bf16" if computes_bf16() else "fp32"
     cmd = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
            "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
            "--gpu-memory-utilization", "0.3", "--max-model-len", "8192", "--enable-prefix-caching",
