@@ -23,6 +23,7 @@ from kvchat.store.history import History
 from kvchat.store.records import TurnRecord
 from kvchat.store.export import export
 from kvchat.store.log import ConversationBusy, ConversationLog, restore
+from tmux_helpers import tmux_run
 
 START = {"model": "m", "system": None, "cap": None, "policy": "stop", "mode": "cache"}
 
@@ -164,8 +165,7 @@ class Tmux:
         self.socket = f"kvchat-faults-{os.getpid()}"
 
     def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        env = {k: v for k, v in os.environ.items() if k != "TMUX"}
-        return subprocess.run(["tmux", "-L", self.socket, *args], capture_output=True, text=True, check=check, env=env)
+        return tmux_run(self.socket, *args, check=check)
 
     def start(self, name: str, command: str) -> int:
         self.run("new-session", "-d", "-s", name, "-x", "140", "-y", "45", command)

@@ -17,6 +17,7 @@ import pytest
 
 from kvchat.keys import KEYS
 from kvchat.store.log import restore
+from tmux_helpers import tmux_run
 
 pytestmark = [pytest.mark.slow,
               pytest.mark.skipif(shutil.which("tmux") is None, reason="tmux is not installed")]
@@ -24,15 +25,16 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 class Tmux:
-    """One tmux server on a private socket, so the user's sessions are never touched."""
+    """One tmux server on its own private socket, so the user's sessions are never touched and
+    no test starts a session on a server the previous test is still shutting down."""
+    made = 0
 
     def __init__(self, name: str) -> None:
-        self.socket, self.session = f"kvchat-test-{os.getpid()}", name
+        Tmux.made += 1
+        self.socket, self.session = f"kvchat-test-{os.getpid()}-{Tmux.made}", name
 
     def run(self, *args: str, check: bool = True) -> subprocess.CompletedProcess:
-        env = {k: v for k, v in os.environ.items() if k != "TMUX"}
-        return subprocess.run(["tmux", "-L", self.socket, *args], capture_output=True, text=True,
-                              check=check, env=env)
+        return tmux_run(self.socket, *args, check=check)
 
     def pane(self) -> str:
         return self.run("capture-pane", "-p", "-t", self.session, check=False).stdout
