@@ -91,20 +91,50 @@ static inline __attribute__((always_inline)) void scores(const float *qj, const 
     }
 }
 
+/* one query's scores against a full tile (TILE rows at a stride of ld): VLANES rows at a
+ * time, each row's sum one accumulator over the row's vectors (q's vector loaded once for
+ * the VLANES rows), their lanes summed by one transpose_sum */
+static inline __attribute__((always_inline)) void scores_full(const float *qj, const float *kt, int64_t ld,
+                                                              const int nn, float *sc) {
+    for (int r0 = 0; r0 < TILE; r0 += VLANES) {
+        fnv a[VLANES];
+        for (int i = 0; i < VLANES; i++) a[i] = (fnv){0};
+        for (int c = 0; c < nn; c++) {
+            const fnv qv = loadn(qj + c * VLANES);
+            for (int i = 0; i < VLANES; i++) a[i] += qv * loadn(kt + (r0 + i) * ld + c * VLANES);
+        }
+        const fnv t = transpose_sum(a);
+        memcpy(sc + r0, &t, sizeof t);
+    }
+}
+
+static inline fnv splatn(float x) {
+    fnv v;
+    for (int i = 0; i < VLANES; i++) v[i] = x;
+    return v;
+}
+
+#define CHUNK_TILES 4   /* tiles (of up to TILE rows, each within one block) per softmax update */
+#define CHUNK (CHUNK_TILES * TILE)
+
 /* one work item: KV head h of one sequence (its table and length) over blocks [b0, b1);
  * leaves the running max m, sum l and the unnormalised output acc (G x dim) of each of the
  * head's G queries. Inlined with G and NV (head_dim / 16) constant. Written in the machine's
- * vector width (vec.h), one query at a time, so that what a loop holds fits the registers:
- * with 16-float vectors and all G queries at once, GCC kept the queries, outputs and scores
- * on the stack of an AVX2 machine (5 GB/s of cache read on 2 cores, where memory gives 30).
- * The sums are the same, in the same order, as with one 16-lane vector. */
+ * vector width (vec.h), one query at a time, so that what a loop holds fits the registers.
+ * The rows go in chunks of up to CHUNK_TILES tiles, across blocks: every query's scores for
+ * the whole chunk, then one softmax update per query, then p V. One update per 16 rows left
+ * the core waiting on the update's chain (max, exp, sum) at every tile. */
 static inline __attribute__((always_inline)) void item(
         const DecodeArgs *a, const int32_t *table, int64_t length, const float *q, int64_t h,
         int64_t b0, int64_t b1, float *m, float *l, float *acc, const int G, const int NV) {
     const int dim = NV * LANES, nn = dim / VLANES;
-    f16v p[MAX_GROUP];
-    float kbuf[TILE * MAX_DIM] __attribute__((aligned(64))), vbuf[TILE * MAX_DIM] __attribute__((aligned(64)));
-    float kf[TILE], vf[TILE], sc[TILE] __attribute__((aligned(64)));
+    float sc[MAX_GROUP][CHUNK] __attribute__((aligned(64)));
+    float kbuf[CHUNK_TILES][TILE * MAX_DIM] __attribute__((aligned(64)));
+    float vbuf[CHUNK_TILES][TILE * MAX_DIM] __attribute__((aligned(64)));
+    float kf[CHUNK] __attribute__((aligned(64))), vf[CHUNK] __attribute__((aligned(64)));
+    const float *kt[CHUNK_TILES], *vt[CHUNK_TILES];
+    int64_t ld[CHUNK_TILES];
+    int rows[CHUNK_TILES];
     const int fp8 = a->ks != NULL;
     const float *qh = q + h * G * dim;
     for (int j = 0; j < G; j++) {
@@ -112,56 +142,73 @@ static inline __attribute__((always_inline)) void item(
         m[j] = -INFINITY;
         l[j] = 0.0f;
     }
-    for (int64_t b = b0; b < b1; b++) {
-        const int64_t blk = table[b];
-        const int64_t in_block = length - b * a->block_size;
-        const int64_t rows_here = in_block < a->block_size ? in_block : a->block_size;
-        const int64_t kv_off = blk * a->block_stride + h * a->head_stride;
-        const int64_t s_off = blk * a->sblock_stride + h * a->shead_stride;
-        for (int64_t r0 = 0; r0 < rows_here; r0 += TILE) {
-            const int rows = (int)(rows_here - r0 < TILE ? rows_here - r0 : TILE);
-            const float *kt, *vt;     /* the tile's rows in fp32, at a stride of ld floats */
-            int64_t ld;
+    int64_t b = b0, r0 = 0;            /* the next tile: block b's rows from r0 */
+    while (b < b1) {
+        int nt = 0;
+        for (; nt < CHUNK_TILES && b < b1; nt++) {
+            const int64_t blk = table[b];
+            const int64_t in_block = length - b * a->block_size;
+            const int64_t rows_here = in_block < a->block_size ? in_block : a->block_size;
+            const int n = (int)(rows_here - r0 < TILE ? rows_here - r0 : TILE);
+            const int64_t kv_off = blk * a->block_stride + h * a->head_stride + r0 * a->row_stride;
+            rows[nt] = n;
             if (fp8) {
-                fp8_rows((const int8_t *)a->k + kv_off + r0 * a->row_stride, a->row_stride, rows, dim, kbuf);
-                fp8_rows((const int8_t *)a->v + kv_off + r0 * a->row_stride, a->row_stride, rows, dim, vbuf);
-                for (int r = 0; r < rows; r++) {
-                    kf[r] = a->ks[s_off + (r0 + r) * a->srow_stride];
-                    vf[r] = a->vs[s_off + (r0 + r) * a->srow_stride];
+                const int64_t s_off = blk * a->sblock_stride + h * a->shead_stride + r0 * a->srow_stride;
+                fp8_rows((const int8_t *)a->k + kv_off, a->row_stride, n, dim, kbuf[nt]);
+                fp8_rows((const int8_t *)a->v + kv_off, a->row_stride, n, dim, vbuf[nt]);
+                for (int r = 0; r < n; r++) {
+                    kf[nt * TILE + r] = a->ks[s_off + r * a->srow_stride];
+                    vf[nt * TILE + r] = a->vs[s_off + r * a->srow_stride];
                 }
-                kt = kbuf, vt = vbuf, ld = dim;
+                kt[nt] = kbuf[nt], vt[nt] = vbuf[nt], ld[nt] = dim;
             } else {
-                kt = (const float *)a->k + kv_off + r0 * a->row_stride;
-                vt = (const float *)a->v + kv_off + r0 * a->row_stride;
-                ld = a->row_stride;
+                kt[nt] = (const float *)a->k + kv_off;
+                vt[nt] = (const float *)a->v + kv_off;
+                ld[nt] = a->row_stride;
             }
-            for (int j = 0; j < G; j++) {             /* scores, then the softmax update */
-                scores(qh + j * dim, kt, ld, rows, nn, sc);
-                f16v s16 = load(sc) * a->scale;
-                if (fp8) s16 *= load(kf);
-                float mx = m[j];
-                for (int r = 0; r < rows; r++) mx = s16[r] > mx ? s16[r] : mx;
-                const float alpha = expf(m[j] - mx);
-                p[j] = vexp(s16 - mx);
-                for (int r = rows; r < TILE; r++) p[j][r] = 0.0f;
-                l[j] = l[j] * alpha + hsum(p[j]);
-                m[j] = mx;
-                if (alpha != 1.0f)
-                    for (int c = 0; c < dim; c += VLANES) {
-                        const fnv o = loadn(acc + j * dim + c) * alpha;
-                        memcpy(acc + j * dim + c, &o, sizeof o);
-                    }
-                if (fp8) p[j] *= load(vf);
+            r0 += n;
+            if (r0 >= rows_here) b++, r0 = 0;
+        }
+        for (int j = 0; j < G; j++)                    /* every query's scores for the chunk */
+            for (int t = 0; t < nt; t++) {
+                if (rows[t] == TILE) scores_full(qh + j * dim, kt[t], ld[t], nn, sc[j] + t * TILE);
+                else scores(qh + j * dim, kt[t], ld[t], rows[t], nn, sc[j] + t * TILE);
             }
-            for (int j = 0; j < G; j++) {             /* p V, one query's outputs in registers */
-                fnv o[MAX_DIM / VLANES];
-                for (int c = 0; c < nn; c++) o[c] = loadn(acc + j * dim + c * VLANES);
-                for (int r = 0; r < rows; r++) {
-                    const fnv pj = (fnv){0} + p[j][r];
-                    for (int c = 0; c < nn; c++) o[c] += pj * loadn(vt + r * ld + c * VLANES);
+        for (int j = 0; j < G; j++) {                  /* one softmax update per query */
+            f16v s[CHUNK_TILES];
+            float mx = m[j];
+            for (int t = 0; t < nt; t++) {
+                s[t] = load(sc[j] + t * TILE) * a->scale;
+                if (fp8) s[t] *= load(kf + t * TILE);
+                for (int r = 0; r < rows[t]; r++) mx = s[t][r] > mx ? s[t][r] : mx;
+            }
+            const float alpha = expf(m[j] - mx);
+            float sum = 0.0f;
+            for (int t = 0; t < nt; t++) {
+                f16v p = vexp(s[t] - mx);
+                for (int r = rows[t]; r < TILE; r++) p[r] = 0.0f;
+                sum += hsum(p);
+                if (fp8) p *= load(vf + t * TILE);
+                store(sc[j] + t * TILE, p);
+            }
+            l[j] = l[j] * alpha + sum;
+            m[j] = mx;
+            if (alpha != 1.0f)
+                for (int c = 0; c < dim; c += VLANES) {
+                    const fnv o = loadn(acc + j * dim + c) * alpha;
+                    memcpy(acc + j * dim + c, &o, sizeof o);
                 }
-                for (int c = 0; c < nn; c++) memcpy(acc + j * dim + c * VLANES, &o[c], sizeof o[c]);
-            }
+        }
+        for (int j = 0; j < G; j++) {                  /* p V, one query's outputs in registers */
+            fnv o[MAX_DIM / VLANES];
+            for (int c = 0; c < nn; c++) o[c] = loadn(acc + j * dim + c * VLANES);
+            for (int t = 0; t < nt; t++)
+                for (int r = 0; r < rows[t]; r++) {
+                    const float pr = sc[j][t * TILE + r];
+                    const fnv pj = splatn(pr);
+                    for (int c = 0; c < nn; c++) o[c] += pj * loadn(vt[t] + r * ld[t] + c * VLANES);
+                }
+            for (int c = 0; c < nn; c++) memcpy(acc + j * dim + c * VLANES, &o[c], sizeof o[c]);
         }
     }
 }
