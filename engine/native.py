@@ -197,8 +197,14 @@ def decode_args(q_shape: tuple[int, ...], q_stride: int, k_cache: torch.Tensor, 
 
 def splits(n_kv_heads: int) -> int:
     """Work items per (sequence, KV head), from the most threads, not the current count: the
-    bits stay put while the load changes."""
-    return max(1, -(-SPLITS_PER_THREAD * threads.most() // n_kv_heads))
+    bits stay put while the load changes. A sequence's items (KV heads x splits) are a multiple
+    of the threads, so that no thread waits on another's extra item: the bundled model's 3 KV
+    heads on 2 threads took 3 splits, 9 items, 5 on one thread and 4 on the other; 4 splits
+    gave 30 layers at 4,096 tokens 10-15% faster (17.0-17.7 -> 14.5-15.7 ms)."""
+    n = max(1, -(-SPLITS_PER_THREAD * threads.most() // n_kv_heads))
+    while (n * n_kv_heads) % threads.most():
+        n += 1
+    return n
 
 
 def _decode(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
