@@ -31,10 +31,20 @@ SERIAL = ("tests/server/", "tests/app/test_tmux", "tests/app/test_long_reply.py"
           "tests/test_fair_lock.py::test_three_conversations")
 
 
+# Of those, the ones whose work is done by processes of their own (kvchat in tmux, a vLLM
+# server): their bounds are generous (a model load within 240 s, an exit within 5-15 s) and
+# their processes leave the test's own core idle much of the time, so `make test` runs them as
+# a second lane beside the others at a lower priority (scripts/serial_lanes.py). `-m "serial
+# and processes"` selects them.
+PROCESSES = ("tests/server/", "tests/app/test_tmux", "tests/test_faults.py")
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if item.nodeid.startswith(SERIAL):
             item.add_marker(pytest.mark.serial)
+        if item.nodeid.startswith(PROCESSES):
+            item.add_marker(pytest.mark.processes)
 
 
 @pytest.fixture(scope="session")
