@@ -12,7 +12,7 @@
 #include "kvchat.h"
 #include "vec.h"
 
-#define TILE 16         /* cached rows per softmax update: one vector of scores */
+#define TILE 16         /* cached rows per tile, all in one block: one vector of scores */
 #define MAX_GROUP 16    /* query heads per KV head */
 #define MAX_DIM 256     /* head_dim */
 #define SMALL 8192      /* cached values (rows x KV heads x head_dim) below which one thread decodes */
@@ -108,6 +108,7 @@ static inline __attribute__((always_inline)) void scores_full(const float *qj, c
     }
 }
 
+/* x in every lane as one broadcast; (fnv){0} + x also adds, which the compiler keeps (it turns -0 into +0) */
 static inline fnv splatn(float x) {
     fnv v;
     for (int i = 0; i < VLANES; i++) v[i] = x;
