@@ -63,45 +63,21 @@ static inline fnv transpose_sum(const fnv *a) {
 #endif
 }
 
-/* a 16-lane sum kept as SUBS vectors, halved in hsum's order down to one vector: lanes 0-7
- * plus 8-15, then (below AVX2's width) 0-3 plus 4-7 */
-static inline fnv fold(fnv *part) {
-    for (int n = SUBS; n > 1; n /= 2)
-        for (int i = 0; i < n / 2; i++) part[i] += part[i + n / 2];
-    return part[0];
-}
-
-/* one query's scores against a tile's rows (the rest of the TILE zero): sc[r] = q . k_r, its
- * 16 lanes over head_dim summed as hsum sums them, so that every build's vector width gives
- * the same bits. nn: vectors of the machine's width in a row (head_dim / VLANES). */
+/* one query's scores against a tile's first `rows` rows (the rest of the TILE zero):
+ * sc[r] = q . k_r, VLANES rows at a time, each row's sum one accumulator over the row's
+ * vectors (q's vector loaded once for the VLANES rows), their lanes summed by one
+ * transpose_sum. Rows past `rows` are never read: the last tile may end a block, or the pool.
+ * Inlined with rows = TILE for a full tile, where the test on each row folds away.
+ * nn: vectors of the machine's width in a row (head_dim / VLANES). */
 static inline __attribute__((always_inline)) void scores(const float *qj, const float *kt, int64_t ld, int rows,
                                                          const int nn, float *sc) {
-    for (int r0 = 0; r0 < TILE; r0 += VLANES) {
-        fnv a[VLANES];
-        for (int i = 0; i < VLANES; i++) {
-            fnv part[SUBS];
-            for (int s = 0; s < SUBS; s++) part[s] = (fnv){0};
-            if (r0 + i < rows)
-                for (int c = 0; c < nn; c++)
-                    part[c % SUBS] += loadn(qj + c * VLANES) * loadn(kt + (r0 + i) * ld + c * VLANES);
-            a[i] = fold(part);
-        }
-        const fnv t = transpose_sum(a);
-        memcpy(sc + r0, &t, sizeof t);
-    }
-}
-
-/* one query's scores against a full tile (TILE rows at a stride of ld): VLANES rows at a
- * time, each row's sum one accumulator over the row's vectors (q's vector loaded once for
- * the VLANES rows), their lanes summed by one transpose_sum */
-static inline __attribute__((always_inline)) void scores_full(const float *qj, const float *kt, int64_t ld,
-                                                              const int nn, float *sc) {
     for (int r0 = 0; r0 < TILE; r0 += VLANES) {
         fnv a[VLANES];
         for (int i = 0; i < VLANES; i++) a[i] = (fnv){0};
         for (int c = 0; c < nn; c++) {
             const fnv qv = loadn(qj + c * VLANES);
-            for (int i = 0; i < VLANES; i++) a[i] += qv * loadn(kt + (r0 + i) * ld + c * VLANES);
+            for (int i = 0; i < VLANES; i++)
+                if (r0 + i < rows) a[i] += qv * loadn(kt + (r0 + i) * ld + c * VLANES);
         }
         const fnv t = transpose_sum(a);
         memcpy(sc + r0, &t, sizeof t);
@@ -172,7 +148,7 @@ static inline __attribute__((always_inline)) void item(
         }
         for (int j = 0; j < G; j++)                    /* every query's scores for the chunk */
             for (int t = 0; t < nt; t++) {
-                if (rows[t] == TILE) scores_full(qh + j * dim, kt[t], ld[t], nn, sc[j] + t * TILE);
+                if (rows[t] == TILE) scores(qh + j * dim, kt[t], ld[t], TILE, nn, sc[j] + t * TILE);
                 else scores(qh + j * dim, kt[t], ld[t], rows[t], nn, sc[j] + t * TILE);
             }
         for (int j = 0; j < G; j++) {                  /* one softmax update per query */
