@@ -224,7 +224,7 @@ class Conversation:
             raise
         self._request = req
         detok = Detokenizer(eng.tokenizer)
-        started, seen = False, 0
+        seen = 0
         try:
             for ev in self._events(req):
                 if isinstance(ev, Fed):
@@ -235,7 +235,6 @@ class Conversation:
                         break
                     continue
                 if isinstance(ev, PrefillEvent):
-                    started = True
                     self.last_logits = req.first_logits
                 yield ev
             if req.error is not None:
@@ -244,8 +243,10 @@ class Conversation:
             # an error, a cancelled prefill, or a reader that stopped reading (generator closed)
             if not req.finished:
                 eng.abort(req)
-            if not started:
-                self.messages = before  # nothing was generated: as if the message was never sent
+            if not seen:
+                # no token yet (an error or a cancel before the first, even after the prefill):
+                # as if the message was never sent; the next turn reuses what the cache holds
+                self.messages = before
             else:
                 self._end_turn(detok)   # the reply so far is kept, as the cache holds it
             raise
