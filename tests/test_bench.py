@@ -233,3 +233,24 @@ def test_history_renders_to_exactly_the_requested_tokens(engine, context):
     text, ids = history(renderer.render, engine.tokenizer, context, seed=3)
     assert len(ids) == context
     assert text.startswith("Note 1:")
+
+
+def test_busy_decodes_alone_and_beside_a_busy_process_and_reports_the_slowdown(capsys):
+    """`--busy 1` end to end on the real model: each round decodes alone, then beside one
+    spinning process, and the table has both rows and a slowdown (no timing asserted)."""
+    threads = torch.get_num_threads()
+    try:
+        code = main(["bench", "--busy", "1", "--contexts", "32", "--new-tokens", "3", "--runs", "2",
+                     "--kv-budget", "64MiB", "--threads", "1"])
+    finally:
+        torch.set_num_threads(threads)
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    assert "Decode beside 1 busy process(es), context 32" in out
+    rows = {line.split("|")[1].strip(): line for line in out.splitlines() if line.startswith("| alone") or
+            line.startswith("| beside 1 busy")}
+    assert set(rows) == {"alone", "beside 1 busy"}
+    for line in rows.values():
+        median, p90 = (float(c) for c in line.split("|")[2:4])
+        assert 0 < median <= p90
+    assert "Slowdown (busy over alone's median): median " in out and "round 2/2" in err

@@ -37,7 +37,7 @@ def measure(bench, ctx: int, busy: int) -> dict[str, Series]:
     cfg = bench.cfg
     row = {"alone": Series(), "busy": Series()}
     for run in range(cfg.runs):
-        text, _ = bench.histories[ctx, run]
+        text, _ = bench.history_of(ctx, run)
         bench.say(f"context {ctx}, round {run + 1}/{cfg.runs}: alone")
         bench.ours(text, cfg.new_tokens, row["alone"], "none")
         bench.say(f"context {ctx}, round {run + 1}/{cfg.runs}: beside {busy} busy process(es)")
