@@ -4,7 +4,8 @@ weights, the same pool and the same tokens, taken in turn round after round so t
 changing load touches both alike.
 
     python benchmarks/cpu_decode_ab.py --before /path/to/other/checkout/engine \
-        [--contexts 1024,4096,8192] [--kv fp32,fp8] [--steps 8] [--rounds 5] [--threads 2] [--dtype fp32]
+        [--contexts 1024,4096,8192] [--kv fp32,fp8] [--steps 8] [--rounds 5] [--threads 2] [--dtype fp32] \
+        [--shuffle]
 
 Prints, per context and KV dtype, the median over rounds of each round's median ms/step for
 both, their ratio, and the 1-minute load before and after.
@@ -61,6 +62,9 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--dtype", default="auto", help="model weights: auto, fp32, bf16 (EngineConfig.dtype)")
     ap.add_argument("--loop", action="store_true", help="time the engines' turn loops, not the forward")
+    ap.add_argument("--shuffle", action="store_true",
+                    help="the cache's blocks in a random order, as in a pool many conversations have used "
+                         "(default: one ascending run, as in a fresh pool)")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     if args.loop:
@@ -86,8 +90,17 @@ def main() -> int:
             spec = plan_pool(g, kv, 2 * (c + args.steps + 16) * g.kv_bytes_per_token(kv), 16)
             pool = KVPool(g, spec, eng.device)
             table = torch.arange(spec.num_blocks, dtype=torch.int32)
+            if args.shuffle:
+                table = torch.randperm(spec.num_blocks, generator=gen).to(torch.int32)
+            bs = spec.block_size
+
+            def slots(pos: torch.Tensor) -> torch.Tensor:
+                return table[pos // bs].long() * bs + pos % bs
+
+            def hint(step_cls) -> dict:
+                return {} if args.shuffle else one_run(step_cls, table)
             with torch.inference_mode():
-                m.forward(ids[:c], torch.arange(c), Step(table, torch.arange(c), 0, False), pool)
+                m.forward(ids[:c], torch.arange(c), Step(table, slots(torch.arange(c)), 0, False), pool)
             times = {"before": [], "after": []}
             for _ in range(args.rounds):
                 for name, model, step_cls in (("before", old, bmodel.Step), ("after", m, Step)):
@@ -96,7 +109,7 @@ def main() -> int:
                         for p in range(c, c + args.steps):  # rewrites the same rows each round
                             t0 = time.perf_counter()
                             model.forward(ids[p:p + 1], torch.tensor([p]),
-                                          step_cls(table, torch.tensor([p]), p, True, **one_run(step_cls, table)), pool)
+                                          step_cls(table, slots(torch.tensor([p])), p, True, **hint(step_cls)), pool)
                             xs.append((time.perf_counter() - t0) * 1000)
                     times[name].append(statistics.median(xs))
             b, a = statistics.median(times["before"]), statistics.median(times["after"])
