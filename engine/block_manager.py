@@ -29,7 +29,6 @@ step) takes its place. So every cached block can still match (`reachable`).
 """
 from __future__ import annotations
 
-import heapq
 from collections import OrderedDict
 from collections.abc import Callable, Sequence as Tokens
 from dataclasses import dataclass
@@ -47,6 +46,63 @@ def chain_hash(parent: int, token_ids: tuple[int, ...]) -> int:
     return hash((parent, token_ids))
 
 
+RUN = 4  # blocks in a group: a sequence starts its blocks in a fully free group (FreeBlocks)
+
+
+class FreeBlocks:
+    """The free list, handed out so that each sequence's blocks lie in runs.
+
+    The CPU's decode attention reads a sequence's blocks through its table; a block (one KV
+    head's 16 rows, 4 KB in fp32) is too short a read for the hardware to stream, so blocks in
+    random order took 1.5x the time of one ascending run, and two sequences taking alternate
+    blocks 1.3x, while runs of 4 blocks in random order took 1.05x (30 layers at 4,096 tokens,
+    README). So the pool is cut into groups of RUN blocks, and a sequence's next block is:
+    - the block after its last one, when that is free and in the same group or starts a group
+      that is wholly free (so another sequence's run is never cut into);
+    - else the first block of the lowest wholly free group;
+    - else the lowest free block.
+    A fresh sequence in a fresh pool gets blocks 0, 1, 2, ... as before. Free flags and counts
+    are bytearrays, searched with bytearray.find: C speed, no heap.
+    """
+
+    def __init__(self, num_blocks: int) -> None:
+        self.n = num_blocks
+        self.free = bytearray(b"\x01") * num_blocks                   # 1: free
+        groups = -(-num_blocks // RUN)
+        self.size = bytes(min(RUN, num_blocks - g * RUN) for g in range(groups))
+        self.left = bytearray(self.size)                              # free blocks per group
+        self.whole = bytearray(b"\x01") * groups                      # 1: every block of the group free
+        self.count = num_blocks
+
+    def __len__(self) -> int:
+        return self.count
+
+    def push(self, block_id: int) -> None:
+        if self.free[block_id]:
+            raise ValueError(f"block {block_id} freed twice")
+        self.free[block_id] = 1
+        self.count += 1
+        g = block_id // RUN
+        self.left[g] += 1
+        if self.left[g] == self.size[g]:
+            self.whole[g] = 1
+
+    def pop(self, after: int | None) -> int:
+        """A free block for a sequence whose last block is `after` (None: it holds none)."""
+        nxt = -1 if after is None else after + 1
+        if not (0 <= nxt < self.n and self.free[nxt] and (nxt % RUN or self.whole[nxt // RUN])):
+            g = self.whole.find(1)
+            nxt = g * RUN if g >= 0 else self.free.find(1)
+        if nxt < 0:
+            raise IndexError("no free block")
+        self.free[nxt] = 0
+        self.count -= 1
+        g = nxt // RUN
+        self.left[g] -= 1
+        self.whole[g] = 0
+        return nxt
+
+
 @dataclass(slots=True)
 class Block:
     block_id: int
@@ -58,8 +114,8 @@ class Block:
 
 
 class BlockManager:
-    """Free list (lowest id first, so a fresh sequence gets contiguous blocks), reference
-    counts, and an LRU of cached blocks behind a verified prefix index."""
+    """Free list (in runs, so that each sequence's blocks mostly lie in order: FreeBlocks),
+    reference counts, and an LRU of cached blocks behind a verified prefix index."""
 
     def __init__(self, num_blocks: int, block_size: int, hash_fn: HashFn = chain_hash) -> None:
         if num_blocks <= 0 or block_size <= 0:
@@ -68,7 +124,7 @@ class BlockManager:
         self.block_size = block_size
         self.hash_fn = hash_fn
         self.blocks = [Block(i) for i in range(num_blocks)]
-        self._free: list[int] = list(range(num_blocks))  # a heap
+        self._free = FreeBlocks(num_blocks)
         self._cached: OrderedDict[int, None] = OrderedDict()  # unreferenced, indexed; oldest first
         self._index: dict[int, int] = {}  # key -> block id
         self._by_chain: dict[int, int] = {}          # chain id -> its indexed block
@@ -161,8 +217,9 @@ class BlockManager:
         return len(seq.tokens)
 
     def allocate(self, seq: Sequence, n: int) -> None:
-        """Add n fresh blocks to the end of seq: free ones first (lowest id), then the least
-        recently used cached ones, whose index entries are dropped."""
+        """Add n fresh blocks to the end of seq: free ones first (the block after its last one
+        where it can, FreeBlocks), then the least recently used cached ones, whose index
+        entries are dropped."""
         if n < 0:
             raise ValueError(f"cannot allocate {n} blocks")
         if not self.can_allocate(n):
@@ -172,7 +229,7 @@ class BlockManager:
         start = len(seq.block_table)
         for _ in range(n):
             if self._free:
-                block_id = heapq.heappop(self._free)
+                block_id = self._free.pop(seq.block_table[-1] if seq.block_table else None)
             else:
                 block_id, _ = self._cached.popitem(last=False)
                 self._unindex(block_id)
@@ -242,7 +299,7 @@ class BlockManager:
         while self._cached:
             block_id, _ = self._cached.popitem(last=False)
             self._unindex(block_id)
-            heapq.heappush(self._free, block_id)
+            self._free.push(block_id)
         return n
 
     # ---- internals ----------------------------------------------------------------------
@@ -306,7 +363,7 @@ class BlockManager:
                     self._cached[block_id] = None
                 else:
                     self._clear(block_id)
-                    heapq.heappush(self._free, block_id)
+                    self._free.push(block_id)
 
     def _forget(self, block_ids: Tokens[int]) -> None:
         """Release blocks and drop the unreferenced ones from the prefix index too."""
@@ -315,7 +372,7 @@ class BlockManager:
             if block_id in self._cached:
                 del self._cached[block_id]
                 self._unindex(block_id)
-                heapq.heappush(self._free, block_id)
+                self._free.push(block_id)
 
     def _ref(self, block_id: int) -> None:
         b = self.blocks[block_id]
@@ -365,7 +422,7 @@ class BlockManager:
         self._unindex(block_id)
         if block_id in self._cached:
             del self._cached[block_id]
-            heapq.heappush(self._free, block_id)
+            self._free.push(block_id)
             self.stranded += 1
 
     def _untwin(self, block_id: int) -> None:

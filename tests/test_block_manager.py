@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvchat.engine.block_manager import BlockManager, chain_hash
+from kvchat.engine.block_manager import RUN, BlockManager, FreeBlocks, chain_hash
 from kvchat.engine.errors import PoolExhausted
 from kvchat.engine.sequence import Sequence
 
@@ -294,7 +294,55 @@ def test_fresh_blocks_come_lowest_id_first_so_tables_start_contiguous():
     bm.evict(filled_tokens(bm, seq, 3 * BS), 1, 1)
     other = Sequence(BS)
     bm.allocate(other, 2)
-    assert other.block_table == [1, 3]
+    assert other.block_table == [4, 5]       # a wholly free group, not the holes at 1 and 3
+    third = Sequence(BS)
+    bm.allocate(third, 3)
+    assert third.block_table == [1, 3, 6]    # no wholly free group left: the lowest free blocks
+
+
+def test_sequences_taking_blocks_in_turn_each_get_runs_not_alternate_blocks():
+    """Decoding together, sequences cross block boundaries in turn; each keeps to its own
+    group of RUN blocks; while a wholly free group remains, no sequence cuts into a group
+    another one started."""
+    assert RUN == 4
+    bm = BlockManager(16, BS)
+    a, b = Sequence(BS), Sequence(BS)
+    for _ in range(5):
+        bm.allocate(a, 1)
+        bm.allocate(b, 1)
+    assert a.block_table == [0, 1, 2, 3, 8]
+    assert b.block_table == [4, 5, 6, 7, 12]
+    c = Sequence(BS)
+    bm.allocate(c, 2)                          # groups 2 and 3 are started: the lowest free
+    assert c.block_table == [9, 10]
+
+
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(1, 23), ops=st.lists(st.tuples(st.booleans(), st.integers(0, 22)), max_size=80))
+def test_the_free_list_hands_out_each_free_block_once_and_keeps_its_counts(n, ops):
+    """Against a plain set: every pop returns a free block, a block after `after` when that
+    one is free in a group it may take, and the per-group counts agree with the flags."""
+    free, fb = set(range(n)), FreeBlocks(n)
+    for take, x in ops:
+        if take and free:
+            after = x if x < n and x not in free else None
+            got = fb.pop(after)
+            assert got in free
+            nxt = None if after is None else after + 1
+            if nxt is not None and nxt in free and (nxt % RUN or all(i in free for i in range(nxt, min(nxt + RUN, n)))):
+                assert got == nxt
+            free.discard(got)
+        elif not take and x < n and x not in free:
+            fb.push(x)
+            free.add(x)
+        assert len(fb) == len(free)
+        for g in range(-(-n // RUN)):
+            members = range(g * RUN, min(g * RUN + RUN, n))
+            assert fb.left[g] == sum(i in free for i in members)
+            assert fb.whole[g] == all(i in free for i in members)
+    if free:
+        with pytest.raises(ValueError):
+            fb.push(min(free))
 
 
 def filled_tokens(bm: BlockManager, seq: Sequence, n: int) -> Sequence:
