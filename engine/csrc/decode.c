@@ -94,19 +94,28 @@ static inline fnv splatn(float x) {
 #define CHUNK_TILES 4   /* tiles (of up to TILE rows, each within one block) per softmax update */
 #define CHUNK (CHUNK_TILES * TILE)
 
+/* the tile at block b's row r0: its rows (up to TILE, within the block and the sequence's
+ * length) returned, and b, r0 moved on to the next tile's */
+static inline int next_tile(const DecodeArgs *a, int64_t length, int64_t *b, int64_t *r0) {
+    const int64_t in_block = length - *b * a->block_size;
+    const int64_t rows_here = in_block < a->block_size ? in_block : a->block_size;
+    const int n = (int)(rows_here - *r0 < TILE ? rows_here - *r0 : TILE);
+    *r0 += n;
+    if (*r0 >= rows_here) ++*b, *r0 = 0;
+    return n;
+}
+
 /* fp8: the next chunk's K and V rows and scales, fetched into cache while this chunk computes.
  * Its conversion waited on each row's load (a third of the kernel's time at 4,096 tokens),
  * since the chunk's blocks lie anywhere in the pool. A chunk of fp8 rows is a few KB, so the
  * fetch does not push this chunk's rows out of L1 (the fp32 rows, 32 KB a chunk, gained
- * nothing from the same fetch). */
+ * nothing from the same fetch). Contiguous scales take one fetch per 16 (a cache line). */
 static inline void prefetch_fp8(const DecodeArgs *a, const int32_t *table, int64_t length, int64_t h, int64_t b,
                                 int64_t r0, int64_t b1, int dim) {
     for (int t = 0; t < CHUNK_TILES && b < b1; t++) {
-        const int64_t in_block = length - b * a->block_size;
-        const int64_t rows_here = in_block < a->block_size ? in_block : a->block_size;
-        const int n = (int)(rows_here - r0 < TILE ? rows_here - r0 : TILE);
         const int64_t off = table[b] * a->block_stride + h * a->head_stride + r0 * a->row_stride;
         const int64_t s_off = table[b] * a->sblock_stride + h * a->shead_stride + r0 * a->srow_stride;
+        const int n = next_tile(a, length, &b, &r0);
         for (int r = 0; r < n; r++) {
             for (int c = 0; c < dim; c += 64) {
                 __builtin_prefetch((const int8_t *)a->k + off + r * a->row_stride + c);
@@ -117,8 +126,6 @@ static inline void prefetch_fp8(const DecodeArgs *a, const int32_t *table, int64
                 __builtin_prefetch(a->vs + s_off + r * a->srow_stride);
             }
         }
-        r0 += n;
-        if (r0 >= rows_here) b++, r0 = 0;
     }
 }
 
@@ -152,13 +159,11 @@ static inline __attribute__((always_inline)) void item(
         int nt = 0;
         for (; nt < CHUNK_TILES && b < b1; nt++) {
             const int64_t blk = table[b];
-            const int64_t in_block = length - b * a->block_size;
-            const int64_t rows_here = in_block < a->block_size ? in_block : a->block_size;
-            const int n = (int)(rows_here - r0 < TILE ? rows_here - r0 : TILE);
             const int64_t kv_off = blk * a->block_stride + h * a->head_stride + r0 * a->row_stride;
+            const int64_t s_off = blk * a->sblock_stride + h * a->shead_stride + r0 * a->srow_stride;
+            const int n = next_tile(a, length, &b, &r0);
             rows[nt] = n;
             if (fp8) {
-                const int64_t s_off = blk * a->sblock_stride + h * a->shead_stride + r0 * a->srow_stride;
                 fp8_rows((const int8_t *)a->k + kv_off, a->row_stride, n, dim, kbuf + nt * TILE * dim);
                 fp8_rows((const int8_t *)a->v + kv_off, a->row_stride, n, dim, vbuf + nt * TILE * dim);
                 for (int r = 0; r < n; r++) {
@@ -171,8 +176,6 @@ static inline __attribute__((always_inline)) void item(
                 vt[nt] = (const float *)a->v + kv_off;
                 ld[nt] = a->row_stride;
             }
-            r0 += n;
-            if (r0 >= rows_here) b++, r0 = 0;
         }
         if (fp8) prefetch_fp8(a, table, length, h, b, r0, b1, dim);
         for (int j = 0; j < G; j++)                    /* every query's scores for the chunk */
