@@ -9,7 +9,7 @@ can be worked out on paper, which is what these tests check the scheduler agains
 from __future__ import annotations
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 from kvchat.plan.metrics import tpot
@@ -173,6 +173,15 @@ users = st.lists(st.tuples(st.floats(0.0, 0.05), turns, st.integers(0, 120)), mi
 @given(users=users, blocks=st.integers(16, 60), system=st.sampled_from([0, 8, 20]), caching=st.booleans(),
        budget=st.sampled_from([16, 64, 4096]), policy=st.sampled_from(["stop", "drop-oldest", "sink-window"]),
        engine=st.booleans())
+# found by a fresh clone's make test: user 3's next turn arrives as its reply ends, and the fast
+# path's look at whether it could be admitted handed its held history back to the cache before
+# the step's decode rows took their blocks, so one of them evicted a block of it (124 cached
+# tokens where the step-by-step run found 128)
+@example(users=[(0.0, [(1, 1, 0.0)], 0), (0.0, [(1, 1, 0.0)], 0), (0.03125, [(4, 9, 0.0), (2, 40, 0.03125)], 5),
+                (0.03125, [(2, 8, 0.0), (1, 19, 0.0)], 111),
+                (0.046875, [(1, 1, 0.048828125), (1, 1, 0.005859375), (1, 1, 0.0)], 71),
+                (0.0, [(2, 1, 0.02734375), (4, 7, 0.0), (39, 40, 0.0234375)], 41)],
+         blocks=50, system=8, caching=True, budget=4096, policy="stop", engine=True)
 def test_decode_stretches_give_the_same_run_as_single_steps(users, blocks, system, caching, budget, policy, engine):
     """Random users in small pools (preemptions included): the fast path's records, gaps,
     counters and final clock equal the step-by-step run's, in vLLM's order and in kvchat's

@@ -221,7 +221,14 @@ class Simulator:
         cfg = self.cfg
         if len(self.running) >= cfg.max_seqs or cfg.max_batched_tokens - len(self.running) <= 0:
             return True
-        return self._admission(self.waiting[0], cfg.max_batched_tokens - len(self.running), cfg.decode_first) is None
+        head = self.waiting[0]
+        if self.idle is not None and head.user in self.idle.held:
+            # its admission first hands its held history back to the cache, a change of state
+            # that must come where the step-by-step path makes it (after the step's decode rows
+            # took their blocks), so the step runs the long way: asking here once let a decode
+            # row evict one of the released blocks and cost the turn a prefix hit
+            return False
+        return self._admission(head, cfg.max_batched_tokens - len(self.running), cfg.decode_first) is None
 
     # ---- one step, the long way ----------------------------------------------------------------
     def _step(self) -> None:
