@@ -16,9 +16,17 @@ otherwise change with the load (the C kernels' bits do not: gemv sums each outpu
 order, decode splits by the cap). KVCHAT_THREADS=N fixes the count for both (benchmarks
 comparing two builds). Where /proc/stat is missing (macOS), the cap serves.
 
-Idle pool threads wait passively (OMP_WAIT_POLICY, set by kvchat/__init__.py before torch
-loads libgomp): spinning threads took the cores the busy process and our own main thread
-needed (a step went from about 190 ms to 740 ms median on a loaded 2-core machine).
+Idle pool threads spin about 0.1 ms, then sleep (OMP_WAIT_POLICY=PASSIVE with
+GOMP_SPINCOUNT=10000, set by kvchat/__init__.py before torch loads libgomp):
+- threads spinning without end took the cores the busy process and our own main thread
+  needed (a step went from about 190 ms to 740 ms median on a loaded 2-core machine);
+- threads sleeping at once (the spin count 0 that PASSIVE alone gives) paid a futex wake-up
+  at each of the step's regions: on an idle 2-core Xeon the bundled model's step at 1,024
+  tokens took 35.4 ms against 23.8 with spinning, and 28.6 against 17.5 with bf16 weights.
+  A spin of 10,000 got 24.1 (1,000: 26.0). Beside one busy process the step is the same
+  either way (46.0 against 46.3 ms: the count is 1, no region wakes a thread); beside two,
+  65-72 ms against 53-54 (`kvchat bench --busy 2`): the pool's short spins after torch's
+  own ops still take some of a crowded core.
 """
 from __future__ import annotations
 

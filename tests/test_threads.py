@@ -86,12 +86,17 @@ def test_kvchat_threads_fixes_the_count(monkeypatch):
         torch.set_num_threads(saved)
 
 
-def test_idle_pool_threads_wait_passively_unless_the_user_says_otherwise():
-    """Set before torch loads libgomp (which reads it once): kvchat/__init__.py."""
-    code = "import os, sys, kvchat; assert 'torch' not in sys.modules; print(os.environ['OMP_WAIT_POLICY'])"
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "PASSIVE"
-    env["OMP_WAIT_POLICY"] = "active"
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "active"
+def test_idle_pool_threads_spin_briefly_then_sleep_unless_the_user_says_otherwise():
+    """Set before torch loads libgomp (which reads them once): kvchat/__init__.py."""
+    code = ("import os, sys, kvchat; assert 'torch' not in sys.modules; "
+            "print(os.environ['OMP_WAIT_POLICY'], os.environ.get('GOMP_SPINCOUNT'))")
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+
+    def policy(**extra: str) -> str:
+        out = subprocess.run([sys.executable, "-c", code], env={**env, **extra}, capture_output=True, text=True,
+                             check=True)
+        return out.stdout.strip()
+
+    assert policy() == "PASSIVE 10000"
+    assert policy(OMP_WAIT_POLICY="active") == "active None"         # the user's policy, its own spin
+    assert policy(GOMP_SPINCOUNT="0") == "PASSIVE 0"                  # the user's spin
