@@ -235,6 +235,11 @@ class Scheduler:
         limit = rows[0].sampler.vocab_limit
         if all(greedy) and all(r.sampler.vocab_limit == limit for r in rows):
             view = logits if limit is None or limit >= logits.shape[-1] else logits[:, :limit]
+            if view.device.type == "cpu" and view.dtype == torch.float32:
+                # numpy's argmax (the same first maximum, NaN counted as one) on this thread:
+                # torch's woke the thread pool for 49k logits, 200 us a step, and the pool's
+                # spin after it took a core from busy neighbours
+                return view.numpy().argmax(-1).tolist()
             return view.argmax(-1).tolist()
         return [int(r.sampler(row)) if want else -1 for r, row, want in zip(rows, logits, wanted)]
 
