@@ -139,7 +139,8 @@ int kv_gemv_bf16(const float *x, const uint16_t *w, float *y, int64_t b, int64_t
         #pragma omp for schedule(static) nowait
         for (int64_t gi = 0; gi < groups; gi++) {
             if (b == 1)
-                tile(x, xb, w + gi * rows * k, y + gi * rows, n, k, ROWS_ONE, 1, NULL);
+                tile(x, xb, w + gi * rows * k, y + gi * rows, n, k, ROWS_ONE, 1,
+                     gi + 1 < groups ? w + (gi + 1) * rows * k : NULL);
             else
                 column(x, xb, w + gi * rows * k, y + gi * rows, b, n, k, ROWS_MANY,
                        gi + 1 < groups ? w + (gi + 1) * rows * k : NULL);
