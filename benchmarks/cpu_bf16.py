@@ -11,9 +11,10 @@ difference| against fp32, and perplexity of the text and its ratio to fp32's.
 Decode quality: `--decode-steps` teacher-forced decode steps after `--context` tokens, the
 one-row products the C GEMV takes (bf16 weights: vdpbf16ps where the CPU has AVX512-BF16),
 against fp32: greedy agreement, logit differences, the next-token NLL's difference.
-Speed: decode ms/token at `--context` tokens, every configuration in this one process, taken in
-turn round after round so that a changing load touches each alike; the median over rounds of
-each round's median, with the 1-minute load before and after.
+Speed: decode ms/token at `--context` tokens and the prefill of those tokens (one chunk) in
+tokens/s, every configuration in this one process, taken in turn round after round so that a
+changing load touches each alike; the median over rounds (of each round's median, for decode),
+with the 1-minute load before and after.
 
 The rule (issue 13): bf16 becomes the CPU default only if its perplexity is within 1% of
 fp32's and it decodes faster.
@@ -92,19 +93,21 @@ def perplexity(logits: torch.Tensor, ids: list[int]) -> float:
     return float((-torch.log_softmax(logits[:-1].float(), -1).gather(1, target)).mean().exp())
 
 
-def decode_round(model, engine, ids: list[int], kv_dtype: str, context: int, steps: int) -> float:
-    """Prefill `context` ids, then time `steps` decode steps (the table's runs given, as the engine
-    gives them). Returns the median ms/step."""
+def decode_round(model, engine, ids: list[int], kv_dtype: str, context: int, steps: int) -> tuple[float, float]:
+    """Prefill `context` ids (one chunk, timed), then time `steps` decode steps (the table's runs
+    given, as the engine gives them). Returns (prefill tokens/s, the median ms/step)."""
     pool, table = pool_for(engine, kv_dtype, context + steps)
     pos = torch.arange(context)
+    t0 = time.perf_counter()
     model.forward(torch.tensor(ids[:context]), pos, Step(table, pos, 0, False), pool)
+    prefill_tok_s = context / (time.perf_counter() - t0)
     times = []
     for p in range(context, context + steps):
         t0 = time.perf_counter()
         model.forward(torch.tensor([ids[p]]), torch.tensor([p]), Step(table, torch.tensor([p]), p, True,
                                                                       runs=((0, pool.spec.num_blocks),)), pool)
         times.append((time.perf_counter() - t0) * 1000)
-    return statistics.median(times)
+    return prefill_tok_s, statistics.median(times)
 
 
 def quality(logits: dict, text_ids: list[int]) -> None:
@@ -156,17 +159,24 @@ def main() -> int:
         decode_quality(dec, ids, args.context)
 
     rounds: dict[tuple[str, str], list[float]] = {c: [] for c in CONFIGS}
+    prefills: dict[tuple[str, str], list[float]] = {c: [] for c in CONFIGS}
     for _ in range(args.rounds):
         for w, kv in CONFIGS:
             with torch.inference_mode():
-                rounds[w, kv].append(decode_round(engines[w].model, engines[w], ids, kv, args.context, args.steps))
+                tok_s, ms = decode_round(engines[w].model, engines[w], ids, kv, args.context, args.steps)
+            prefills[w, kv].append(tok_s)
+            rounds[w, kv].append(ms)
     base = statistics.median(rounds["fp32", "fp32"])
+    base_tok_s = statistics.median(prefills["fp32", "fp32"])
     print(f"\nDecode at {args.context} tokens of context, ms/token: median over {args.rounds} rounds of each "
-          f"round's median of {args.steps} steps (1-minute load {load0:.1f} before, {os.getloadavg()[0]:.1f} after)"
-          "\n\n| weights | KV cache | ms/token | each round | ratio to fp32 |\n|---|---|---:|---|---:|")
+          f"round's median of {args.steps} steps; the prefill of those {args.context} tokens (one chunk), tokens/s: "
+          f"median over the rounds (1-minute load {load0:.1f} before, {os.getloadavg()[0]:.1f} after)"
+          "\n\n| weights | KV cache | ms/token | each round | ratio to fp32 | prefill tokens/s | ratio to fp32 |"
+          "\n|---|---|---:|---|---:|---:|---:|")
     for (w, kv), xs in rounds.items():
-        m = statistics.median(xs)
-        print(f"| {w} | {kv} | {m:.1f} | {', '.join(f'{x:.1f}' for x in xs)} | {m / base:.2f} |")
+        m, p = statistics.median(xs), statistics.median(prefills[w, kv])
+        print(f"| {w} | {kv} | {m:.1f} | {', '.join(f'{x:.1f}' for x in xs)} | {m / base:.2f} | {p:,.0f} | "
+              f"{p / base_tok_s:.2f} |")
     return 0
 
 
