@@ -18,7 +18,7 @@ from .errors import ModelLoadError
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 1}
 SCALE_BYTES = 4   # an fp8 cache keeps one fp32 scale per token, layer, K/V and KV head
-MODEL_DTYPES = ("auto", "fp32", "bf16", "fp16")          # --dtype's choices (auto: bf16 on CUDA, fp32 on CPU)
+MODEL_DTYPES = ("auto", "fp32", "bf16", "fp16")          # --dtype's choices (auto: bf16 on CUDA and AVX512-BF16 CPUs)
 KV_DTYPES = ("auto", "fp32", "bf16", "fp16", "fp8")      # --kv-dtype's (auto: the model's dtype)
 
 # The largest value of each size a model file may claim: several times the largest Llama

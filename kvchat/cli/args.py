@@ -78,7 +78,7 @@ def add_model_args(p: argparse.ArgumentParser, top: bool = False) -> None:
                    help="the model's geometry with random weights: no download, for cache and latency experiments")
     g.add_argument("--device", **_defaults(top, default="auto"), help="auto, cpu, cuda, cuda:N (default auto)")
     g.add_argument("--dtype", choices=MODEL_DTYPES, **_defaults(top, default="auto"),
-                   help="model dtype (default: bf16 on CUDA, fp32 on CPU)")
+                   help="model dtype (default: bf16 on CUDA and on CPUs with AVX512-BF16, else fp32)")
     g.add_argument("--kv-dtype", choices=KV_DTYPES, **_defaults(top, default="auto"),
                    help="KV cache storage dtype (default: the model dtype)")
     g.add_argument("--kv-budget", **_defaults(top, default=None),
