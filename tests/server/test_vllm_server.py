@@ -5,7 +5,6 @@ cached prefix is reused."""
 from __future__ import annotations
 
 import json
-import threading
 import uuid
 
 import pytest
@@ -154,13 +153,15 @@ def test_a_server_killed_mid_reply_gives_one_line_and_keeps_the_conversation(vll
         kept = chat.state().messages
         from kvchat.engine.sampler import SamplingParams
         tokens = 0
-        killer = threading.Thread(target=vllm_server.kill)
         with pytest.raises(ServerError) as err:
             for ev in chat.send(f"Repeat every note, in order. {notes(1, 20)}", SamplingParams(max_tokens=2000)):
                 if isinstance(ev, TokenEvent):
                     tokens += 1
                     if tokens == 3:
-                        killer.start()
+                        # killed here, before the next event is read: from a thread (as this was),
+                        # a fast server on a loaded CI machine sent the whole reply first (one run
+                        # on a 2-core Xeon: no error raised)
+                        vllm_server.kill()
         line = str(err.value)
         # the backend's line speaks of no conversation (ask and replay share it: issue 27's low
         # item); the chat adds that it is kept (tests/app/test_hostile_server.py), and it is:
@@ -169,7 +170,6 @@ def test_a_server_killed_mid_reply_gives_one_line_and_keeps_the_conversation(vll
         assert chat.state().messages == kept
     finally:
         b.shutdown()
-        killer.join()
     fails_with(capsys, ["ask", "--server", vllm_server.url, "hi"], "nothing answers", vllm_server.url)
 
 
