@@ -25,8 +25,8 @@ GOMP_SPINCOUNT=10000, set by kvchat/__init__.py before torch loads libgomp):
   tokens took 35.4 ms against 23.8 with spinning, and 28.6 against 17.5 with bf16 weights.
   A spin of 10,000 got 24.1 (1,000: 26.0). Beside one busy process the step is the same
   either way (46.0 against 46.3 ms: the count is 1, no region wakes a thread); beside two,
-  65-72 ms against 53-54 (`kvchat bench --busy 2`): the pool's short spins after torch's
-  own ops still take some of a crowded core.
+  65-72 ms against 53-54 in `kvchat bench --busy 2`'s rounds, though a plain decode loop
+  beside two busy processes showed no difference within its noise (54-88 ms either way).
 """
 from __future__ import annotations
 
