@@ -183,11 +183,12 @@ def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 # the C kernels): on that matrix widening took 11 / 30 / 30 / 37 ms for 1 / 4 / 8 / 16 rows,
 # the bf16 product 6 / 27 / 56 / 88 ms.
 WIDEN_BF16 = not computes_bf16()
-# A prefill chunk's attention with bf16 weights on a CPU with bf16 arithmetic: q and the
-# gathered K/V rounded to bf16 (as the chunk's products round their rows) for torch's bf16
-# kernel, which uses AMX or AVX512-BF16: 3x its fp32 speed on the bundled model's heads (512
-# rows against 1,024 cached: 2.3 against 6.1 ms on a 2-core Xeon with AMX). The cache stays
-# fp32, and decode steps attend in fp32 (the C kernel).
+# A prefill chunk of at least this many rows, with bf16 weights on a CPU with bf16 arithmetic
+# (Llama.prefill_dtype): its attention takes q and the gathered K/V rounded to bf16 (as the
+# chunk's products round their rows) for torch's bf16 kernel, AMX or AVX512-BF16: 3x its fp32
+# speed on the bundled model's heads (512 rows against 1,024 cached: 2.3 against 6.1 ms on a
+# 2-core Xeon with AMX); its gate/up/down rows stay bf16 between the products. The cache
+# stays fp32, and decode steps attend in fp32 (the C kernel).
 PREFILL_BF16_MIN_ROWS = 16
 WIDEN_MIN_ROWS = 8
 WIDEN_SLICE_BYTES = 4 << 20      # fp32 bytes of weight rows widened at a time: L2 to L3-sized
@@ -237,7 +238,7 @@ class Llama:
         self.embed, self.layers, self.norm, self.lm_head = embed, layers, norm, lm_head
         self.device, self.dtype = embed.device, embed.dtype
         self.act_dtype = self.dtype     # the rows' dtype: see fp32_rows()
-        # a prefill chunk's attention: its q and the gathered K/V in this dtype (fp32_rows())
+        # a prefill chunk's attention and gate/up/down rows in this dtype (fp32_rows())
         self.prefill_dtype = self.dtype
         self.scale = geom.head_dim ** -0.5
         self.inv_freq = rope_inv_freq(geom).to(self.device)
@@ -324,10 +325,13 @@ class Llama:
         """down(silu(gate) * up) of h's rows. A prefill's rows against bf16 weights stay bf16
         from the gate/up product to the down product's input (prefill_dtype): the widest rows
         are never copied to fp32 and back."""
-        wide = self.prefill_dtype
-        if wide != h.dtype and h.shape[0] >= PREFILL_BF16_MIN_ROWS:
-            return (silu_mul(h.to(wide) @ layer.w_gate_up.T) @ layer.w_down.T).to(h.dtype)
+        if self._narrow_prefill(h):
+            return (silu_mul(h.to(self.prefill_dtype) @ layer.w_gate_up.T) @ layer.w_down.T).to(h.dtype)
         return linear(silu_mul(linear(h, layer.w_gate_up)), layer.w_down)
+
+    def _narrow_prefill(self, rows: torch.Tensor) -> bool:
+        """Whether these prefill rows go to prefill_dtype (PREFILL_BF16_MIN_ROWS)."""
+        return self.prefill_dtype != rows.dtype and rows.shape[0] >= PREFILL_BF16_MIN_ROWS
 
     def _attend(self, q: torch.Tensor, batch: Batch, cache, last_rows: bool) -> torch.Tensor:
         """q: (T, hq, d), or with last_rows (decode + chunks, hq, d): the decode rows, then
@@ -347,7 +351,7 @@ class Llama:
                 row += 1
             else:
                 qc = q[row:row + c.length]
-                if self.prefill_dtype != qc.dtype and c.length >= PREFILL_BF16_MIN_ROWS:
+                if self._narrow_prefill(qc):
                     qc = qc.to(self.prefill_dtype)
                 out.append(paged_prefill(qc, k_cache, v_cache, c.block_table, c.prefix_len,
                                          self.scale, k_scale, v_scale, runs=c.runs).to(q.dtype))  # (T_c, hq, d)

@@ -32,6 +32,7 @@ import torch
 from .block_manager import BlockManager
 from .errors import KvchatError, TurnCancelled
 from .request import DECODE, FINISHED, PREFILL, RUNNING, WAITING, Request
+from .sampler import greedy_rows
 from .sequence import Sequence
 from .streaming import Shift, claim_window, make_window_room, window_chunk
 from .telemetry import PrefillEvent, PrefillProgress, RequestView, SchedulerSnapshot, StepRecord
@@ -234,13 +235,7 @@ class Scheduler:
         greedy = [r.sampler.p.temperature == 0 for r in rows]
         limit = rows[0].sampler.vocab_limit
         if all(greedy) and all(r.sampler.vocab_limit == limit for r in rows):
-            view = logits if limit is None or limit >= logits.shape[-1] else logits[:, :limit]
-            if view.device.type == "cpu" and view.dtype == torch.float32:
-                # numpy's argmax (the same first maximum, NaN counted as one) on this thread:
-                # torch's woke the thread pool for 49k logits, 200 us a step, and the pool's
-                # spin after it took a core from busy neighbours
-                return view.numpy().argmax(-1).tolist()
-            return view.argmax(-1).tolist()
+            return greedy_rows(logits if limit is None or limit >= logits.shape[-1] else logits[:, :limit])
         return [int(r.sampler(row)) if want else -1 for r, row, want in zip(rows, logits, wanted)]
 
     def _fed(self, req: Request, step_ms: float, shared: tuple[int, int]) -> None:
