@@ -67,10 +67,12 @@ static inline fnv transpose_sum(const fnv *a) {
  * sc[r] = q . k_r, VLANES rows at a time, each row's sum one accumulator over the row's
  * vectors (q's vector loaded once for the VLANES rows), their lanes summed by one
  * transpose_sum. Rows past `rows` are never read: the last tile may end a block, or the pool.
- * Inlined with rows = TILE for a full tile, where the test on each row folds away.
- * nn: vectors of the machine's width in a row (head_dim / VLANES). */
+ * Inlined with rows = TILE for a full tile, where the test on each row folds away, and with
+ * ld = head_dim where rows are contiguous (the offsets then constants, not 16 of them spilled).
+ * nn: vectors of the machine's width in a row (head_dim / VLANES). `pf`, when not NULL: the
+ * next chunk's tile (pf_rows rows), fetched into L2 meanwhile. */
 static inline __attribute__((always_inline)) void scores(const float *qj, const float *kt, int64_t ld, int rows,
-                                                         const int nn, float *sc) {
+                                                         const int nn, float *sc, const float *pf, int pf_rows) {
     for (int r0 = 0; r0 < TILE; r0 += VLANES) {
         fnv a[VLANES];
         for (int i = 0; i < VLANES; i++) a[i] = (fnv){0};
@@ -78,17 +80,27 @@ static inline __attribute__((always_inline)) void scores(const float *qj, const 
             const fnv qv = loadn(qj + c * VLANES);
             for (int i = 0; i < VLANES; i++)
                 if (r0 + i < rows) a[i] += qv * loadn(kt + (r0 + i) * ld + c * VLANES);
+            if (pf != NULL && c * VLANES % 16 == 0)     /* once per 64-byte line */
+                for (int i = 0; i < VLANES; i++)
+                    if (r0 + i < pf_rows) __builtin_prefetch(pf + (r0 + i) * ld + c * VLANES, 0, 2);
         }
         const fnv t = transpose_sum(a);
         memcpy(sc + r0, &t, sizeof t);
     }
 }
 
-/* x in every lane as one broadcast; (fnv){0} + x also adds, which the compiler keeps (it turns -0 into +0) */
-static inline fnv splatn(float x) {
-    fnv v;
-    for (int i = 0; i < VLANES; i++) v[i] = x;
-    return v;
+/* the chunk's softmax max over vectors: a lane-at-a-time scalar max (vmaxss after vmaxss, each
+ * waiting on the last) was an eighth of the kernel's time. A max is a max in any order (the
+ * scalar loop's x > m ? x : m in each lane and across them), so the bits are the same. */
+static const i16v IOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+static inline f16v vselect(i16v mask, f16v a, f16v b) { return (f16v)(((i16v)a & mask) | ((i16v)b & ~mask)); }
+static inline f16v vmax(f16v m, f16v x) { return vselect(x > m, x, m); }
+static inline float hmax(f16v v) {         /* halves, quarters, ...: every lane ends with the max */
+    v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
+    v = vmax(v, __builtin_shufflevector(v, v, 4, 5, 6, 7, 0, 1, 2, 3, 12, 13, 14, 15, 8, 9, 10, 11));
+    v = vmax(v, __builtin_shufflevector(v, v, 2, 3, 0, 1, 6, 7, 4, 5, 10, 11, 8, 9, 14, 15, 12, 13));
+    v = vmax(v, __builtin_shufflevector(v, v, 1, 0, 3, 2, 5, 4, 7, 6, 9, 8, 11, 10, 13, 12, 15, 14));
+    return v[0];
 }
 
 #define CHUNK_TILES 4   /* tiles (of up to TILE rows, each within one block) per softmax update */
@@ -108,8 +120,9 @@ static inline int next_tile(const DecodeArgs *a, int64_t length, int64_t *b, int
 /* fp8: the next chunk's K and V rows and scales, fetched into cache while this chunk computes.
  * Its conversion waited on each row's load (a third of the kernel's time at 4,096 tokens),
  * since the chunk's blocks lie anywhere in the pool. A chunk of fp8 rows is a few KB, so the
- * fetch does not push this chunk's rows out of L1 (the fp32 rows, 32 KB a chunk, gained
- * nothing from the same fetch). Contiguous scales take one fetch per 16 (a cache line). */
+ * fetch does not push this chunk's rows out of L1 (fp32 rows, 32 KB a chunk, are fetched
+ * into L2 a row at a time inside scores() and pv(): all at once here, the fetches waited for
+ * the core's line buffers and gained nothing). Contiguous scales take one fetch per 16. */
 static inline void prefetch_fp8(const DecodeArgs *a, const int32_t *table, int64_t length, int64_t h, int64_t b,
                                 int64_t r0, int64_t b1, int dim) {
     for (int t = 0; t < CHUNK_TILES && b < b1; t++) {
@@ -129,10 +142,40 @@ static inline void prefetch_fp8(const DecodeArgs *a, const int32_t *table, int64
     }
 }
 
+/* multiply-add chains p V keeps in registers: Q queries x nn vectors of head_dim */
+#define PV_REGS (VLANES == 16 ? 24 : 12)
+#define MAX_Q 16
+
+/* queries j0 .. j0 + Q - 1 of an item's chunk: acc[j] += sum over the chunk's rows of p V. Each
+ * output sums its rows in order, whatever Q is. `pf`, when not NULL: the next chunk's V rows,
+ * fetched meanwhile (nrows of each tile). */
+static inline __attribute__((always_inline)) void pv(float *acc, float (*sc)[CHUNK], const float *const *vt,
+                                                     const int64_t *ld, const int *rows, int nt, int j0, const int Q,
+                                                     const int nn, const int dim, const float *const *pf,
+                                                     const int *nrows) {
+    fnv o[MAX_Q][MAX_DIM / VLANES];
+    for (int j = 0; j < Q; j++)
+        for (int c = 0; c < nn; c++) o[j][c] = loadn(acc + (j0 + j) * dim + c * VLANES);
+    for (int t = 0; t < nt; t++)
+        for (int r = 0; r < rows[t]; r++) {
+            fnv p[MAX_Q];
+            for (int j = 0; j < Q; j++) p[j] = splatn(sc[j0 + j][t * TILE + r]);
+            for (int c = 0; c < nn; c++) {
+                const fnv v = loadn(vt[t] + r * ld[t] + c * VLANES);
+                for (int j = 0; j < Q; j++) o[j][c] += p[j] * v;
+            }
+            if (pf != NULL && r < nrows[t])
+                for (int c = 0; c < nn; c += 16 / VLANES) __builtin_prefetch(pf[t] + r * ld[t] + c * VLANES, 0, 2);
+        }
+    for (int j = 0; j < Q; j++)
+        for (int c = 0; c < nn; c++) memcpy(acc + (j0 + j) * dim + c * VLANES, &o[j][c], sizeof o[j][c]);
+}
+
 /* one work item: KV head h of one sequence (its table and length) over blocks [b0, b1);
  * leaves the running max m, sum l and the unnormalised output acc (G x dim) of each of the
  * head's G queries. Inlined with G and NV (head_dim / 16) constant. Written in the machine's
- * vector width (vec.h), one query at a time, so that what a loop holds fits the registers.
+ * vector width (vec.h): scores one query at a time, p V as many queries as the registers hold
+ * (pv()), so that what a loop holds fits the registers.
  * The rows go in chunks of up to CHUNK_TILES tiles, across blocks: every query's scores for
  * the whole chunk, then one softmax update per query, then p V. One update per 16 rows left
  * the core waiting on the update's chain (max, exp, sum) at every tile. */
@@ -177,25 +220,44 @@ static inline __attribute__((always_inline)) void item(
                 ld[nt] = a->row_stride;
             }
         }
-        if (fp8) prefetch_fp8(a, table, length, h, b, r0, b1, dim);
+        /* fp32: the next chunk's rows, each tile's fetched while this chunk's same tile computes
+         * (below); fetched all at once here, they waited for free line buffers */
+        const float *next_k[CHUNK_TILES] = {0}, *next_v[CHUNK_TILES] = {0};
+        int nrows[CHUNK_TILES] = {0};
+        if (fp8) {
+            prefetch_fp8(a, table, length, h, b, r0, b1, dim);
+        } else {
+            int64_t pb = b, pr = r0;
+            for (int t = 0; t < CHUNK_TILES && pb < b1; t++) {
+                const int64_t off = table[pb] * a->block_stride + h * a->head_stride + pr * a->row_stride;
+                next_k[t] = (const float *)a->k + off, next_v[t] = (const float *)a->v + off;
+                nrows[t] = next_tile(a, length, &pb, &pr);
+            }
+        }
         for (int j = 0; j < G; j++)                    /* every query's scores for the chunk */
             for (int t = 0; t < nt; t++) {
-                if (rows[t] == TILE) scores(qh + j * dim, kt[t], ld[t], TILE, nn, sc[j] + t * TILE);
-                else scores(qh + j * dim, kt[t], ld[t], rows[t], nn, sc[j] + t * TILE);
+                if (rows[t] == TILE && ld[t] == dim)   /* rows one after another: constant offsets */
+                    scores(qh + j * dim, kt[t], dim, TILE, nn, sc[j] + t * TILE, j ? NULL : next_k[t], nrows[t]);
+                else if (rows[t] == TILE)
+                    scores(qh + j * dim, kt[t], ld[t], TILE, nn, sc[j] + t * TILE, j ? NULL : next_k[t], nrows[t]);
+                else
+                    scores(qh + j * dim, kt[t], ld[t], rows[t], nn, sc[j] + t * TILE, j ? NULL : next_k[t], nrows[t]);
             }
         for (int j = 0; j < G; j++) {                  /* one softmax update per query */
             f16v s[CHUNK_TILES];
-            float mx = m[j];
+            i16v live[CHUNK_TILES];                    /* the lanes of rows the tile has */
+            f16v mv = splat(-INFINITY);
             for (int t = 0; t < nt; t++) {
                 s[t] = load(sc[j] + t * TILE) * a->scale;
                 if (fp8) s[t] *= load(kf + t * TILE);
-                for (int r = 0; r < rows[t]; r++) mx = s[t][r] > mx ? s[t][r] : mx;
+                live[t] = IOTA < rows[t];
+                mv = vmax(mv, vselect(live[t], s[t], splat(-INFINITY)));
             }
+            const float cm = hmax(mv), mx = cm > m[j] ? cm : m[j];
             const float alpha = expf(m[j] - mx);
             float sum = 0.0f;
             for (int t = 0; t < nt; t++) {
-                f16v p = vexp(s[t] - mx);
-                for (int r = rows[t]; r < TILE; r++) p[r] = 0.0f;
+                f16v p = vselect(live[t], vexp(s[t] - mx), splat(0.0f));
                 sum += hsum(p);
                 if (fp8) p *= load(vf + t * TILE);
                 store(sc[j] + t * TILE, p);
@@ -208,17 +270,14 @@ static inline __attribute__((always_inline)) void item(
                     memcpy(acc + j * dim + c, &o, sizeof o);
                 }
         }
-        for (int j = 0; j < G; j++) {                  /* p V, one query's outputs in registers */
-            fnv o[MAX_DIM / VLANES];
-            for (int c = 0; c < nn; c++) o[c] = loadn(acc + j * dim + c * VLANES);
-            for (int t = 0; t < nt; t++)
-                for (int r = 0; r < rows[t]; r++) {
-                    const float pr = sc[j][t * TILE + r];
-                    const fnv pj = splatn(pr);
-                    for (int c = 0; c < nn; c++) o[c] += pj * loadn(vt[t] + r * ld[t] + c * VLANES);
-                }
-            for (int c = 0; c < nn; c++) memcpy(acc + j * dim + c * VLANES, &o[c], sizeof o[c]);
-        }
+        /* p V, Q queries at a time, their outputs in registers: each V row loaded once for the
+         * Q of them, and Q x nn chains of multiply-adds side by side (one query at a time, the
+         * nn chains waited on the multiply-add's latency at every row) */
+        const int QG = G * nn <= PV_REGS ? G : (PV_REGS / nn > 0 ? PV_REGS / nn : 1);
+        for (int j0 = 0; j0 + QG <= G; j0 += QG)
+            pv(acc, sc, vt, ld, rows, nt, j0, QG, nn, dim, j0 == 0 ? next_v : NULL, nrows);
+        if (G % QG)
+            pv(acc, sc, vt, ld, rows, nt, G - G % QG, G % QG, nn, dim, NULL, nrows);
     }
 }
 

@@ -72,6 +72,21 @@ typedef float fnv __attribute__((vector_size(VLANES * sizeof(float))));
 
 static inline fnv loadn(const float *p) { fnv v; memcpy(&v, p, sizeof v); return v; }
 
+/* x in every lane, as one broadcast instruction. Written as a loop over the lanes (v[i] = x),
+ * GCC 12 built the vector a lane at a time: 16 masked broadcasts on AVX-512, 8 inserts on AVX2
+ * (seen in its assembly); in decode.c's p V loop, once per cached row and query, that was most
+ * of the attention's time. (fnv){0} + x would add. */
+static inline fnv splatn(float x) {
+    const fnv v = {x};
+#if VLANES == 16
+    return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0);
+#elif VLANES == 8
+    return __builtin_shufflevector(v, v, 0, 0, 0, 0, 0, 0, 0, 0);
+#else
+    return __builtin_shufflevector(v, v, 0, 0, 0, 0);
+#endif
+}
+
 /* sixteen lanes kept as SUBS accumulators of VLANES, summed as hsum sums one f16v */
 static inline float hsum_subs(const fnv *parts) {
     f16v whole;
