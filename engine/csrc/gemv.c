@@ -24,7 +24,8 @@
  * l % VLANES of its accumulator l / VLANES, so the sums are the same on every width. `next`, when not
  * NULL, is the next R rows a thread will read: fetched into cache meanwhile (see column()). */
 static inline __attribute__((always_inline)) void tile(const float *x, const float *w, float *y, int64_t n,
-                                                       int64_t k, const int R, const int X, const float *next) {
+                                                       int64_t k, const int R, const int X, const float *next,
+                                                       const int p0, const int p1) {
     const int64_t kv = k / LANES * LANES;
     fnv acc[XS_MANY][TILE_ROWS][SUBS];
     for (int b = 0; b < X; b++)
@@ -32,7 +33,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, const flo
             for (int s = 0; s < SUBS; s++) acc[b][r][s] = (fnv){0};
     for (int64_t j = 0; j < kv; j += LANES) {
         if (next != NULL)
-            for (int r = 0; r < R; r++) __builtin_prefetch(next + r * k + j);
+            for (int r = p0; r < p1; r++) __builtin_prefetch(next + r * k + j);
         for (int s = 0; s < SUBS; s++) {
             fnv wv[TILE_ROWS];
             for (int r = 0; r < R; r++) wv[r] = loadn(w + r * k + j + s * VLANES);
@@ -51,23 +52,28 @@ static inline __attribute__((always_inline)) void tile(const float *x, const flo
 }
 
 /* every row of x (b of them) against the R weight rows at w, XS_MANY rows at a time. The
- * first tile streams the rows from memory and the others find them in L1; so that memory
- * keeps streaming while they compute, every tile fetches the next R rows (`next`). When only
- * the first tile fetched, memory sat idle through the others: on the AVX2 EPYC, 8 rows of x
- * against lm_head took 7.7 ms, 6.1 ms with every tile fetching (benchmarks/cpu_gemv_ab.py;
- * 1.3x at 576x576; the prefetches of lines already on their way cost little). */
+ * first tile reads the rows from memory (or from where the tiles before fetched them) and the
+ * others find them in L1. So that memory streams all the while they compute, the next R rows
+ * (`next`) are fetched a share per tile: tile t of T fetches rows [t R / T, (t+1) R / T). When
+ * each tile fetched all R (the lines already on their way merge), the first tile's fetches
+ * filled the core's line buffers and waited for memory, and the other tiles computed with
+ * memory idle: compute and memory time added up (B = 8 of 256 tokens: a step 1.73x B = 1's). */
 static inline __attribute__((always_inline)) void column(const float *x, const float *w, float *y, int64_t b,
                                                          int64_t n, int64_t k, const int R, const float *next) {
+    const int T = (int)((b + XS_MANY - 1) / XS_MANY);
     int64_t x0 = 0;
-    for (; x0 + XS_MANY <= b; x0 += XS_MANY) tile(x + x0 * k, w, y + x0 * n, n, k, R, XS_MANY, next);
+    int t = 0;
+    for (; x0 + XS_MANY <= b; x0 += XS_MANY, t++)
+        tile(x + x0 * k, w, y + x0 * n, n, k, R, XS_MANY, next, t * R / T, (t + 1) * R / T);
+    const int p0 = t * R / T, p1 = (t + 1) * R / T;
     switch (b - x0) {
 #if XS_MANY > 3
-    case 3: tile(x + x0 * k, w, y + x0 * n, n, k, R, 3, next); break;
+    case 3: tile(x + x0 * k, w, y + x0 * n, n, k, R, 3, next, p0, p1); break;
 #endif
 #if XS_MANY > 2
-    case 2: tile(x + x0 * k, w, y + x0 * n, n, k, R, 2, next); break;
+    case 2: tile(x + x0 * k, w, y + x0 * n, n, k, R, 2, next, p0, p1); break;
 #endif
-    case 1: tile(x + x0 * k, w, y + x0 * n, n, k, R, 1, next); break;
+    case 1: tile(x + x0 * k, w, y + x0 * n, n, k, R, 1, next, p0, p1); break;
     default: break;
     }
 }
@@ -81,7 +87,7 @@ void kv_gemv(const float *x, const float *w, float *y, int64_t b, int64_t n, int
         #pragma omp for schedule(static) nowait
         for (int64_t gi = 0; gi < groups; gi++) {
             if (b == 1)
-                tile(x, w + gi * rows * k, y + gi * rows, n, k, ROWS_ONE, 1, NULL);
+                tile(x, w + gi * rows * k, y + gi * rows, n, k, ROWS_ONE, 1, NULL, 0, 0);
             else
                 column(x, w + gi * rows * k, y + gi * rows, b, n, k, ROWS_MANY,
                        gi + 1 < groups ? w + (gi + 1) * rows * k : NULL);

@@ -61,7 +61,7 @@ static inline fnv widen_bf16(const uint16_t *p) {
  * the DPBF16 loop, stride k) into y (stride n). */
 static inline __attribute__((always_inline)) void tile(const float *x, const uint16_t *xb, const uint16_t *w,
                                                        float *y, int64_t n, int64_t k, const int R, const int X,
-                                                       const uint16_t *next) {
+                                                       const uint16_t *next, const int p0, const int p1) {
     const int64_t kv = k / STEP * STEP;
     acc_t acc[XS_MANY][TILE_ROWS][PARTS];
     for (int b = 0; b < X; b++)
@@ -69,7 +69,7 @@ static inline __attribute__((always_inline)) void tile(const float *x, const uin
             for (int s = 0; s < PARTS; s++) acc[b][r][s] = acc_zero();
     for (int64_t j = 0; j < kv; j += STEP) {
         if (next != NULL)
-            for (int r = 0; r < R; r++) __builtin_prefetch(next + r * k + j);
+            for (int r = p0; r < p1; r++) __builtin_prefetch(next + r * k + j);
 #if DPBF16
         __m512bh wv[TILE_ROWS];
         for (int r = 0; r < R; r++) wv[r] = (__m512bh)_mm512_loadu_si512(w + r * k + j);
@@ -97,22 +97,26 @@ static inline __attribute__((always_inline)) void tile(const float *x, const uin
         }
 }
 
-/* as gemv.c's column(): every tile fetches the next rows (bf16 weights widened on the AVX2 EPYC,
- * 8 rows of x against lm_head: 5.1 -> 4.8 ms) */
+/* as gemv.c's column(): the next rows fetched a share per tile, so memory streams while the
+ * tiles compute (bf16 weights widened on the AVX2 EPYC, 8 rows of x against lm_head: every
+ * tile fetching all of them took 4.8 ms, only the first 5.1 ms) */
 static inline __attribute__((always_inline)) void column(const float *x, const uint16_t *xb, const uint16_t *w,
                                                          float *y, int64_t b, int64_t n, int64_t k, const int R,
                                                          const uint16_t *next) {
+    const int T = (int)((b + XS_MANY - 1) / XS_MANY);
     int64_t x0 = 0;
-    for (; x0 + XS_MANY <= b; x0 += XS_MANY)
-        tile(x + x0 * k, xb + x0 * k, w, y + x0 * n, n, k, R, XS_MANY, next);
+    int t = 0;
+    for (; x0 + XS_MANY <= b; x0 += XS_MANY, t++)
+        tile(x + x0 * k, xb + x0 * k, w, y + x0 * n, n, k, R, XS_MANY, next, t * R / T, (t + 1) * R / T);
+    const int p0 = t * R / T, p1 = (t + 1) * R / T;
     switch (b - x0) {
 #if XS_MANY > 3
-    case 3: tile(x + x0 * k, xb + x0 * k, w, y + x0 * n, n, k, R, 3, next); break;
+    case 3: tile(x + x0 * k, xb + x0 * k, w, y + x0 * n, n, k, R, 3, next, p0, p1); break;
 #endif
 #if XS_MANY > 2
-    case 2: tile(x + x0 * k, xb + x0 * k, w, y + x0 * n, n, k, R, 2, next); break;
+    case 2: tile(x + x0 * k, xb + x0 * k, w, y + x0 * n, n, k, R, 2, next, p0, p1); break;
 #endif
-    case 1: tile(x + x0 * k, xb + x0 * k, w, y + x0 * n, n, k, R, 1, next); break;
+    case 1: tile(x + x0 * k, xb + x0 * k, w, y + x0 * n, n, k, R, 1, next, p0, p1); break;
     default: break;
     }
 }
@@ -140,7 +144,7 @@ int kv_gemv_bf16(const float *x, const uint16_t *w, float *y, int64_t b, int64_t
         for (int64_t gi = 0; gi < groups; gi++) {
             if (b == 1)
                 tile(x, xb, w + gi * rows * k, y + gi * rows, n, k, ROWS_ONE, 1,
-                     gi + 1 < groups ? w + (gi + 1) * rows * k : NULL);
+                     gi + 1 < groups ? w + (gi + 1) * rows * k : NULL, 0, ROWS_ONE);
             else
                 column(x, xb, w + gi * rows * k, y + gi * rows, b, n, k, ROWS_MANY,
                        gi + 1 < groups ? w + (gi + 1) * rows * k : NULL);
