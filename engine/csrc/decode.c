@@ -21,12 +21,16 @@
  * and mantissa at bits 20-26 of a float32 give the value times 2^-120, exactly (see
  * engine/cpu_attention.py); times 2^120, also exact, gives the value, so that the products
  * with the queries are ordinary floats rather than subnormals. */
-static inline void fp8_rows(const int8_t *src, int64_t stride, int rows, int64_t dim, float *dst) {
-    for (int r = 0; r < rows; r++)
+static inline void fp8_rows(const int8_t *src, int64_t stride, int rows, int64_t dim, float *dst,
+                            const int8_t *pf, int pf_rows) {
+    for (int r = 0; r < rows; r++) {
         for (int64_t c = 0; c < dim; c += LANES) {
             i16v bits = (widen(src + r * stride + c) << 20) & (int32_t)0x87F00000u;
             store(dst + r * dim + c, (f16v)bits * 0x1p120f);
         }
+        if (pf != NULL && r < pf_rows)     /* the next chunk's same row (see item()) */
+            for (int64_t c = 0; c < dim; c += 64) __builtin_prefetch(pf + r * stride + c);
+    }
 }
 
 /* VLANES vectors in, one out: lane r holds the sum of a[r]'s lanes, in hsum's order (halves
@@ -117,31 +121,6 @@ static inline int next_tile(const DecodeArgs *a, int64_t length, int64_t *b, int
     return n;
 }
 
-/* fp8: the next chunk's K and V rows and scales, fetched into cache while this chunk computes.
- * Its conversion waited on each row's load (a third of the kernel's time at 4,096 tokens),
- * since the chunk's blocks lie anywhere in the pool. A chunk of fp8 rows is a few KB, so the
- * fetch does not push this chunk's rows out of L1 (fp32 rows, 32 KB a chunk, are fetched
- * into L2 a row at a time inside scores() and pv(): all at once here, the fetches waited for
- * the core's line buffers and gained nothing). Contiguous scales take one fetch per 16. */
-static inline void prefetch_fp8(const DecodeArgs *a, const int32_t *table, int64_t length, int64_t h, int64_t b,
-                                int64_t r0, int64_t b1, int dim) {
-    for (int t = 0; t < CHUNK_TILES && b < b1; t++) {
-        const int64_t off = table[b] * a->block_stride + h * a->head_stride + r0 * a->row_stride;
-        const int64_t s_off = table[b] * a->sblock_stride + h * a->shead_stride + r0 * a->srow_stride;
-        const int n = next_tile(a, length, &b, &r0);
-        for (int r = 0; r < n; r++) {
-            for (int c = 0; c < dim; c += 64) {
-                __builtin_prefetch((const int8_t *)a->k + off + r * a->row_stride + c);
-                __builtin_prefetch((const int8_t *)a->v + off + r * a->row_stride + c);
-            }
-            if (r % 16 == 0 || a->srow_stride != 1) {
-                __builtin_prefetch(a->ks + s_off + r * a->srow_stride);
-                __builtin_prefetch(a->vs + s_off + r * a->srow_stride);
-            }
-        }
-    }
-}
-
 /* multiply-add chains p V keeps in registers: Q queries x nn vectors of head_dim */
 #define PV_REGS (VLANES == 16 ? 24 : 12)
 #define MAX_Q 16
@@ -199,39 +178,46 @@ static inline __attribute__((always_inline)) void item(
     }
     int64_t b = b0, r0 = 0;            /* the next tile: block b's rows from r0 */
     while (b < b1) {
-        int nt = 0;
+        /* this chunk's tiles, then the next chunk's: each of its tiles is fetched into cache a
+         * row at a time while this chunk's same tile is converted (fp8) or computed (fp32:
+         * scores(), pv()). Fetched all at once, the rows waited for the core's line buffers:
+         * the fp8 fetch of a whole chunk was a quarter of the kernel's time at 4,096 tokens. */
+        int64_t off[CHUNK_TILES], s_off[CHUNK_TILES], next_off[CHUNK_TILES], next_soff[CHUNK_TILES];
+        int nt = 0, nrows[CHUNK_TILES] = {0};
         for (; nt < CHUNK_TILES && b < b1; nt++) {
-            const int64_t blk = table[b];
-            const int64_t kv_off = blk * a->block_stride + h * a->head_stride + r0 * a->row_stride;
-            const int64_t s_off = blk * a->sblock_stride + h * a->shead_stride + r0 * a->srow_stride;
-            const int n = next_tile(a, length, &b, &r0);
-            rows[nt] = n;
-            if (fp8) {
-                fp8_rows((const int8_t *)a->k + kv_off, a->row_stride, n, dim, kbuf + nt * TILE * dim);
-                fp8_rows((const int8_t *)a->v + kv_off, a->row_stride, n, dim, vbuf + nt * TILE * dim);
-                for (int r = 0; r < n; r++) {
-                    kf[nt * TILE + r] = a->ks[s_off + r * a->srow_stride];
-                    vf[nt * TILE + r] = a->vs[s_off + r * a->srow_stride];
-                }
-                kt[nt] = kbuf + nt * TILE * dim, vt[nt] = vbuf + nt * TILE * dim, ld[nt] = dim;
-            } else {
-                kt[nt] = (const float *)a->k + kv_off;
-                vt[nt] = (const float *)a->v + kv_off;
-                ld[nt] = a->row_stride;
-            }
+            off[nt] = table[b] * a->block_stride + h * a->head_stride + r0 * a->row_stride;
+            s_off[nt] = table[b] * a->sblock_stride + h * a->shead_stride + r0 * a->srow_stride;
+            rows[nt] = next_tile(a, length, &b, &r0);
         }
-        /* fp32: the next chunk's rows, each tile's fetched while this chunk's same tile computes
-         * (below); fetched all at once here, they waited for free line buffers */
+        int64_t pb = b, pr = r0;
+        for (int t = 0; t < CHUNK_TILES && pb < b1; t++) {
+            next_off[t] = table[pb] * a->block_stride + h * a->head_stride + pr * a->row_stride;
+            next_soff[t] = table[pb] * a->sblock_stride + h * a->shead_stride + pr * a->srow_stride;
+            nrows[t] = next_tile(a, length, &pb, &pr);
+        }
         const float *next_k[CHUNK_TILES] = {0}, *next_v[CHUNK_TILES] = {0};
-        int nrows[CHUNK_TILES] = {0};
-        if (fp8) {
-            prefetch_fp8(a, table, length, h, b, r0, b1, dim);
-        } else {
-            int64_t pb = b, pr = r0;
-            for (int t = 0; t < CHUNK_TILES && pb < b1; t++) {
-                const int64_t off = table[pb] * a->block_stride + h * a->head_stride + pr * a->row_stride;
-                next_k[t] = (const float *)a->k + off, next_v[t] = (const float *)a->v + off;
-                nrows[t] = next_tile(a, length, &pb, &pr);
+        for (int t = 0; t < nt; t++) {
+            if (fp8) {
+                const int8_t *k8 = (const int8_t *)a->k, *v8 = (const int8_t *)a->v;
+                const int n = nrows[t];
+                fp8_rows(k8 + off[t], a->row_stride, rows[t], dim, kbuf + t * TILE * dim, n ? k8 + next_off[t] : NULL, n);
+                fp8_rows(v8 + off[t], a->row_stride, rows[t], dim, vbuf + t * TILE * dim, n ? v8 + next_off[t] : NULL, n);
+                for (int r = 0; r < rows[t]; r++) {
+                    kf[t * TILE + r] = a->ks[s_off[t] + r * a->srow_stride];
+                    vf[t * TILE + r] = a->vs[s_off[t] + r * a->srow_stride];
+                }
+                for (int r = 0; r < n; r++)          /* contiguous scales: one fetch per 16 */
+                    if (r % 16 == 0 || a->srow_stride != 1) {
+                        __builtin_prefetch(a->ks + next_soff[t] + r * a->srow_stride);
+                        __builtin_prefetch(a->vs + next_soff[t] + r * a->srow_stride);
+                    }
+                kt[t] = kbuf + t * TILE * dim, vt[t] = vbuf + t * TILE * dim, ld[t] = dim;
+            } else {
+                kt[t] = (const float *)a->k + off[t];
+                vt[t] = (const float *)a->v + off[t];
+                ld[t] = a->row_stride;
+                if (nrows[t])
+                    next_k[t] = (const float *)a->k + next_off[t], next_v[t] = (const float *)a->v + next_off[t];
             }
         }
         for (int j = 0; j < G; j++)                    /* every query's scores for the chunk */
