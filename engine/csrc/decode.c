@@ -97,7 +97,6 @@ static inline __attribute__((always_inline)) void scores(const float *qj, const 
  * waiting on the last) was an eighth of the kernel's time. A max is a max in any order (the
  * scalar loop's x > m ? x : m in each lane and across them), so the bits are the same. */
 static const i16v IOTA = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
-static inline f16v vselect(i16v mask, f16v a, f16v b) { return (f16v)(((i16v)a & mask) | ((i16v)b & ~mask)); }
 static inline f16v vmax(f16v m, f16v x) { return vselect(x > m, x, m); }
 static inline float hmax(f16v v) {         /* halves, quarters, ...: every lane ends with the max */
     v = vmax(v, __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15, 0, 1, 2, 3, 4, 5, 6, 7));
@@ -119,6 +118,19 @@ static inline int next_tile(const DecodeArgs *a, int64_t length, int64_t *b, int
     *r0 += n;
     if (*r0 >= rows_here) ++*b, *r0 = 0;
     return n;
+}
+
+/* the tiles of one chunk from block b's row r0 (both moved on past it): each tile's offset into
+ * the K/V rows and the scales, and its rows; returns how many tiles (0 at b1) */
+static inline int chunk(const DecodeArgs *a, const int32_t *table, int64_t length, int64_t h, int64_t *b,
+                        int64_t *r0, int64_t b1, int64_t *off, int64_t *s_off, int *rows) {
+    int nt = 0;
+    for (; nt < CHUNK_TILES && *b < b1; nt++) {
+        off[nt] = table[*b] * a->block_stride + h * a->head_stride + *r0 * a->row_stride;
+        s_off[nt] = table[*b] * a->sblock_stride + h * a->shead_stride + *r0 * a->srow_stride;
+        rows[nt] = next_tile(a, length, b, r0);
+    }
+    return nt;
 }
 
 /* multiply-add chains p V keeps in registers: Q queries x nn vectors of head_dim */
@@ -183,18 +195,10 @@ static inline __attribute__((always_inline)) void item(
          * scores(), pv()). Fetched all at once, the rows waited for the core's line buffers:
          * the fp8 fetch of a whole chunk was a quarter of the kernel's time at 4,096 tokens. */
         int64_t off[CHUNK_TILES], s_off[CHUNK_TILES], next_off[CHUNK_TILES], next_soff[CHUNK_TILES];
-        int nt = 0, nrows[CHUNK_TILES] = {0};
-        for (; nt < CHUNK_TILES && b < b1; nt++) {
-            off[nt] = table[b] * a->block_stride + h * a->head_stride + r0 * a->row_stride;
-            s_off[nt] = table[b] * a->sblock_stride + h * a->shead_stride + r0 * a->srow_stride;
-            rows[nt] = next_tile(a, length, &b, &r0);
-        }
+        int nrows[CHUNK_TILES] = {0};
+        const int nt = chunk(a, table, length, h, &b, &r0, b1, off, s_off, rows);
         int64_t pb = b, pr = r0;
-        for (int t = 0; t < CHUNK_TILES && pb < b1; t++) {
-            next_off[t] = table[pb] * a->block_stride + h * a->head_stride + pr * a->row_stride;
-            next_soff[t] = table[pb] * a->sblock_stride + h * a->shead_stride + pr * a->srow_stride;
-            nrows[t] = next_tile(a, length, &pb, &pr);
-        }
+        chunk(a, table, length, h, &pb, &pr, b1, next_off, next_soff, nrows);
         const float *next_k[CHUNK_TILES] = {0}, *next_v[CHUNK_TILES] = {0};
         for (int t = 0; t < nt; t++) {
             if (fp8) {

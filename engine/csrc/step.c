@@ -25,8 +25,8 @@
  * inf, as torch's exp gives, so that silu of a very negative gate is -0 as in torch. */
 static inline f16v vexp_any(f16v x) {
     const i16v lo = x < -87.0f, hi = x > 88.72f;
-    x = (f16v)(((i16v)x & ~lo) | ((i16v)splat(-87.0f) & lo));
-    x = (f16v)(((i16v)x & ~hi) | ((i16v)splat(88.72f) & hi));
+    x = vselect(lo, splat(-87.0f), x);
+    x = vselect(hi, splat(88.72f), x);
     const f16v f = x * 1.4426950408889634f + 0.5f;
     i16v n = __builtin_convertvector(f, i16v);                  /* toward zero ... */
     n += (i16v)(__builtin_convertvector(n, f16v) > f);           /* ... then floor: true is -1 */
@@ -34,7 +34,7 @@ static inline f16v vexp_any(f16v x) {
     const f16v r = (x - nf * 0.693145751953125f) - nf * 1.428606765330187e-06f;  /* ln2 = hi + lo; n hi exact */
     const f16v p = vexp_poly(r);
     const i16v e = (i16v)p + (n << 23);
-    return (f16v)((e & ~hi) | ((i16v)splat(INFINITY) & hi));
+    return vselect(hi, splat(INFINITY), (f16v)e);
 }
 
 /* ---- x += r; y = x / sqrt(mean(x^2) + eps) * w, row by row ---------------------------------- */

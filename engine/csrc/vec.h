@@ -27,6 +27,8 @@ typedef int8_t b16v __attribute__((vector_size(16)));
 static inline f16v load(const float *p) { f16v v; memcpy(&v, p, sizeof v); return v; }
 static inline void store(float *p, f16v v) { memcpy(p, &v, sizeof v); }
 static inline f16v splat(float x) { return (f16v){0} + x; }
+/* a's lanes where mask is set (all ones), b's elsewhere */
+static inline f16v vselect(i16v mask, f16v a, f16v b) { return (f16v)(((i16v)a & mask) | ((i16v)b & ~mask)); }
 
 /* the sixteen lanes summed pairwise: the same order on every build */
 static inline float hsum(f16v v) {
@@ -129,7 +131,7 @@ static inline f16v vexp_poly(f16v r) {   /* e^r for |r| < ln2: Taylor to r^7 */
 static inline f16v vexp(f16v x) {
     f16v t = x * 1.4426950408889634f;
     i16v low = t < -125.0f;
-    t = (f16v)(((i16v)t & ~low) | ((i16v)splat(-125.0f) & low));
+    t = vselect(low, splat(-125.0f), t);
     i16v n = -__builtin_convertvector(0.5f - t, i16v);          /* round(t): 0.5 - t > 0 */
     f16v r = (t - __builtin_convertvector(n, f16v)) * 0.6931471805599453f;
     f16v p = vexp_poly(r);
