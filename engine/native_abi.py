@@ -19,7 +19,7 @@ class DecodeArgs(ctypes.Structure):
         (name, ctypes.c_int64) for name in
         ("table_stride", "max_blocks", "num_blocks", "block_stride", "row_stride", "head_stride",
          "sblock_stride", "srow_stride", "shead_stride", "batch", "block_size", "kv_heads", "group", "dim",
-         "q_stride", "length")] + [("scale", ctypes.c_float)]
+         "q_stride", "length")] + [("scale", ctypes.c_float), ("bf16", ctypes.c_int64)]
 
 
 class WriteArgs(ctypes.Structure):
@@ -28,7 +28,7 @@ class WriteArgs(ctypes.Structure):
         ("block_stride", "row_stride", "head_stride", "sblock_stride", "srow_stride", "shead_stride",
          "num_blocks", "block_size", "kv_heads", "dim")] + [
         ("src_k", ctypes.c_void_p), ("src_v", ctypes.c_void_p), ("k_row_stride", ctypes.c_int64),
-        ("v_row_stride", ctypes.c_int64), ("src_head_stride", ctypes.c_int64)]
+        ("v_row_stride", ctypes.c_int64), ("src_head_stride", ctypes.c_int64), ("bf16", ctypes.c_int64)]
 
 
 class LayerArgs(ctypes.Structure):
@@ -160,17 +160,25 @@ def check(path: str) -> str | None:
                    ctypes.addressof(lens_c), 5, 5, nb, bs * d, d, d, 0, 0, 0, 2, bs, 1, g, d, g * d, 0, 0.25)
     if lib.kv_decode(ctypes.byref(a), _floats(q), out, 2, 2) != 0:
         return "kv_decode declined a case it serves"
-    for s in range(2):
-        rows = [table[s][t // bs] * bs + t % bs for t in range(lens[s])]
-        for j in range(g):
-            qs = q[(s * g + j) * d:(s * g + j + 1) * d]
-            sc = [0.25 * math.fsum(qs[c] * kc[r * d + c] for c in range(d)) for r in rows]
-            m = max(sc)
-            p = [math.exp(v - m) for v in sc]
-            for c in range(d):
-                want = math.fsum(pi * vc[r * d + c] for pi, r in zip(p, rows)) / math.fsum(p)
-                if not _near(out[(s * g + j) * d + c], want, 1):
-                    return "kv_decode gave a wrong value"
+    if (problem := _decode_wrong(out, q, kc, vc, table, lens, g, d, bs)) is not None:
+        return problem
+    # a bf16 cache: the same rows rounded to nearest even (kv_write), then the same decode over
+    # them against the rounded values
+    bits = [_bf16_bits(x) for x in list(kbuf) + list(vbuf)]
+    kh, vh = (ctypes.c_uint16 * (nb * bs * d))(), (ctypes.c_uint16 * (nb * bs * d))()
+    every = (ctypes.c_int64 * (nb * bs))(*range(nb * bs))
+    wa = WriteArgs(ctypes.addressof(kh), ctypes.addressof(vh), None, None, bs * d, d, d, 0, 0, 0, nb, bs, 1, d,
+                   ctypes.addressof(kbuf), ctypes.addressof(vbuf), d, d, d, 1)
+    if lib.kv_write(ctypes.byref(wa), every, nb * bs, 2) != 0:
+        return "kv_write refused a bf16 cache"
+    if list(kh) + list(vh) != bits:
+        return "kv_write gave a wrong bf16 value"
+    a.k, a.v, a.bf16 = ctypes.addressof(kh), ctypes.addressof(vh), 1
+    if lib.kv_decode(ctypes.byref(a), _floats(q), out, 2, 2) != 0:
+        return "kv_decode declined a bf16 cache"
+    kr = [struct.unpack("<f", struct.pack("<I", h << 16))[0] for h in bits]
+    if (problem := _decode_wrong(out, q, kr[:len(kc)], kr[len(kc):], table, lens, g, d, bs)) is not None:
+        return f"{problem} (bf16 cache)"
     # write: 2 rows of 1 KV head into an fp8 cache: bytes and scales of round-to-nearest e4m3
     src = [0.5, -448.0 / 3, 3.0, 1e-3] * 4 + [rng.uniform(-4, 4) for _ in range(d)]
     k8, v8, sk, sv = (ctypes.c_uint8 * (nb * bs * d))(), (ctypes.c_uint8 * (nb * bs * d))(), _floats([0.0] * (nb * bs)), _floats([0.0] * (nb * bs))
@@ -189,6 +197,36 @@ def check(path: str) -> str | None:
             if abs(_e4m3(k8[slot * d + c]) * scale - row[c]) > abs(row[c]) / 16 + scale * 2 ** -9:
                 return "kv_write gave a wrong fp8 byte"
     return None
+
+
+def _decode_wrong(out, q, kc, vc, table, lens, g: int, d: int, bs: int) -> str | None:
+    """None when out holds each sequence's attention (scale 0.25) over its cached rows."""
+    for s in range(len(lens)):
+        rows = [table[s][t // bs] * bs + t % bs for t in range(lens[s])]
+        for j in range(g):
+            qs = q[(s * g + j) * d:(s * g + j + 1) * d]
+            sc = [0.25 * math.fsum(qs[c] * kc[r * d + c] for c in range(d)) for r in rows]
+            m = max(sc)
+            p = [math.exp(v - m) for v in sc]
+            for c in range(d):
+                want = math.fsum(pi * vc[r * d + c] for pi, r in zip(p, rows)) / math.fsum(p)
+                if not _near(out[(s * g + j) * d + c], want, 1):
+                    return "kv_decode gave a wrong value"
+    return None
+
+
+def _f32_bits(x: float) -> int:
+    return struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+def _bf16_bits(x: float) -> int:
+    """x (a float32) rounded to bf16 by Python's own float arithmetic: the nearer of the two
+    bf16 values around it, the even one on a tie"""
+    lo = _f32_bits(x) >> 16
+    down, up = (struct.unpack("<f", struct.pack("<I", h << 16))[0] for h in (lo, lo + 1))
+    if abs(x - down) != abs(up - x):
+        return lo if abs(x - down) < abs(up - x) else lo + 1
+    return lo if lo % 2 == 0 else lo + 1
 
 
 def _e4m3(byte: int) -> float:

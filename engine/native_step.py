@@ -22,7 +22,7 @@ import torch
 
 from . import native, threads
 from .attention import triton_kernels
-from .native import FP8, lib, max_rows
+from .native import CACHE_DTYPES, lib, max_rows
 from .native_abi import LayerArgs, StepArgs
 
 
@@ -58,7 +58,7 @@ def rope_serves(qkv: torch.Tensor, cos: torch.Tensor, k_cache: torch.Tensor, pos
     d = k_cache.shape[-1]
     return (qkv.device.type == "cpu" and qkv.dtype == torch.float32 and qkv.dim() == 2 and qkv.stride(1) == 1
             and cos.dtype == torch.float32 and cos.is_contiguous() and k_cache.device.type == "cpu"
-            and k_cache.dtype in (torch.float32, FP8) and k_cache.stride(-1) == 1 and d % 2 == 0 and d <= 1024
+            and k_cache.dtype in CACHE_DTYPES and k_cache.stride(-1) == 1 and d % 2 == 0 and d <= 1024
             and positions.device.type == "cpu" and slots.device.type == "cpu" and lib() is not None
             and triton_kernels(k_cache) is None)     # tests that force the Triton kernels onto CPU tensors
 
@@ -67,7 +67,7 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
                k_cache: torch.Tensor, v_cache: torch.Tensor, slots: torch.Tensor, k_scale: torch.Tensor | None,
                v_scale: torch.Tensor | None, n_heads: int) -> torch.Tensor:
     """qkv: (T, (hq + 2 hk) d); cos, sin: (max_pos, 1, d); positions, slots: (T,). Writes
-    RoPE(k) and v to the slots (fp8: quantized as native.write does) and returns RoPE(q)
+    RoPE(k) and v to the slots (bf16: rounded, fp8: quantized, as native.write does) and returns RoPE(q)
     (T, hq, d). A slot or position out of range raises IndexError before anything is written.
     Callers check rope_serves."""
     t = qkv.shape[0]
@@ -113,7 +113,7 @@ def _layer_args(model, pool):
         return held[1]
     arr = None
     k0 = pool.layer(0)[0] if model.layers else None
-    if k0 is not None and k0.dtype in (torch.float32, FP8) and k0.stride(-1) == 1 and _weights_serve(model):
+    if k0 is not None and k0.dtype in CACHE_DTYPES and k0.stride(-1) == 1 and _weights_serve(model):
         arr = (LayerArgs * len(model.layers))()
         for i, ly in enumerate(model.layers):
             k, v, ks, vs = pool.layer(i)

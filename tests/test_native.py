@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from counting import count_calls
+from test_native_batch import CACHES, bits_of
 from tolerance import assert_within, gemv_reference, paged_decode_reference, rms_norm_reference
 from kvchat.engine import attention as A
 from kvchat.engine import native, native_step, threads
@@ -46,9 +47,9 @@ def test_gemv_declines_what_it_does_not_serve():
         assert not native.gemv_serves(x, w)
 
 
-def paged(length: int, hk: int, d: int, gen: torch.Generator, fp8: bool, head_major: bool):
-    """A sequence of N(0, 1) K/V rows written through write_kv_ref into a pool of 5 spare
-    blocks more than it needs, its blocks in a random order. Slots the sequence does not own,
+def paged(length: int, hk: int, d: int, gen: torch.Generator, kv: str, head_major: bool):
+    """A sequence of N(0, 1) K/V rows written through write_kv_ref into a pool (kv: a key of
+    CACHES) of 5 spare blocks more than it needs, its blocks in a random order. Slots the sequence does not own,
     and the tail of its last block, hold NaN (fp8: e4m3fn's NaN byte, NaN scales), so a read
     outside the sequence shows in the result. Returns (k, v, ks, vs, table, clean) where
     clean is the same pool with the poison zeroed, for the reference."""
@@ -64,7 +65,7 @@ def paged(length: int, hk: int, d: int, gen: torch.Generator, fp8: bool, head_ma
     rows = torch.arange(length)
     slots = table.long()[rows // BS] * BS + rows % BS
     kr, vr = torch.randn(length, hk, d, generator=gen), torch.randn(length, hk, d, generator=gen)
-    dtype = FP8 if fp8 else torch.float32
+    dtype, fp8 = CACHES[kv], kv == "fp8"
     k, v = empty(dtype, d), empty(dtype, d)
     for t in (k, v):
         (t.view(torch.uint8).fill_(0x7F) if fp8 else t.fill_(float("nan")))
@@ -97,13 +98,13 @@ def reference(q, clean, table, length, scale=None):
 GEOMETRIES = [(3, 3, 64), (8, 4, 128), (4, 1, 64), (2, 10, 64), (2, 2, 32), (1, 5, 96)]
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+@pytest.mark.parametrize("kv", list(CACHES))
 @pytest.mark.parametrize("head_major", [False, True], ids=["tokens", "heads"])
 @pytest.mark.parametrize("hk, g, d", GEOMETRIES, ids=[f"{a}x{b}x{c}" for a, b, c in GEOMETRIES])
 @pytest.mark.parametrize("length", [1, 17, 2049])   # one row; a block and one; many blocks and splits
-def test_decode_matches_the_reference_on_a_shuffled_table(length, hk, g, d, head_major, fp8):
-    gen = torch.Generator().manual_seed(length * 131 + hk * 17 + g * 5 + d + fp8)
-    k, v, ks, vs, table, clean = paged(length, hk, d, gen, fp8, head_major)
+def test_decode_matches_the_reference_on_a_shuffled_table(length, hk, g, d, head_major, kv):
+    gen = torch.Generator().manual_seed(length * 131 + hk * 17 + g * 5 + d + list(CACHES).index(kv))
+    k, v, ks, vs, table, clean = paged(length, hk, d, gen, kv, head_major)
     q = torch.randn(hk * g, d, generator=gen)
     assert native.decode_serves(q, k)
     got = native.decode(q, k, v, table, length, d ** -0.5, ks, vs)
@@ -115,7 +116,7 @@ def test_decode_matches_the_reference_on_a_shuffled_table(length, hk, g, d, head
 def test_decode_gives_the_same_result_on_any_thread_count(threads):
     """Splits follow the thread count; the result must not (within fp32 tolerance)."""
     gen = torch.Generator().manual_seed(threads)
-    k, v, ks, vs, table, clean = paged(1500, 3, 64, gen, False, True)
+    k, v, ks, vs, table, clean = paged(1500, 3, 64, gen, "fp32", True)
     q = torch.randn(9, 64, generator=gen)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -131,7 +132,9 @@ def test_decode_declines_what_it_does_not_serve():
     k = torch.empty(4, BS, 3, 64)
     assert native.decode_serves(q, k)
     assert not native.decode_serves(torch.randn(9, 40), torch.empty(4, BS, 3, 40))     # d not a multiple of 16
-    assert not native.decode_serves(q.bfloat16(), k.bfloat16())
+    assert native.decode_serves(q, k.bfloat16())                                       # a bf16 cache
+    assert not native.decode_serves(q.bfloat16(), k.bfloat16())                        # bf16 queries
+    assert not native.decode_serves(q, k.half())
     assert not native.decode_serves(torch.randn(34, 64), torch.empty(4, BS, 2, 64))    # 17 queries per KV head
 
 
@@ -141,7 +144,7 @@ def test_large_scores_do_not_overflow_the_softmax():
     fixed atol of 1e-5 failed here against an fp32 reference, whose own error was the larger
     (issue 21); against float64 this kernel is within 1% of its bound."""
     gen = torch.Generator().manual_seed(5)
-    k, v, ks, vs, table, clean = paged(700, 3, 64, gen, False, True)
+    k, v, ks, vs, table, clean = paged(700, 3, 64, gen, "fp32", True)
     q = torch.randn(9, 64, generator=gen) * 40
     got = native.decode(q, k, v, table, 700, 64 ** -0.5)
     assert_within(got, *reference(q, clean, table, 700))
@@ -206,13 +209,13 @@ def _engine_decode_through_the_kernels(engine, monkeypatch) -> None:
 
 
 @pytest.mark.parametrize("head_major", [False, True], ids=["tokens", "heads"])
-@pytest.mark.parametrize("kv", ["fp32", "fp8"])
+@pytest.mark.parametrize("kv", list(CACHES))
 @pytest.mark.parametrize("rows", [1, 37, 3000])
 def test_write_puts_the_bytes_and_scales_of_the_torch_path(rows, kv, head_major):
     """Rows of a wide dynamic range (N(0, 1) times e^(3 N(0, 1)), some all zero, some
     with values at the e4m3 subnormal end), K and V as views with different row strides, as
     the model hands them over (K out of RoPE, V out of the projection), into shuffled slots: every byte and scale equal to write_kv_ref's."""
-    gen = torch.Generator().manual_seed(rows + (kv == "fp8"))
+    gen = torch.Generator().manual_seed(rows + list(CACHES).index(kv))
     hk, d, nb = 3, 64, 200
     proj = torch.randn(rows, 5, hk, d, generator=gen) * torch.exp(3 * torch.randn(rows, 5, hk, 1, generator=gen))
     proj[::7, :, 1] = 0.0
@@ -221,7 +224,7 @@ def test_write_puts_the_bytes_and_scales_of_the_torch_path(rows, kv, head_major)
     v = torch.cat((v, proj[:, 0, :1]), dim=1)[:, :hk]                 # a row stride of (hk + 1) d, not 5 hk d
     assert k.stride(0) != v.stride(0) and k.stride(1) == v.stride(1)
     slots = torch.randperm(nb * BS, generator=gen)[:rows]
-    dtype = FP8 if kv == "fp8" else torch.float32
+    dtype = CACHES[kv]
 
     def pool():
         shape = (hk, nb, BS) if head_major else (nb, BS, hk)
@@ -236,7 +239,7 @@ def test_write_puts_the_bytes_and_scales_of_the_torch_path(rows, kv, head_major)
     A.write_kv_ref(want[0], want[1], k, v, slots, want[2], want[3])
     for g, w in zip(got, want):
         if g is not None:
-            assert torch.equal(g.view(torch.uint8) if g.dtype == FP8 else g, w.view(torch.uint8) if w.dtype == FP8 else w)
+            assert torch.equal(bits_of(g), bits_of(w))
 
 
 def test_e4m3_rounding_is_torchs_for_a_sweep_of_values():

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from test_native_batch import BS, paged_batch
+from test_native_batch import BS, CACHES, paged_batch
 from tolerance import assert_within, gemv_reference, paged_decode_reference, rms_norm_reference, silu_mul_reference
 from kvchat.engine import attention as A
 from kvchat.engine import native_build as nb
@@ -108,20 +108,24 @@ def test_the_products_and_norm_run_on_aarch64(driver):
     assert at == len(out)
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
-def test_decode_and_write_run_on_aarch64(driver, fp8):
-    gen = torch.Generator().manual_seed(6 + fp8)
+DRIVER_CACHES = ["fp32", "fp8", "bf16"]     # tests/csrc/driver.c's cache kinds, in its order
+
+
+@pytest.mark.parametrize("kv", DRIVER_CACHES)
+def test_decode_and_write_run_on_aarch64(driver, kv):
+    fp8, kind = kv == "fp8", DRIVER_CACHES.index(kv)
+    gen = torch.Generator().manual_seed(6 + kind)
     hk, g, d, lens = 3, 3, 64, [1, BS, BS + 1, 200]
-    k, v, ks, vs, tables = paged_batch(lens, hk, d, gen, fp8, head_major=False)   # the driver's layout
+    k, v, ks, vs, tables = paged_batch(lens, hk, d, gen, kv, head_major=False)   # the driver's layout
     nblocks = k.shape[0]
     q = torch.randn(len(lens), hk * g, d, generator=gen)
-    cache = (lambda t: t.view(torch.uint8).numpy().tobytes()) if fp8 else f32
-    cmds = (struct.pack("<9qf", 3, len(lens), hk, g, d, BS, nblocks, tables.shape[1], int(fp8), d ** -0.5)
+    cache = (lambda t: t.view(torch.uint8).numpy().tobytes()) if kv != "fp32" else f32
+    cmds = (struct.pack("<9qf", 3, len(lens), hk, g, d, BS, nblocks, tables.shape[1], kind, d ** -0.5)
             + tables.numpy().tobytes() + torch.tensor(lens, dtype=torch.int32).numpy().tobytes() + f32(q)
             + cache(k) + cache(v) + (f32(ks) + f32(vs) if fp8 else b""))
     rows = torch.randn(37, hk, d, generator=gen) * torch.exp(2 * torch.randn(37, hk, 1, generator=gen))
     slots = torch.randperm(nblocks * BS, generator=gen)[:37]
-    cmds += struct.pack("<7q", 4, 37, hk, d, nblocks, BS, int(fp8)) + f32(rows) + f32(rows * 0.5) + slots.numpy().tobytes()
+    cmds += struct.pack("<7q", 4, 37, hk, d, nblocks, BS, kind) + f32(rows) + f32(rows * 0.5) + slots.numpy().tobytes()
     out = run(driver, cmds)
     rc, = struct.unpack_from("<i", out, 0)
     n = q.numel()
@@ -130,7 +134,7 @@ def test_decode_and_write_run_on_aarch64(driver, fp8):
     assert_within(got, *paged_decode_reference(q, k, v, tables, lens, d ** -0.5, ks, vs), what="aarch64 decode")
     rest = out[4 + 4 * n:]
     assert struct.unpack_from("<i", rest, 0) == (0,)
-    dtype = torch.float8_e4m3fn if fp8 else torch.float32
+    dtype = CACHES[kv]
     want = [torch.zeros(nblocks, BS, hk, d, dtype=dtype) for _ in range(2)]
     scales = [torch.zeros(nblocks, BS, hk) for _ in range(2)] if fp8 else [None, None]
     A.write_kv_ref(want[0], want[1], rows, rows * 0.5, slots, scales[0], scales[1])

@@ -100,9 +100,17 @@ def test_rms_norm_of_b_rows_is_each_rows_own(k):
 
 
 # ---- decode over B sequences ---------------------------------------------------------------
-def paged_batch(lens: list[int], hk: int, d: int, gen: torch.Generator, fp8: bool, head_major: bool):
-    """B sequences of N(0, 1) K/V rows in one pool, their blocks disjoint and shuffled among
-    spare ones. Every slot no sequence owns holds NaN (fp8: e4m3fn's NaN byte and NaN scales)
+CACHES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": FP8}    # the caches the C kernels serve
+
+
+def bits_of(t: torch.Tensor) -> torch.Tensor:
+    """A cache's bits, compared exactly (bf16 and fp32 -0.0 against +0.0, NaN against NaN)."""
+    return t.view({FP8: torch.uint8, torch.bfloat16: torch.int16, torch.float32: torch.int32}[t.dtype])
+
+
+def paged_batch(lens: list[int], hk: int, d: int, gen: torch.Generator, kv: str, head_major: bool):
+    """B sequences of N(0, 1) K/V rows in one pool (kv: a key of CACHES), their blocks disjoint
+    and shuffled among spare ones. Every slot no sequence owns holds NaN (fp8: e4m3fn's NaN byte and NaN scales)
     and a table's entries past its sequence's blocks name no block at all, so a read outside a
     sequence shows. Returns (k, v, ks, vs, tables (B, width) int32), the caches written by
     write_kv_ref."""
@@ -117,7 +125,7 @@ def paged_batch(lens: list[int], hk: int, d: int, gen: torch.Generator, fp8: boo
         pos = torch.arange(n)
         slots.append(torch.tensor(row)[pos // BS] * BS + pos % BS)
     slots = torch.cat(slots)
-    dtype = FP8 if fp8 else torch.float32
+    dtype, fp8 = CACHES[kv], kv == "fp8"
 
     def empty(dtype, *last):
         if head_major:   # KVPool's CPU layout: (H_kv, blocks, bs, d) storage, viewed token-major
@@ -148,13 +156,13 @@ def mixed_lengths(b: int, gen: torch.Generator) -> list[int]:
 BATCHES = [(17, 3, 3, 64), (3, 3, 3, 64), (3, 2, 10, 64), (3, 8, 4, 128)]
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+@pytest.mark.parametrize("kv", list(CACHES))
 @pytest.mark.parametrize("head_major", [False, True], ids=["tokens", "heads"])
 @pytest.mark.parametrize("b, hk, g, d", BATCHES, ids=[f"{b}x{hk}x{g}x{d}" for b, hk, g, d in BATCHES])
-def test_decode_of_b_sequences_matches_float64_and_each_alone(b, hk, g, d, head_major, fp8):
-    gen = torch.Generator().manual_seed(b * 1000 + hk * 100 + g * 10 + head_major * 2 + fp8)
+def test_decode_of_b_sequences_matches_float64_and_each_alone(b, hk, g, d, head_major, kv):
+    gen = torch.Generator().manual_seed(b * 1000 + hk * 100 + g * 10 + head_major * 2 + list(CACHES).index(kv))
     lens = mixed_lengths(b, gen)
-    k, v, ks, vs, tables = paged_batch(lens, hk, d, gen, fp8, head_major)
+    k, v, ks, vs, tables = paged_batch(lens, hk, d, gen, kv, head_major)
     q = torch.randn(b, hk * g + 3, d, generator=gen)[:, :hk * g]            # strided, as the model hands it over
     context_lens = torch.tensor(lens, dtype=torch.int32)
     scale = d ** -0.5
@@ -171,7 +179,7 @@ def test_decode_of_b_sequences_matches_float64_and_each_alone(b, hk, g, d, head_
 def test_decode_of_b_sequences_on_any_thread_count(threads):
     gen = torch.Generator().manual_seed(threads)
     lens = [1500, 3, 40, 700]
-    k, v, ks, vs, tables = paged_batch(lens, 3, 64, gen, False, True)
+    k, v, ks, vs, tables = paged_batch(lens, 3, 64, gen, "fp32", True)
     q = torch.randn(4, 9, 64, generator=gen)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
@@ -182,12 +190,13 @@ def test_decode_of_b_sequences_on_any_thread_count(threads):
     assert_within(got, *paged_decode_reference(q, k, v, tables, lens, 0.125))
 
 
-def test_paged_decode_takes_the_batch_kernel_for_b_sequences_and_torch_without_it(monkeypatch):
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_paged_decode_takes_the_batch_kernel_for_b_sequences_and_torch_without_it(monkeypatch, kv):
     """B > 1 on the CPU: one call of the C kernel; with the kernels set aside, each sequence
     through decode_one's torch path. Both within the bound, and the second equal to B = 1 calls."""
     gen = torch.Generator().manual_seed(21)
     lens = [33, 1, 300, 16]
-    k, v, ks, vs, tables = paged_batch(lens, 3, 64, gen, True, True)
+    k, v, ks, vs, tables = paged_batch(lens, 3, 64, gen, kv, True)
     q = torch.randn(4, 9, 64, generator=gen)
     lens_t = torch.tensor(lens, dtype=torch.int32)
     ref = paged_decode_reference(q, k, v, tables, lens, 0.125, ks, vs)
@@ -205,7 +214,7 @@ def test_decode_declines_lengths_and_block_ids_outside_the_pool():
     """The C kernel reads what the tables name: a length past a table's width, a block id
     outside the pool or a length of 0 makes it decline (None) instead of reading out of bounds."""
     gen = torch.Generator().manual_seed(4)
-    k, v, _, _, tables = paged_batch([40, 20], 3, 64, gen, False, False)
+    k, v, _, _, tables = paged_batch([40, 20], 3, 64, gen, "fp32", False)
     q = torch.randn(2, 9, 64, generator=gen)
     ok = torch.tensor([40, 20], dtype=torch.int32)
     assert native.decode_batch(q, k, v, tables, ok, 0.125) is not None
@@ -220,16 +229,16 @@ def test_decode_declines_lengths_and_block_ids_outside_the_pool():
 
 
 # ---- the K/V write of a batch --------------------------------------------------------------
-@pytest.mark.parametrize("kv", ["fp32", "fp8"])
+@pytest.mark.parametrize("kv", list(CACHES))
 def test_write_of_one_row_per_sequence_puts_the_bytes_of_the_torch_path(kv):
     """A decode step writes one row for each of B sequences: B slots in B sequences' blocks,
     scattered over the pool. Every byte and scale equals write_kv_ref's; nothing else is touched."""
-    gen = torch.Generator().manual_seed(int(kv == "fp8"))
+    gen = torch.Generator().manual_seed(list(CACHES).index(kv))
     hk, d, nb, b = 3, 64, 60, 16
     k = torch.randn(b, hk, d, generator=gen) * torch.exp(2 * torch.randn(b, hk, 1, generator=gen))
     v = torch.randn(b, hk, d, generator=gen)
     slots = torch.randperm(nb * BS, generator=gen)[:b]
-    dtype = FP8 if kv == "fp8" else torch.float32
+    dtype = CACHES[kv]
 
     def pool():
         c = [torch.full((hk, nb, BS, d), 1.5).to(dtype).movedim(0, 2) for _ in range(2)]
@@ -240,7 +249,7 @@ def test_write_of_one_row_per_sequence_puts_the_bytes_of_the_torch_path(kv):
     A.write_kv_ref(want[0], want[1], k, v, slots, want[2], want[3])
     for g, w in zip(got, want):
         if g is not None:
-            assert torch.equal(g.view(torch.uint8) if g.dtype == FP8 else g, w.view(torch.uint8) if w.dtype == FP8 else w)
+            assert torch.equal(bits_of(g), bits_of(w))
 
 
 def test_write_refuses_a_slot_outside_the_pool_before_writing_anything():

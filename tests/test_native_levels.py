@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_native_batch import BS, paged_batch
+from test_native_batch import BS, CACHES, bits_of, paged_batch
 from test_native_fused import check_add_rms_norm, check_rope_write, check_silu_mul, check_step
 from tolerance import assert_within, gemv_bf16_reference, gemv_reference, paged_decode_reference, rms_norm_reference
 from kvchat.engine import attention as A
@@ -55,12 +55,12 @@ def test_each_level_computes_the_bf16_products(level):
             assert torch.equal(got[-1:], native.gemv(x[-1:].contiguous(), w)), f"{level}: batched != alone"
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
-def test_each_level_decodes_a_batch(level, fp8):
-    gen = torch.Generator().manual_seed(2 + fp8)
+@pytest.mark.parametrize("kv", list(CACHES))
+def test_each_level_decodes_a_batch(level, kv):
+    gen = torch.Generator().manual_seed(2 + list(CACHES).index(kv))
     for hk, g, d, head_major in ((3, 3, 64, True), (2, 10, 64, False), (1, 5, 96, True), (8, 4, 128, False)):
         lens = [1, BS, BS + 1, 300, 40]
-        k, v, ks, vs, tables = paged_batch(lens, hk, d, gen, fp8, head_major)
+        k, v, ks, vs, tables = paged_batch(lens, hk, d, gen, kv, head_major)
         q = torch.randn(len(lens), hk * g, d, generator=gen)
         got = native.decode_batch(q, k, v, tables, torch.tensor(lens, dtype=torch.int32), d ** -0.5, ks, vs)
         assert got is not None
@@ -68,13 +68,13 @@ def test_each_level_decodes_a_batch(level, fp8):
                       what=f"{level} {hk}x{g}x{d}")
 
 
-@pytest.mark.parametrize("kv", ["fp32", "fp8"])
+@pytest.mark.parametrize("kv", list(CACHES))
 def test_each_level_writes_the_bytes_of_the_torch_path(level, kv):
     gen = torch.Generator().manual_seed(3)
     hk, d, nb, rows = 3, 64, 40, 50
     src = torch.randn(rows, hk, d, generator=gen) * torch.exp(3 * torch.randn(rows, hk, 1, generator=gen))
     slots = torch.randperm(nb * BS, generator=gen)[:rows]
-    dtype = torch.float8_e4m3fn if kv == "fp8" else torch.float32
+    dtype = CACHES[kv]
 
     def pool():
         c = [torch.zeros(hk, nb, BS, d, dtype=dtype).movedim(0, 2) for _ in range(2)]
@@ -85,8 +85,7 @@ def test_each_level_writes_the_bytes_of_the_torch_path(level, kv):
     A.write_kv_ref(want[0], want[1], src, src * 0.5, slots, want[2], want[3])
     for gt, wt in zip(got, want):
         if gt is not None:
-            assert torch.equal(gt.view(torch.uint8) if gt.dtype == dtype else gt,
-                               wt.view(torch.uint8) if wt.dtype == dtype else wt), level
+            assert torch.equal(bits_of(gt), bits_of(wt)), level
 
 
 def test_each_level_computes_the_fused_ops(level):
@@ -97,11 +96,12 @@ def test_each_level_computes_the_fused_ops(level):
         check_add_rms_norm(gen, b, k, level)
     for b, n in ((1, 1536), (5, 9)):
         check_silu_mul(gen, b, n, level)
-    for hq, hk, d, kv, head_major in ((9, 3, 64, "fp32", True), (32, 8, 128, "fp8", False), (5, 1, 96, "fp8", True)):
+    for hq, hk, d, kv, head_major in ((9, 3, 64, "fp32", True), (32, 8, 128, "fp8", False), (5, 1, 96, "fp8", True),
+                                      (9, 3, 64, "bf16", False)):
         check_rope_write(gen, hq, hk, d, 7, kv, head_major, f"{level} {hq}x{hk}x{d} {kv}")
 
 
-@pytest.mark.parametrize("weights, kv", [("fp32", "fp32"), ("fp32", "fp8"), ("bf16", "fp32")])
+@pytest.mark.parametrize("weights, kv", [("fp32", "fp32"), ("fp32", "fp8"), ("bf16", "fp32"), ("bf16", "bf16")])
 def test_each_level_runs_the_whole_decode_step(level, weights, kv, monkeypatch):
     """kv_decode_step of this level's build: the layer-by-layer path's bits, batched == alone."""
     check_step(weights, kv, monkeypatch, f"{level} {weights} weights, {kv} cache")

@@ -98,7 +98,7 @@ def test_the_activation_bound_catches_swapped_halves_and_a_sigmoid_approximation
 # ---- attention --------------------------------------------------------------------------------
 def one_sequence(length: int, fp8: bool = False, seed: int = 0, q_scale: float = 1.0):
     gen = torch.Generator().manual_seed(seed)
-    k, v, ks, vs, tables = paged_batch([length], 3, 64, gen, fp8, head_major=True)
+    k, v, ks, vs, tables = paged_batch([length], 3, 64, gen, "fp8" if fp8 else "fp32", head_major=True)
     q = torch.randn(9, 64, generator=gen) * q_scale
     return q, k, v, ks, vs, tables[0]
 

@@ -40,21 +40,6 @@ static inline float acc_sum(const acc_t *a) { f16v v; memcpy(&v, a, sizeof v); r
 typedef fnv acc_t;
 static inline acc_t acc_zero(void) { return (fnv){0}; }
 static inline float acc_sum(const acc_t *a) { return hsum_subs(a); }
-
-/* VLANES bf16 widened to fp32: the bits moved up 16 places */
-static inline fnv widen_bf16(const uint16_t *p) {
-#if !defined(KVCHAT_PORTABLE) && defined(__AVX512F__)
-    return (fnv)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
-#elif !defined(KVCHAT_PORTABLE) && defined(__AVX2__)
-    return (fnv)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
-#else
-    uint32_t u[VLANES];
-    for (int i = 0; i < VLANES; i++) u[i] = (uint32_t)p[i] << 16;
-    fnv out;
-    memcpy(&out, u, sizeof out);
-    return out;
-#endif
-}
 #endif
 
 /* R weight rows (w, stride k) against X rows of x (stride k; xb: the same rows in bf16 for

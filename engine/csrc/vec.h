@@ -1,9 +1,9 @@
 /* What kvchat's C kernels share: a 16-float vector type and the few operations on it.
  *
  * Written with GCC/Clang vector extensions, so one source compiles to AVX-512, AVX2, SSE or
- * NEON code, whatever -march/-mcpu asks for. The only intrinsics are x86 ones in widen(),
- * each under its own #if; KVCHAT_PORTABLE sets them aside, so that the tests can run the
- * plain code a compiler for another architecture sees (engine/native.py builds it).
+ * NEON code, whatever -march/-mcpu asks for. The only intrinsics are x86 ones in widen() and
+ * widen_bf16(), each under its own #if; KVCHAT_PORTABLE sets them aside, so that the tests can
+ * run the plain code a compiler for another architecture sees (engine/native.py builds it).
  */
 #ifndef KVCHAT_VEC_H
 #define KVCHAT_VEC_H
@@ -73,6 +73,22 @@ static inline float hsum(f16v v) {
 typedef float fnv __attribute__((vector_size(VLANES * sizeof(float))));
 
 static inline fnv loadn(const float *p) { fnv v; memcpy(&v, p, sizeof v); return v; }
+
+/* VLANES bf16 widened to fp32, exactly: the bits moved up 16 places (gemv_bf16.c's weights,
+ * decode.c's bf16 cache) */
+static inline fnv widen_bf16(const uint16_t *p) {
+#if !defined(KVCHAT_PORTABLE) && defined(__AVX512F__)
+    return (fnv)_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16);
+#elif !defined(KVCHAT_PORTABLE) && defined(__AVX2__)
+    return (fnv)_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16);
+#else
+    uint32_t u[VLANES];
+    for (int i = 0; i < VLANES; i++) u[i] = (uint32_t)p[i] << 16;
+    fnv out;
+    memcpy(&out, u, sizeof out);
+    return out;
+#endif
+}
 
 /* x in every lane, as one broadcast instruction. Written as a loop over the lanes (v[i] = x),
  * GCC 12 built the vector a lane at a time: 16 masked broadcasts on AVX-512, 8 inserts on AVX2

@@ -1,4 +1,5 @@
-/* A step's new K/V rows written into their pool slots: copied for an fp32 cache, quantized to
+/* A step's new K/V rows written into their pool slots: copied for an fp32 cache, rounded to
+ * bf16 for a bf16 one, quantized to
  * e4m3 with one scale per (row, KV head) for an fp8 one, with the bytes torch's own conversion
  * gives. The rows may belong to any number of sequences: each carries its own flat slot.
  * kv_rope_write does the same for K straight out of the fused qkv projection, rotated on the
@@ -33,13 +34,28 @@ static inline uint8_t e4m3_from_float(float f) {
     return out | (uint8_t)(sign >> 24);
 }
 
-/* one KV head's row x (dim floats) into flat slot `slot`: copied, or for an fp8 cache with one
+/* float32 -> bf16 bits, rounding to nearest even, NaN to the one quiet NaN: the conversion
+ * torch itself does (c10's round_to_nearest_even), so a bf16 cache written here holds the
+ * bits torch's path (x.to(torch.bfloat16)) would write */
+static inline uint16_t bf16_from_float(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+/* one KV head's row x (dim floats) into flat slot `slot`: copied (bf16: rounded), or for an fp8 cache with one
  * scale per (row, KV head), amax / 448 (amax at least 1e-12), each value divided by it,
  * clamped to +-448 and rounded: the same float32 operations, in the same order, as
  * attention.quantize_fp8. side 0 is K, 1 is V. */
 static inline void put(const WriteArgs *a, int64_t slot, int64_t h, int side, const float *x) {
     const int64_t d = a->dim, blk = slot / a->block_size, off = slot % a->block_size;
     const int64_t dst = blk * a->block_stride + off * a->row_stride + h * a->head_stride;
+    if (a->ks == NULL && a->bf16) {
+        uint16_t *out = (uint16_t *)(side ? a->v : a->k) + dst;
+        for (int64_t c = 0; c < d; c++) out[c] = bf16_from_float(x[c]);
+        return;
+    }
     if (a->ks == NULL) {
         memcpy((float *)(side ? a->v : a->k) + dst, x, sizeof(float) * d);
         return;
