@@ -97,10 +97,15 @@ def cpu_auto_dtype() -> str:
     return "bf16" if native.bf16_native() else "fp32"
 
 
+def auto_kv_dtype(dtype: str, device: torch.device) -> str:
+    """--kv-dtype auto: the model's dtype, except bf16 weights on a CPU, which compute in fp32
+    (model.Llama.act_dtype) and keep an fp32 cache."""
+    return "fp32" if device.type == "cpu" and dtype == "bf16" else dtype
+
+
 def pick_dtypes(cfg: EngineConfig, device: torch.device) -> tuple[str, str]:
     dtype = cfg.dtype if cfg.dtype != "auto" else ("bf16" if device.type == "cuda" else cpu_auto_dtype())
-    # bf16 weights on a CPU compute in fp32 (model.Llama.act_dtype): an fp32 cache, which the C kernels read
-    kv = cfg.kv_dtype if cfg.kv_dtype != "auto" else ("fp32" if device.type == "cpu" and dtype == "bf16" else dtype)
+    kv = cfg.kv_dtype if cfg.kv_dtype != "auto" else auto_kv_dtype(dtype, device)
     if kv == "fp8" and "fp8" not in TORCH_DTYPES:
         raise KvchatError("--kv-dtype fp8 needs torch with float8_e4m3fn (torch >= 2.1)")
     return dtype, kv
@@ -239,7 +244,7 @@ class Engine:
         reply running now goes back to the queue and recomputes its text in the new pool)."""
         if kv_dtype not in KV_DTYPES:
             raise KvchatError(f"unknown KV dtype {kv_dtype!r}; accepted: {', '.join(KV_DTYPES)}")
-        kv_dtype = self.dtype_name if kv_dtype == "auto" else kv_dtype
+        kv_dtype = auto_kv_dtype(self.dtype_name, self.device) if kv_dtype == "auto" else kv_dtype
         with self.lock:
             self.scheduler.requeue_running()
             for conv in self.conversations:
