@@ -6,9 +6,9 @@ one-row product and its per-piece attention calls left a step at 2.7x the memory
 - `gemv(x, w)`: x @ w.T for B fp32 rows (gemv.c), each weight row read once for all of them,
   and `rms_norm` of B rows;
 - `decode(q, ...)` for one sequence, `decode_batch(q, ...)` for B (decode.c): one query per
-  head against each sequence's cache through its own block table, fp32, bf16 or fp8, read in place,
+  head against each sequence's cache through its own block table, fp32, bf16, fp16 or fp8, read in place,
   split-K over (sequence, KV head, stretch of blocks), merged by log-sum-exp;
-- `write(...)`: a step's new K/V rows into their slots, rounded for a bf16 cache, quantized for
+- `write(...)`: a step's new K/V rows into their slots, rounded for a 16-bit cache, quantized for
   an fp8 one, with the bits torch's own conversion gives (write.c).
 A row or sequence of a batch gets the bits it gets alone.
 What surrounds them in a decode step (the residual adds and norms, RoPE, SiLU), and the
@@ -165,13 +165,14 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 FP8 = getattr(torch, "float8_e4m3fn", None)
-CACHE_DTYPES = (torch.float32, torch.bfloat16, FP8)    # the caches the C kernels read and write
+CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, FP8)    # the caches the C kernels read and write
+HALF = {torch.bfloat16: 1, torch.float16: 2}            # kvchat.h's KV_BF16, KV_FP16
 SPLITS_PER_THREAD = 4   # work items per thread for one sequence: KV heads x splits, enough to balance
 
 
 def decode_serves(q: torch.Tensor, k_cache: torch.Tensor) -> bool:
-    """Whether decode() and decode_batch() take these tensors: CPU, fp32 queries, an fp32, bf16
-    or e4m3 cache whose rows are unit-stride, head_dim a multiple of 16 up to 256, at most 16
+    """Whether decode() and decode_batch() take these tensors: CPU, fp32 queries, an fp32, bf16,
+    fp16 or e4m3 cache whose rows are unit-stride, head_dim a multiple of 16 up to 256, at most 16
     queries per KV head."""
     hq, d = q.shape[-2:]
     hk = k_cache.shape[2]
@@ -194,7 +195,7 @@ def decode_args(q_shape: tuple[int, ...], q_stride: int, k_cache: torch.Tensor, 
                       v_scale.data_ptr() if v_scale is not None else None, tables.data_ptr(), lens,
                       table_stride, tables.shape[-1], nb,
                       k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *_scale_strides(k_scale),
-                      batch, bs, hk, hq // hk, d, q_stride, length, scale, int(k_cache.dtype == torch.bfloat16))
+                      batch, bs, hk, hq // hk, d, q_stride, length, scale, HALF.get(k_cache.dtype, 0))
 
 
 def splits(n_kv_heads: int) -> int:
@@ -253,7 +254,7 @@ def decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
 def write_serves(k_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> bool:
     """Whether write() takes these: CPU, fp32 rows with unit stride in head_dim (the same
     head stride for K and V; row strides may differ: K comes out of RoPE, V out of the
-    projection), an fp32, bf16 or e4m3 cache with unit-stride rows, int64 slots."""
+    projection), an fp32, bf16, fp16 or e4m3 cache with unit-stride rows, int64 slots."""
     return (k.device.type == "cpu" and k_cache.device.type == "cpu" and k.dtype == torch.float32
             and v.dtype == torch.float32 and k.stride(1) == v.stride(1) and k.stride(-1) == v.stride(-1) == 1
             and k_cache.dtype in CACHE_DTYPES and k_cache.stride(-1) == 1
@@ -263,7 +264,7 @@ def write_serves(k_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots:
 def write(k_cache: torch.Tensor, v_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
           k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None) -> None:
     """k, v: (T, n_kv_heads, head_dim) fp32 into flat slots (T,), rows of one sequence or of
-    many (each row carries its slot): copied (bf16: rounded to nearest even, torch's rounding),
+    many (each row carries its slot): copied (bf16, fp16: rounded to nearest even, torch's rounding),
     or for an fp8 cache quantized per (row, head)
     with the bytes and scales attention.quantize_fp8 gives. A slot outside the pool raises
     IndexError before anything is written."""
@@ -285,4 +286,4 @@ def write_args(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tens
                      k_scale.data_ptr() if k_scale is not None else None,
                      v_scale.data_ptr() if v_scale is not None else None,
                      k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), *_scale_strides(k_scale),
-                     nb, bs, hk, d, *src, int(k_cache.dtype == torch.bfloat16))
+                     nb, bs, hk, d, *src, HALF.get(k_cache.dtype, 0))

@@ -19,7 +19,7 @@ class DecodeArgs(ctypes.Structure):
         (name, ctypes.c_int64) for name in
         ("table_stride", "max_blocks", "num_blocks", "block_stride", "row_stride", "head_stride",
          "sblock_stride", "srow_stride", "shead_stride", "batch", "block_size", "kv_heads", "group", "dim",
-         "q_stride", "length")] + [("scale", ctypes.c_float), ("bf16", ctypes.c_int64)]
+         "q_stride", "length")] + [("scale", ctypes.c_float), ("half", ctypes.c_int64)]
 
 
 class WriteArgs(ctypes.Structure):
@@ -28,7 +28,7 @@ class WriteArgs(ctypes.Structure):
         ("block_stride", "row_stride", "head_stride", "sblock_stride", "srow_stride", "shead_stride",
          "num_blocks", "block_size", "kv_heads", "dim")] + [
         ("src_k", ctypes.c_void_p), ("src_v", ctypes.c_void_p), ("k_row_stride", ctypes.c_int64),
-        ("v_row_stride", ctypes.c_int64), ("src_head_stride", ctypes.c_int64), ("bf16", ctypes.c_int64)]
+        ("v_row_stride", ctypes.c_int64), ("src_head_stride", ctypes.c_int64), ("half", ctypes.c_int64)]
 
 
 class LayerArgs(ctypes.Structure):
@@ -162,23 +162,26 @@ def check(path: str) -> str | None:
         return "kv_decode declined a case it serves"
     if (problem := _decode_wrong(out, q, kc, vc, table, lens, g, d, bs)) is not None:
         return problem
-    # a bf16 cache: the same rows rounded to nearest even (kv_write), then the same decode over
-    # them against the rounded values
-    bits = [_bf16_bits(x) for x in list(kbuf) + list(vbuf)]
-    kh, vh = (ctypes.c_uint16 * (nb * bs * d))(), (ctypes.c_uint16 * (nb * bs * d))()
+    # 16-bit caches: the same rows rounded to nearest even (kv_write), then the same decode over
+    # them against the rounded values (Python's own roundings: _bf16_bits, struct's half)
     every = (ctypes.c_int64 * (nb * bs))(*range(nb * bs))
-    wa = WriteArgs(ctypes.addressof(kh), ctypes.addressof(vh), None, None, bs * d, d, d, 0, 0, 0, nb, bs, 1, d,
-                   ctypes.addressof(kbuf), ctypes.addressof(vbuf), d, d, d, 1)
-    if lib.kv_write(ctypes.byref(wa), every, nb * bs, 2) != 0:
-        return "kv_write refused a bf16 cache"
-    if list(kh) + list(vh) != bits:
-        return "kv_write gave a wrong bf16 value"
-    a.k, a.v, a.bf16 = ctypes.addressof(kh), ctypes.addressof(vh), 1
-    if lib.kv_decode(ctypes.byref(a), _floats(q), out, 2, 2) != 0:
-        return "kv_decode declined a bf16 cache"
-    kr = [struct.unpack("<f", struct.pack("<I", h << 16))[0] for h in bits]
-    if (problem := _decode_wrong(out, q, kr[:len(kc)], kr[len(kc):], table, lens, g, d, bs)) is not None:
-        return f"{problem} (bf16 cache)"
+    for half, name in ((1, "bf16"), (2, "fp16")):
+        rounded = [(_bf16_bits(x), struct.unpack("<f", struct.pack("<I", _bf16_bits(x) << 16))[0]) if half == 1 else
+                   (struct.unpack("<H", struct.pack("<e", x))[0], struct.unpack("<e", struct.pack("<e", x))[0])
+                   for x in list(kbuf) + list(vbuf)]
+        kh, vh = (ctypes.c_uint16 * (nb * bs * d))(), (ctypes.c_uint16 * (nb * bs * d))()
+        wa = WriteArgs(ctypes.addressof(kh), ctypes.addressof(vh), None, None, bs * d, d, d, 0, 0, 0, nb, bs, 1, d,
+                       ctypes.addressof(kbuf), ctypes.addressof(vbuf), d, d, d, half)
+        if lib.kv_write(ctypes.byref(wa), every, nb * bs, 2) != 0:
+            return f"kv_write refused a {name} cache"
+        if list(kh) + list(vh) != [b for b, _ in rounded]:
+            return f"kv_write gave a wrong {name} value"
+        a.k, a.v, a.half = ctypes.addressof(kh), ctypes.addressof(vh), half
+        if lib.kv_decode(ctypes.byref(a), _floats(q), out, 2, 2) != 0:
+            return f"kv_decode declined a {name} cache"
+        kr = [x for _, x in rounded]
+        if (problem := _decode_wrong(out, q, kr[:len(kc)], kr[len(kc):], table, lens, g, d, bs)) is not None:
+            return f"{problem} ({name} cache)"
     # write: 2 rows of 1 KV head into an fp8 cache: bytes and scales of round-to-nearest e4m3
     src = [0.5, -448.0 / 3, 3.0, 1e-3] * 4 + [rng.uniform(-4, 4) for _ in range(d)]
     k8, v8, sk, sv = (ctypes.c_uint8 * (nb * bs * d))(), (ctypes.c_uint8 * (nb * bs * d))(), _floats([0.0] * (nb * bs)), _floats([0.0] * (nb * bs))

@@ -132,9 +132,9 @@ def test_decode_declines_what_it_does_not_serve():
     k = torch.empty(4, BS, 3, 64)
     assert native.decode_serves(q, k)
     assert not native.decode_serves(torch.randn(9, 40), torch.empty(4, BS, 3, 40))     # d not a multiple of 16
-    assert native.decode_serves(q, k.bfloat16())                                       # a bf16 cache
+    assert native.decode_serves(q, k.bfloat16()) and native.decode_serves(q, k.half())  # 16-bit caches
     assert not native.decode_serves(q.bfloat16(), k.bfloat16())                        # bf16 queries
-    assert not native.decode_serves(q, k.half())
+    assert not native.decode_serves(q, k.double())                                     # an fp64 cache
     assert not native.decode_serves(torch.randn(34, 64), torch.empty(4, BS, 2, 64))    # 17 queries per KV head
 
 

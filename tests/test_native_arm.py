@@ -108,7 +108,7 @@ def test_the_products_and_norm_run_on_aarch64(driver):
     assert at == len(out)
 
 
-DRIVER_CACHES = ["fp32", "fp8", "bf16"]     # tests/csrc/driver.c's cache kinds, in its order
+DRIVER_CACHES = ["fp32", "fp8", "bf16", "fp16"]     # tests/csrc/driver.c's cache kinds, in its order
 
 
 @pytest.mark.parametrize("kv", DRIVER_CACHES)

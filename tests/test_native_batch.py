@@ -100,12 +100,13 @@ def test_rms_norm_of_b_rows_is_each_rows_own(k):
 
 
 # ---- decode over B sequences ---------------------------------------------------------------
-CACHES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": FP8}    # the caches the C kernels serve
+CACHES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": FP8, "fp16": torch.float16}   # the caches the C kernels serve
 
 
 def bits_of(t: torch.Tensor) -> torch.Tensor:
     """A cache's bits, compared exactly (bf16 and fp32 -0.0 against +0.0, NaN against NaN)."""
-    return t.view({FP8: torch.uint8, torch.bfloat16: torch.int16, torch.float32: torch.int32}[t.dtype])
+    return t.view({FP8: torch.uint8, torch.bfloat16: torch.int16, torch.float16: torch.int16,
+                   torch.float32: torch.int32}[t.dtype])
 
 
 def paged_batch(lens: list[int], hk: int, d: int, gen: torch.Generator, kv: str, head_major: bool):
@@ -190,7 +191,7 @@ def test_decode_of_b_sequences_on_any_thread_count(threads):
     assert_within(got, *paged_decode_reference(q, k, v, tables, lens, 0.125))
 
 
-@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("kv", ["bf16", "fp8", "fp16"])
 def test_paged_decode_takes_the_batch_kernel_for_b_sequences_and_torch_without_it(monkeypatch, kv):
     """B > 1 on the CPU: one call of the C kernel; with the kernels set aside, each sequence
     through decode_one's torch path. Both within the bound, and the second equal to B = 1 calls."""

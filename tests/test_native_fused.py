@@ -2,7 +2,7 @@
 write.c's kv_rope_write) against float64 references within the bounds of tests/tolerance.py,
 on fresh random inputs, and the whole C decode step (kv_decode_step) against the
 layer-by-layer path it replaces: the same kernels in the same order, so the same bits, for
-one sequence or a batch, fp32 or bf16 weights, fp32, bf16 or fp8 cache. Every build level runs the
+one sequence or a batch, fp32 or bf16 weights, fp32, bf16, fp16 or fp8 cache. Every build level runs the
 same checks (tests/test_native_levels.py).
 """
 from __future__ import annotations
@@ -48,7 +48,7 @@ def check_silu_mul(gen: torch.Generator, b: int, n: int, what: str = "") -> None
 
 def pool_for(hk: int, d: int, nb: int, kv: str, head_major: bool):
     """NaN-filled K/V caches (e4m3's NaN byte and NaN scales for fp8) in either layout."""
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp8": FP8}[kv]
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": FP8}[kv]
 
     def one(*last, dt):
         t = torch.empty(hk, nb, BS, *last, dtype=dt) if head_major else torch.empty(nb, BS, hk, *last, dtype=dt)
@@ -121,11 +121,11 @@ ROPE_GEOMETRIES = [(9, 3, 64), (32, 8, 128), (4, 4, 32), (5, 1, 96)]
 
 
 @pytest.mark.parametrize("head_major", [False, True], ids=["tokens", "heads"])
-@pytest.mark.parametrize("kv", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("kv", ["fp32", "bf16", "fp16", "fp8"])
 @pytest.mark.parametrize("hq, hk, d", ROPE_GEOMETRIES, ids=[f"{a}x{b}x{c}" for a, b, c in ROPE_GEOMETRIES])
 @pytest.mark.parametrize("t", [1, 7, 32])
 def test_rope_write_rotates_q_and_k_and_writes_k_and_v(t, hq, hk, d, kv, head_major):
-    gen = torch.Generator().manual_seed(t * 13 + hq + hk * 5 + d + ["fp32", "fp8", "bf16"].index(kv) + 2 * head_major)
+    gen = torch.Generator().manual_seed(t * 13 + hq + hk * 5 + d + ["fp32", "fp8", "bf16", "fp16"].index(kv) + 2 * head_major)
     check_rope_write(gen, hq, hk, d, t, kv, head_major)
 
 
@@ -240,7 +240,7 @@ def check_step(weights: str, kv: str, monkeypatch, what: str = "") -> None:
     assert err < 1e-3 if weights == "fp32" else err < 5e-2, f"{what}: {err:.2e} from the torch path"
 
 
-@pytest.mark.parametrize("kv", ["fp32", "bf16", "fp8"])
+@pytest.mark.parametrize("kv", ["fp32", "bf16", "fp16", "fp8"])
 @pytest.mark.parametrize("weights", ["fp32", "bf16"])
 def test_the_step_is_the_layer_by_layer_path_bit_for_bit(weights, kv, monkeypatch):
     check_step(weights, kv, monkeypatch)

@@ -97,7 +97,7 @@ def test_each_level_computes_the_fused_ops(level):
     for b, n in ((1, 1536), (5, 9)):
         check_silu_mul(gen, b, n, level)
     for hq, hk, d, kv, head_major in ((9, 3, 64, "fp32", True), (32, 8, 128, "fp8", False), (5, 1, 96, "fp8", True),
-                                      (9, 3, 64, "bf16", False)):
+                                      (9, 3, 64, "bf16", False), (9, 3, 64, "fp16", True)):
         check_rope_write(gen, hq, hk, d, 7, kv, head_major, f"{level} {hq}x{hk}x{d} {kv}")
 
 

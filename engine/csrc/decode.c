@@ -1,12 +1,12 @@
 /* Decode attention over the paged cache: one query per head for each of B sequences, each
  * against its own cached K/V read through its own block table, in place (any block order,
- * either pool layout), fp32, bf16, or fp8 e4m3 with one scale per (slot, KV head).
+ * either pool layout), fp32, bf16, fp16, or fp8 e4m3 with one scale per (slot, KV head).
  *
  * Split-K: every (sequence, KV head, stretch of blocks) is a work item with its own running
  * max, sum and output (online softmax, Milakov & Gimelshein 2018), merged at the end by
  * log-sum-exp (flash-decoding, Dao et al. 2023). A sequence's stretches depend on its own
  * length and the thread count only, so a sequence gets the same bits batched or alone; the
- * threads take items as they come (short sequences beside long ones balance). fp8 and bf16
+ * threads take items as they come (short sequences beside long ones balance). fp8 and 16-bit
  * rows are widened a tile at a time into a buffer the core keeps in L1: no fp32 copy of the
  * cache is ever written.
  */
@@ -34,13 +34,13 @@ static inline void fp8_rows(const int8_t *src, int64_t stride, int rows, int64_t
     }
 }
 
-/* rows of bf16 bits into fp32, exactly (each value's bits in the top half of a float32); pf as
- * in fp8_rows: the next chunk's same row, fetched meanwhile */
-static inline void bf16_rows(const uint16_t *src, int64_t stride, int rows, int64_t dim, float *dst,
-                             const uint16_t *pf, int pf_rows) {
+/* rows of a 16-bit cache (kind: KV_BF16 or KV_FP16) into fp32, exactly; pf as in fp8_rows:
+ * the next chunk's same row, fetched meanwhile */
+static inline void half_rows(const uint16_t *src, int64_t stride, int rows, int64_t dim, float *dst,
+                             const uint16_t *pf, int pf_rows, int kind) {
     for (int r = 0; r < rows; r++) {
         for (int64_t c = 0; c < dim; c += VLANES) {
-            const fnv x = widen_bf16(src + r * stride + c);
+            const fnv x = kind == KV_BF16 ? widen_bf16(src + r * stride + c) : widen_fp16(src + r * stride + c);
             memcpy(dst + r * dim + c, &x, sizeof x);
         }
         if (pf != NULL && r < pf_rows)
@@ -196,7 +196,7 @@ static inline __attribute__((always_inline)) void item(
     const float *kt[CHUNK_TILES], *vt[CHUNK_TILES];
     int64_t ld[CHUNK_TILES];
     int rows[CHUNK_TILES];
-    const int fp8 = a->ks != NULL, bf16 = !fp8 && a->bf16;
+    const int fp8 = a->ks != NULL, half = fp8 ? 0 : (int)a->half;
     const float *qh = q + h * G * dim;
     for (int j = 0; j < G; j++) {
         for (int c = 0; c < dim; c++) acc[j * dim + c] = 0.0f;
@@ -206,7 +206,7 @@ static inline __attribute__((always_inline)) void item(
     int64_t b = b0, r0 = 0;            /* the next tile: block b's rows from r0 */
     while (b < b1) {
         /* this chunk's tiles, then the next chunk's: each of its tiles is fetched into cache a
-         * row at a time while this chunk's same tile is converted (fp8, bf16) or computed (fp32:
+         * row at a time while this chunk's same tile is converted (fp8, bf16, fp16) or computed (fp32:
          * scores(), pv()). Fetched all at once, the rows waited for the core's line buffers:
          * the fp8 fetch of a whole chunk was a quarter of the kernel's time at 4,096 tokens. */
         int64_t off[CHUNK_TILES], s_off[CHUNK_TILES], next_off[CHUNK_TILES], next_soff[CHUNK_TILES];
@@ -231,11 +231,13 @@ static inline __attribute__((always_inline)) void item(
                         __builtin_prefetch(a->vs + next_soff[t] + r * a->srow_stride);
                     }
                 kt[t] = kbuf + t * TILE * dim, vt[t] = vbuf + t * TILE * dim, ld[t] = dim;
-            } else if (bf16) {
+            } else if (half) {
                 const uint16_t *kh = (const uint16_t *)a->k, *vh = (const uint16_t *)a->v;
                 const int n = nrows[t];
-                bf16_rows(kh + off[t], a->row_stride, rows[t], dim, kbuf + t * TILE * dim, n ? kh + next_off[t] : NULL, n);
-                bf16_rows(vh + off[t], a->row_stride, rows[t], dim, vbuf + t * TILE * dim, n ? vh + next_off[t] : NULL, n);
+                half_rows(kh + off[t], a->row_stride, rows[t], dim, kbuf + t * TILE * dim, n ? kh + next_off[t] : NULL, n,
+                          half);
+                half_rows(vh + off[t], a->row_stride, rows[t], dim, vbuf + t * TILE * dim, n ? vh + next_off[t] : NULL, n,
+                          half);
                 kt[t] = kbuf + t * TILE * dim, vt[t] = vbuf + t * TILE * dim, ld[t] = dim;
             } else {
                 kt[t] = (const float *)a->k + off[t];
@@ -318,7 +320,8 @@ static inline int64_t length_of(const DecodeArgs *a, int64_t s) { return a->lens
  * them before its first layer) */
 int kv_decode_check(const DecodeArgs *a, int splits) {
     const int64_t g = a->group, d = a->dim, bs = a->block_size, nb = a->batch;
-    if (g < 1 || g > MAX_GROUP || d % LANES || d > MAX_DIM || bs < 1 || nb < 1 || splits < 1)
+    if (g < 1 || g > MAX_GROUP || d % LANES || d > MAX_DIM || bs < 1 || nb < 1 || splits < 1 || a->half < 0 ||
+        a->half > KV_FP16)
         return -1;
     for (int64_t s = 0; s < nb; s++) {
         const int64_t len = length_of(a, s), blocks = (len + bs - 1) / bs;

@@ -7,9 +7,12 @@
 
 #include <stdint.h>
 
+#define KV_BF16 1       /* DecodeArgs.half, WriteArgs.half */
+#define KV_FP16 2
+
 typedef struct {
-    const void *k, *v;            /* the layer's K and V storage: float32, bf16 bits or e4m3 bytes */
-    const float *ks, *vs;         /* fp8: one scale per (slot, KV head); NULL for fp32 and bf16 */
+    const void *k, *v;            /* the layer's K and V storage: float32, bf16 or fp16 bits, or e4m3 bytes */
+    const float *ks, *vs;         /* fp8: one scale per (slot, KV head); NULL otherwise */
     const int32_t *tables;        /* (batch, table_stride): each sequence's block ids */
     const int32_t *lens;          /* (batch,): rows each sequence reads, its new one included;
                                      NULL: one sequence of `length` rows */
@@ -20,17 +23,17 @@ typedef struct {
     int64_t q_stride;             /* elements between sequences in q; heads and dims contiguous */
     int64_t length;
     float scale;
-    int64_t bf16;                 /* 1: k and v hold bf16 bits (ks, vs NULL); 0: fp32, or fp8 where ks is set */
+    int64_t half;                 /* a 16-bit cache: KV_BF16 or KV_FP16 (ks, vs NULL); 0: fp32, or fp8 where ks is set */
 } DecodeArgs;
 
 typedef struct {
     void *k, *v;                  /* the layer's cache storage, as in DecodeArgs */
-    float *ks, *vs;               /* fp8 scales, or NULL for an fp32 or bf16 cache */
+    float *ks, *vs;               /* fp8 scales, or NULL for an fp32, bf16 or fp16 cache */
     int64_t block_stride, row_stride, head_stride, sblock_stride, srow_stride, shead_stride;
     int64_t num_blocks, block_size, kv_heads, dim;
     const float *src_k, *src_v;   /* the new rows: (rows, kv_heads, dim), unit stride in dim */
     int64_t k_row_stride, v_row_stride, src_head_stride;
-    int64_t bf16;                 /* 1: a bf16 cache, each value rounded to nearest even; as in DecodeArgs */
+    int64_t half;                 /* as in DecodeArgs; each value rounded to nearest even */
 } WriteArgs;
 
 /* One layer's weights and cache for kv_decode_step. */

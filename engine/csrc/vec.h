@@ -2,7 +2,7 @@
  *
  * Written with GCC/Clang vector extensions, so one source compiles to AVX-512, AVX2, SSE or
  * NEON code, whatever -march/-mcpu asks for. The only intrinsics are x86 ones in widen() and
- * widen_bf16(), each under its own #if; KVCHAT_PORTABLE sets them aside, so that the tests can
+ * widen_bf16() and widen_fp16(), each under its own #if; KVCHAT_PORTABLE sets them aside, so that the tests can
  * run the plain code a compiler for another architecture sees (engine/native.py builds it).
  */
 #ifndef KVCHAT_VEC_H
@@ -87,6 +87,28 @@ static inline fnv widen_bf16(const uint16_t *p) {
     fnv out;
     memcpy(&out, u, sizeof out);
     return out;
+#endif
+}
+
+/* VLANES fp16 widened to fp32, exactly (vcvtph2ps where x86 has it: AVX-512, or F16C beside
+ * AVX2). Elsewhere: the exponent and mantissa moved to fp32's place give the value times
+ * 2^-112 (an fp16 subnormal becomes an fp32 subnormal), times 2^112, exact, gives the value;
+ * an exponent of all ones (inf, NaN) is put back as fp32's own, and the sign on top. */
+static inline fnv widen_fp16(const uint16_t *p) {
+#if !defined(KVCHAT_PORTABLE) && defined(__AVX512F__)
+    return (fnv)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif !defined(KVCHAT_PORTABLE) && defined(__F16C__) && VLANES == 8
+    return (fnv)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    typedef uint32_t unv __attribute__((vector_size(VLANES * sizeof(uint32_t))));
+    uint32_t u[VLANES];
+    for (int i = 0; i < VLANES; i++) u[i] = p[i];
+    unv h;
+    memcpy(&h, u, sizeof h);
+    const unv mag = (h & 0x7FFF) << 13;
+    const unv special = (unv)((h & 0x7C00) == 0x7C00);            /* all ones where inf or NaN */
+    const unv scaled = (unv)((fnv)mag * 0x1p112f);
+    return (fnv)(((scaled & ~special) | ((mag | 0x7F800000u) & special)) | ((h & 0x8000) << 16));
 #endif
 }
 

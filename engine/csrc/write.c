@@ -1,5 +1,5 @@
 /* A step's new K/V rows written into their pool slots: copied for an fp32 cache, rounded to
- * bf16 for a bf16 one, quantized to
+ * bf16 or fp16 for a 16-bit one, quantized to
  * e4m3 with one scale per (row, KV head) for an fp8 one, with the bytes torch's own conversion
  * gives. The rows may belong to any number of sequences: each carries its own flat slot.
  * kv_rope_write does the same for K straight out of the fused qkv projection, rotated on the
@@ -44,16 +44,39 @@ static inline uint16_t bf16_from_float(float f) {
     return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
 }
 
-/* one KV head's row x (dim floats) into flat slot `slot`: copied (bf16: rounded), or for an fp8 cache with one
+/* float32 -> fp16 bits, rounding to nearest even, as torch's conversion (c10's
+ * fp16_ieee_from_fp32_value): 65520 and up to inf, NaN to 0x7E00, each with its sign */
+static inline uint16_t fp16_from_float(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    const uint16_t sign = (uint16_t)((bits >> 16) & 0x8000u);
+    bits &= 0x7FFFFFFFu;
+    if (bits > 0x7F800000u) return sign | 0x7E00u;
+    if (bits >= 0x477FF000u) return sign | 0x7C00u;
+    if (bits < 0x38800000u) {               /* below 2^-14: an fp16 subnormal, rounded by an fp32 add */
+        float x;
+        memcpy(&x, &bits, 4);
+        x += 0.5f;                          /* the spacing at 0.5, 2^-24, is fp16's subnormal step */
+        memcpy(&bits, &x, 4);
+        return sign | (uint16_t)(bits - 0x3F000000u);
+    }
+    bits += ((uint32_t)(15 - 127) << 23) + 0xFFFu + ((bits >> 13) & 1u);
+    return sign | (uint16_t)(bits >> 13);
+}
+
+/* one KV head's row x (dim floats) into flat slot `slot`: copied (bf16, fp16: rounded), or for an fp8 cache with one
  * scale per (row, KV head), amax / 448 (amax at least 1e-12), each value divided by it,
  * clamped to +-448 and rounded: the same float32 operations, in the same order, as
  * attention.quantize_fp8. side 0 is K, 1 is V. */
 static inline void put(const WriteArgs *a, int64_t slot, int64_t h, int side, const float *x) {
     const int64_t d = a->dim, blk = slot / a->block_size, off = slot % a->block_size;
     const int64_t dst = blk * a->block_stride + off * a->row_stride + h * a->head_stride;
-    if (a->ks == NULL && a->bf16) {
+    if (a->ks == NULL && a->half) {
         uint16_t *out = (uint16_t *)(side ? a->v : a->k) + dst;
-        for (int64_t c = 0; c < d; c++) out[c] = bf16_from_float(x[c]);
+        if (a->half == KV_BF16)
+            for (int64_t c = 0; c < d; c++) out[c] = bf16_from_float(x[c]);
+        else
+            for (int64_t c = 0; c < d; c++) out[c] = fp16_from_float(x[c]);
         return;
     }
     if (a->ks == NULL) {
@@ -73,6 +96,8 @@ static inline void put(const WriteArgs *a, int64_t slot, int64_t h, int side, co
 }
 
 static int slots_in_pool(const WriteArgs *a, const int64_t *slots, int64_t n) {
+    if (a->half < 0 || a->half > KV_FP16)
+        return 0;
     for (int64_t t = 0; t < n; t++)
         if (slots[t] < 0 || slots[t] >= a->num_blocks * a->block_size)
             return 0;

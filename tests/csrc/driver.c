@@ -6,7 +6,8 @@
  *   2 rms:    int64 b, k; float eps, x[b*k], w[k]                 -> float y[b*k]
  *   3 decode: int64 batch, hk, g, d, bs, nb, width, cache; float scale; int32 tables[batch*width],
  *             lens[batch]; float q[batch*hk*g*d]; k, v[nb*bs*hk*d] (cache 0: float, 1: fp8 bytes,
- *             2: bf16 bits); if fp8: float ks, vs[nb*bs*hk]      -> int32 rc; float out[batch*hk*g*d]
+ *             2: bf16 bits, 3: fp16 bits); if fp8: float ks, vs[nb*bs*hk]
+ *                                                                 -> int32 rc; float out[batch*hk*g*d]
  *   4 write:  int64 rows, hk, d, nb, bs, cache; float k[rows*hk*d], v[rows*hk*d]; int64 slots[rows]
  *                                                                 -> int32 rc; the caches, then fp8's scales
  *   5 add+norm: int64 b, k; float eps, x[b*k], r[b*k], w[k]       -> float x + r [b*k], y[b*k]
@@ -78,12 +79,12 @@ int main(void) {
             const float scale = f32();
             int32_t *tables = take(4 * batch * width), *lens = take(4 * batch);
             float *q = take(4 * batch * hk * g * d);
-            const size_t el = fp8 ? 1 : (cache == 2 ? 2 : 4), cells = nb * bs * hk * d;
+            const size_t el = fp8 ? 1 : (cache >= 2 ? 2 : 4), cells = nb * bs * hk * d;
             void *k = take(el * cells), *v = take(el * cells);
             float *ks = fp8 ? take(4 * nb * bs * hk) : NULL, *vs = fp8 ? take(4 * nb * bs * hk) : NULL;
             float *out = malloc(4 * batch * hk * g * d);
             DecodeArgs a = {k, v, ks, vs, tables, lens, width, width, nb, bs * hk * d, hk * d, d,
-                            bs * hk, hk, 1, batch, bs, hk, g, d, hk * g * d, 0, scale, cache == 2};
+                            bs * hk, hk, 1, batch, bs, hk, g, d, hk * g * d, 0, scale, cache >= 2 ? cache - 1 : 0};
             const int32_t rc = kv_decode(&a, q, out, 2, 1);
             give(&rc, 4);
             give(out, 4 * batch * hk * g * d);
@@ -92,11 +93,11 @@ int main(void) {
             const int64_t rows = i64(), hk = i64(), d = i64(), nb = i64(), bs = i64(), cache = i64(), fp8 = cache == 1;
             float *src_k = take(4 * rows * hk * d), *src_v = take(4 * rows * hk * d);
             int64_t *slots = take(8 * rows);
-            const size_t el = fp8 ? 1 : (cache == 2 ? 2 : 4), cells = nb * bs * hk * d;
+            const size_t el = fp8 ? 1 : (cache >= 2 ? 2 : 4), cells = nb * bs * hk * d;
             void *k = calloc(cells, el), *v = calloc(cells, el);
             float *ks = fp8 ? calloc(nb * bs * hk, 4) : NULL, *vs = fp8 ? calloc(nb * bs * hk, 4) : NULL;
             WriteArgs a = {k, v, ks, vs, bs * hk * d, hk * d, d, bs * hk, hk, 1, nb, bs, hk, d,
-                           src_k, src_v, hk * d, hk * d, d, cache == 2};
+                           src_k, src_v, hk * d, hk * d, d, cache >= 2 ? cache - 1 : 0};
             const int32_t rc = kv_write(&a, slots, rows, 1);
             give(&rc, 4);
             give(k, el * cells);
