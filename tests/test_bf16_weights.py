@@ -1,7 +1,8 @@
 """bf16 weights on the CPU (engine/model.py's act_dtype, engine/csrc/gemv_bf16.c): the
 bundled model with its matrices in bf16 decodes within the quality bounds that let `--dtype
 auto` pick bf16 where the CPU multiplies bf16 natively (engine.cpu_auto_dtype), through the
-C kernel's bf16 path, with rows, norms and the cache in fp32."""
+C kernel's bf16 path, with rows and norms in fp32 and the cache in bf16 (auto: the weights'
+dtype) or fp32."""
 from __future__ import annotations
 
 import pytest
@@ -42,7 +43,7 @@ def test_bf16_weights_decode_through_the_kernel_within_the_bounds(engine, monkey
     bf = Engine(EngineConfig(dtype="bf16", kv_budget="16MiB"))
     m = bf.model
     assert m.layers[0].wqkv.dtype == torch.bfloat16 and m.act_dtype == torch.float32
-    assert m.layers[0].attn_norm.dtype == torch.float32 and bf.kv_dtype == "fp32"
+    assert m.layers[0].attn_norm.dtype == torch.float32 and bf.kv_dtype == "bf16"     # auto: the weights' dtype
     assert m.weight_bytes < 0.55 * engine.model.weight_bytes
     calls = count_calls(monkeypatch, native, "gemv")
     steps = count_calls(monkeypatch, native_step, "decode_step")
@@ -61,11 +62,11 @@ def test_bf16_weights_decode_through_the_kernel_within_the_bounds(engine, monkey
     agree = float((both.argmax(-1) == want.argmax(-1)).float().mean())
     mean_abs = float((both - want).abs().mean())
     assert agree >= AGREE and mean_abs < MEAN_ABS and not torch.equal(both, got), (agree, mean_abs)
-    # auto, asked for again (the app's kv key), gives the fp32 cache it gave at the start
-    bf.set_kv_dtype("bf16")
-    assert bf.kv_dtype == "bf16" and bf.pool.data.dtype == torch.bfloat16
-    bf.set_kv_dtype("auto")
+    # auto, asked for again (the app's /kv auto), gives the bf16 cache it gave at the start
+    bf.set_kv_dtype("fp32")
     assert bf.kv_dtype == "fp32" and bf.pool.data.dtype == torch.float32
+    bf.set_kv_dtype("auto")
+    assert bf.kv_dtype == "bf16" and bf.pool.data.dtype == torch.bfloat16
     # the same steps with the weights' low bits thrown away (bf16 -> 8 bits of mantissa lost
     # a second time: fp8-like weights) fall outside the bounds: they are not loose
     for layer in m.layers:

@@ -75,7 +75,7 @@ def test_the_seed_scenario_one_long_user_in_a_small_pool_preempts_the_others():
     preempts and recomputes, and the long user holds most of the pool at some moment."""
     from kvchat.crowd.report import run_crowd
     from kvchat.engine import Engine, EngineConfig
-    backend = LocalBackend(Engine(EngineConfig(kv_budget="24MiB")))
+    backend = LocalBackend(Engine(EngineConfig(kv_dtype="fp32", kv_budget="24MiB")))
     blocks = backend.snapshot().num_blocks
     shares: list[float] = []
     assert backend.scheduler().preemptions == 0

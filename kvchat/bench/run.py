@@ -334,7 +334,7 @@ def run(args) -> int:
         if engine.dtype_name == "bf16":
             notes.append("kvchat's bf16 weights: " + ("AVX512-BF16 products (vdpbf16ps, rows rounded to bf16)"
                                                       if native.bf16_native() else "widened to fp32 in the C kernel")
-                         + "; rows, norms and the cache in fp32")
+                         + f"; rows and norms in fp32, the cache in {engine.kv_dtype}")
     if cfg.peers:
         bench.hf = bench_peers.HFPeer(engine.source, engine.device, engine.dtype)
         n_ctx = min(max(cfg.contexts) + 2 * cfg.new_tokens + NEXT_TURN_MARGIN, engine.geometry.max_position)
@@ -404,7 +404,7 @@ def run(args) -> int:
     except OSError as err:
         raise KvchatError(f"cannot write the bench output: {err}") from None
     print(bench_report.markdown(results, meta, summary))
-    checks = bench_report.targets(summary)
+    checks = bench_report.targets(summary, meta["model"]["kv_dtype"])
     if checks:
         print("\nTargets:\n" + bench_report.target_lines(checks))
     print("\n" + bench_report.terminal_plot(results, meta))

@@ -80,7 +80,7 @@ def add_model_args(p: argparse.ArgumentParser, top: bool = False) -> None:
     g.add_argument("--dtype", choices=MODEL_DTYPES, **_defaults(top, default="auto"),
                    help="model dtype (default: bf16 on CUDA and on CPUs with AVX512-BF16, else fp32)")
     g.add_argument("--kv-dtype", choices=KV_DTYPES, **_defaults(top, default="auto"),
-                   help="KV cache storage dtype (default: the model dtype; fp32 with bf16 weights on a CPU)")
+                   help="KV cache storage dtype (default: the model dtype)")
     g.add_argument("--kv-budget", **_defaults(top, default=None),
                    help="KV pool size in bytes, e.g. 512MiB, 2GiB (default: from free memory)")
     g.add_argument("--block-size", type=positive_int("--block-size", 4096), **_defaults(top, default=16),
