@@ -19,7 +19,7 @@ class DecodeArgs(ctypes.Structure):
         (name, ctypes.c_int64) for name in
         ("table_stride", "max_blocks", "num_blocks", "block_stride", "row_stride", "head_stride",
          "sblock_stride", "srow_stride", "shead_stride", "batch", "block_size", "kv_heads", "group", "dim",
-         "q_stride", "length")] + [("scale", ctypes.c_float), ("half", ctypes.c_int64)]
+         "q_stride", "length")] + [("scale", ctypes.c_float)] + [("half", ctypes.c_int64)]
 
 
 class WriteArgs(ctypes.Structure):
