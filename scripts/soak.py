@@ -51,7 +51,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--minutes", type=float, default=None, help="stop after the round that passes this time")
     args = ap.parse_args(argv)
     bpt = resolve(None, False).geometry.kv_bytes_per_token("fp32")
-    eng = Engine(EngineConfig(kv_budget=args.pool_blocks * 16 * bpt, block_size=16))
+    eng = Engine(EngineConfig(kv_dtype="fp32", kv_budget=args.pool_blocks * 16 * bpt, block_size=16))
     convs = [eng.new_conversation(cap=cap, policy=policy)
              for policy, cap in (POLICIES[i % len(POLICIES)] for i in range(args.conversations))]
     print(f"soak: {args.conversations} conversations x {args.turns} turns, pool {eng.spec.num_blocks} blocks of "

@@ -8,6 +8,8 @@ import sys
 
 import pytest
 
+from kvchat.engine.engine import cpu_auto_dtype
+from kvchat.engine.geometry import DTYPE_BYTES
 from kvchat.engine.sources import bundled_dir
 from kvchat.cli.command import main
 from cli_helpers import fails_with
@@ -31,7 +33,9 @@ def test_ask_json_reports_the_turn(capsys):
                 "blocks_used"):
         assert key in rec
     assert "Paris" in rec["reply"]
-    assert rec["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * 4  # SmolLM2 in fp32
+    # SmolLM2's 30 layers of 3 KV heads of 64, in auto's cache: the weights' dtype (engine.cpu_auto_dtype)
+    assert rec["kv_dtype"] == cpu_auto_dtype()
+    assert rec["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * DTYPE_BYTES[rec["kv_dtype"]]
     # a reply's tokens are fed back one step each; the end-of-turn token that stops it is not,
     # nor is the last token when max_tokens stops it
     unfed = 0 if rec["stop_reason"] == "eos" else 1
