@@ -18,33 +18,34 @@
 #define MAX_DIM 256     /* head_dim */
 #define SMALL 8192      /* cached values (rows x KV heads x head_dim) below which one thread decodes */
 
-/* rows of e4m3 bytes into fp32, unscaled: each byte's sign placed at bit 31 and its exponent
- * and mantissa at bits 20-26 of a float32 give the value times 2^-120, exactly (see
- * engine/cpu_attention.py); times 2^120, also exact, gives the value, so that the products
- * with the queries are ordinary floats rather than subnormals. */
-static inline void fp8_rows(const int8_t *src, int64_t stride, int rows, int64_t dim, float *dst,
-                            const int8_t *pf, int pf_rows) {
+/* A tile's rows of an fp8 or 16-bit cache (kind 0: e4m3, KV_BF16, KV_FP16; src + off, rows
+ * `stride` elements apart) widened exactly into fp32 rows `dim` apart at dst, and the next
+ * chunk's same tile (src + next, its first pf_rows rows) fetched meanwhile, a line at a time:
+ * fetched a whole chunk at once, the rows waited for the core's line buffers.
+ * e4m3: each byte's sign placed at bit 31 and its exponent and mantissa at bits 20-26 of a
+ * float32 give the value times 2^-120, exactly (see engine/cpu_attention.py); times 2^120,
+ * also exact, gives the value, so that the products with the queries are ordinary floats
+ * rather than subnormals. The scales are applied to the scores and p (item()). */
+static inline void widen_rows(const void *src, int64_t off, int64_t next, int64_t stride, int rows, int pf_rows,
+                              int64_t dim, float *dst, int kind) {
+    const int64_t size = kind ? 2 : 1;                    /* bytes an element */
+    const char *base = (const char *)src + off * size, *pf = (const char *)src + next * size;
     for (int r = 0; r < rows; r++) {
-        for (int64_t c = 0; c < dim; c += LANES) {
-            i16v bits = (widen(src + r * stride + c) << 20) & (int32_t)0x87F00000u;
-            store(dst + r * dim + c, (f16v)bits * 0x1p120f);
-        }
-        if (pf != NULL && r < pf_rows)     /* the next chunk's same row (see item()) */
-            for (int64_t c = 0; c < dim; c += 64) __builtin_prefetch(pf + r * stride + c);
-    }
-}
-
-/* rows of a 16-bit cache (kind: KV_BF16 or KV_FP16) into fp32, exactly; pf as in fp8_rows:
- * the next chunk's same row, fetched meanwhile */
-static inline void half_rows(const uint16_t *src, int64_t stride, int rows, int64_t dim, float *dst,
-                             const uint16_t *pf, int pf_rows, int kind) {
-    for (int r = 0; r < rows; r++) {
-        for (int64_t c = 0; c < dim; c += VLANES) {
-            const fnv x = kind == KV_BF16 ? widen_bf16(src + r * stride + c) : widen_fp16(src + r * stride + c);
-            memcpy(dst + r * dim + c, &x, sizeof x);
-        }
-        if (pf != NULL && r < pf_rows)
-            for (int64_t c = 0; c < dim; c += 32) __builtin_prefetch(pf + r * stride + c);
+        const char *row = base + r * stride * size;
+        float *out = dst + r * dim;
+        if (kind == 0)
+            for (int64_t c = 0; c < dim; c += LANES) {
+                const i16v bits = (widen((const int8_t *)row + c) << 20) & (int32_t)0x87F00000u;
+                store(out + c, (f16v)bits * 0x1p120f);
+            }
+        else
+            for (int64_t c = 0; c < dim; c += VLANES) {
+                const uint16_t *h = (const uint16_t *)row + c;
+                const fnv x = kind == KV_BF16 ? widen_bf16(h) : widen_fp16(h);
+                memcpy(out + c, &x, sizeof x);
+            }
+        if (r < pf_rows)
+            for (int64_t c = 0; c < dim * size; c += 64) __builtin_prefetch(pf + r * stride * size + c);
     }
 }
 
@@ -209,35 +210,17 @@ static inline __attribute__((always_inline)) void item(
          * row at a time while this chunk's same tile is converted (fp8, bf16, fp16) or computed (fp32:
          * scores(), pv()). Fetched all at once, the rows waited for the core's line buffers:
          * the fp8 fetch of a whole chunk was a quarter of the kernel's time at 4,096 tokens. */
-        int64_t off[CHUNK_TILES], s_off[CHUNK_TILES], next_off[CHUNK_TILES], next_soff[CHUNK_TILES];
+        int64_t off[CHUNK_TILES], s_off[CHUNK_TILES], next_off[CHUNK_TILES] = {0}, next_soff[CHUNK_TILES] = {0};
         int nrows[CHUNK_TILES] = {0};
         const int nt = chunk(a, table, length, h, &b, &r0, b1, off, s_off, rows);
         int64_t pb = b, pr = r0;
         chunk(a, table, length, h, &pb, &pr, b1, next_off, next_soff, nrows);
         const float *next_k[CHUNK_TILES] = {0}, *next_v[CHUNK_TILES] = {0};
         for (int t = 0; t < nt; t++) {
-            if (fp8) {
-                const int8_t *k8 = (const int8_t *)a->k, *v8 = (const int8_t *)a->v;
+            if (fp8 || half) {                         /* half is 0 for fp8: widen_rows' kind */
                 const int n = nrows[t];
-                fp8_rows(k8 + off[t], a->row_stride, rows[t], dim, kbuf + t * TILE * dim, n ? k8 + next_off[t] : NULL, n);
-                fp8_rows(v8 + off[t], a->row_stride, rows[t], dim, vbuf + t * TILE * dim, n ? v8 + next_off[t] : NULL, n);
-                for (int r = 0; r < rows[t]; r++) {
-                    kf[t * TILE + r] = a->ks[s_off[t] + r * a->srow_stride];
-                    vf[t * TILE + r] = a->vs[s_off[t] + r * a->srow_stride];
-                }
-                for (int r = 0; r < n; r++)          /* contiguous scales: one fetch per 16 */
-                    if (r % 16 == 0 || a->srow_stride != 1) {
-                        __builtin_prefetch(a->ks + next_soff[t] + r * a->srow_stride);
-                        __builtin_prefetch(a->vs + next_soff[t] + r * a->srow_stride);
-                    }
-                kt[t] = kbuf + t * TILE * dim, vt[t] = vbuf + t * TILE * dim, ld[t] = dim;
-            } else if (half) {
-                const uint16_t *kh = (const uint16_t *)a->k, *vh = (const uint16_t *)a->v;
-                const int n = nrows[t];
-                half_rows(kh + off[t], a->row_stride, rows[t], dim, kbuf + t * TILE * dim, n ? kh + next_off[t] : NULL, n,
-                          half);
-                half_rows(vh + off[t], a->row_stride, rows[t], dim, vbuf + t * TILE * dim, n ? vh + next_off[t] : NULL, n,
-                          half);
+                widen_rows(a->k, off[t], next_off[t], a->row_stride, rows[t], n, dim, kbuf + t * TILE * dim, half);
+                widen_rows(a->v, off[t], next_off[t], a->row_stride, rows[t], n, dim, vbuf + t * TILE * dim, half);
                 kt[t] = kbuf + t * TILE * dim, vt[t] = vbuf + t * TILE * dim, ld[t] = dim;
             } else {
                 kt[t] = (const float *)a->k + off[t];
@@ -245,6 +228,17 @@ static inline __attribute__((always_inline)) void item(
                 ld[t] = a->row_stride;
                 if (nrows[t])
                     next_k[t] = (const float *)a->k + next_off[t], next_v[t] = (const float *)a->v + next_off[t];
+            }
+            if (fp8) {                                 /* the scales, and the next chunk's */
+                for (int r = 0; r < rows[t]; r++) {
+                    kf[t * TILE + r] = a->ks[s_off[t] + r * a->srow_stride];
+                    vf[t * TILE + r] = a->vs[s_off[t] + r * a->srow_stride];
+                }
+                for (int r = 0; r < nrows[t]; r++)    /* contiguous scales: one fetch per 16 */
+                    if (r % 16 == 0 || a->srow_stride != 1) {
+                        __builtin_prefetch(a->ks + next_soff[t] + r * a->srow_stride);
+                        __builtin_prefetch(a->vs + next_soff[t] + r * a->srow_stride);
+                    }
             }
         }
         for (int j = 0; j < G; j++)                    /* every query's scores for the chunk */

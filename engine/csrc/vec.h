@@ -1,9 +1,10 @@
 /* What kvchat's C kernels share: a 16-float vector type and the few operations on it.
  *
  * Written with GCC/Clang vector extensions, so one source compiles to AVX-512, AVX2, SSE or
- * NEON code, whatever -march/-mcpu asks for. The only intrinsics are x86 ones in widen() and
- * widen_bf16() and widen_fp16(), each under its own #if; KVCHAT_PORTABLE sets them aside, so that the tests can
- * run the plain code a compiler for another architecture sees (engine/native.py builds it).
+ * NEON code, whatever -march/-mcpu asks for. The only intrinsics are x86 ones in widen(),
+ * widen_bf16() and widen_fp16(), each under its own #if; KVCHAT_PORTABLE sets them aside, so
+ * that the tests can run the plain code a compiler for another architecture sees
+ * (engine/native.py builds it).
  */
 #ifndef KVCHAT_VEC_H
 #define KVCHAT_VEC_H
