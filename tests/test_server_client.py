@@ -15,7 +15,7 @@ import pytest
 
 from cli_helpers import fails_with
 from kvchat.backends import metrics
-from kvchat.backends.kv_events import KvEventStore
+from kvchat.backends.kv_events import KvEventStore, KvEventSubscriber
 
 MODELS = {"object": "list", "data": [{"id": "smollm2-135m", "object": "model", "owned_by": "vllm",
                                       "max_model_len": 8192}]}
@@ -178,6 +178,42 @@ def test_the_kv_event_store_reads_tagged_arrays_and_counts_gaps_and_garbage():
     store.apply_message([b"", b"short", b"x"])
     s = store.summary()
     assert (s.first_seq, s.last_seq, s.gaps, s.undecodable, s.blocks) == (5, 9, 3, 1, 0)
+
+
+def test_a_subscriber_that_has_joined_gets_the_very_next_message_and_sees_the_publisher_go():
+    """A ZMQ publisher drops what it sends before a subscription reaches it, and vLLM sends a
+    turn's blocks in one message: a real PUB socket here publishes once, the moment the
+    subscriber says it has joined."""
+    import zmq
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    sub = KvEventSubscriber(f"tcp://127.0.0.1:{port}")
+    try:
+        assert sub.wait_joined(10)
+        pub.send_multipart(frames(0, [stored([11], None, [1, 2, 3, 4])]))
+        assert sub.store.wait(lambda s: s.batches == 1, 10), sub.store.summary()
+        assert sub.store.chain([1, 2, 3, 4], 4) == 1
+        pub.close(linger=0)
+        assert sub.store.wait(lambda s: not s.connected, 10)
+        assert sub.store.summary().connections == 1
+    finally:
+        sub.stop()
+        ctx.term()
+
+
+def test_a_kv_events_port_where_nothing_publishes_is_named_in_the_panel_notes():
+    from kvchat.backends import vllm
+    routes = {"/v1/models": (200, json.dumps(MODELS)), "/metrics": (200, VLLM_METRICS)}
+    with http_server(routes) as url:
+        endpoint = f"tcp://127.0.0.1:{free_port()}"
+        b = vllm.VllmBackend(url, kv_events=endpoint)
+        try:
+            snap = b.snapshot(b.open())
+            assert not b.events.store.summary().connected
+            assert any(n.startswith(f"no KV-event publisher at {endpoint}") for n in snap.server.notes), snap.server.notes
+        finally:
+            b.shutdown()
 
 
 def test_the_chat_app_with_no_server_there_is_one_line_before_the_ui(capsys, tmp_path, monkeypatch):

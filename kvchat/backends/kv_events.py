@@ -12,6 +12,13 @@ physical block ids and nothing about a request's partial last block, so the map 
 is "which prefix blocks are resident", not "which slot of the pool holds what". Blocks stored
 before we subscribed are unknown to us; a gap in sequence numbers is counted, not hidden.
 
+Joining: a ZMQ subscriber connects in the background, and a publisher drops every message sent
+before the subscription reaches it. vLLM publishes a turn's stored blocks in one message at the
+step that fills them, so a turn sent just after subscribing could lose its whole map, for good.
+The subscriber therefore watches its own connection (a ZMQ socket monitor): `wait_joined()`
+returns once the handshake with the publisher is done, and the summary says whether a
+publisher is connected at all (a wrong port is otherwise a silent, empty map).
+
 Every event is checked before it changes the map: one that is malformed is counted and the
 last one's fault kept (the cache panel names it), and the thread keeps listening. The map
 holds at most MAX_RESIDENT blocks and a message at most MAX_MESSAGE bytes, whatever a
@@ -20,12 +27,14 @@ publisher sends.
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 import zmq
+from zmq.utils.monitor import parse_monitor_message
 
 from kvchat.engine.errors import KvchatError
 
@@ -35,6 +44,7 @@ MAX_RESIDENT = 2**19           # blocks in the map: a 70B model on eight GPUs ho
 MAX_MESSAGE = 64 * 2**20       # bytes in one ZMQ message
 MAX_BLOCK_SIZE = 2**16
 MAX_HASH_BYTES = 256
+SUBSCRIBE_SETTLE_S = 0.2       # after the handshake, for the subscription to reach the publisher (wait_joined)
 
 
 class KvEventsError(KvchatError):
@@ -55,6 +65,8 @@ class ResidentBlocks:
     restarts: int = 0          # times the numbering started again (a restarted server)
     last_problem: str | None = None   # what was wrong with the last one skipped
     overflow: int = 0          # stored blocks left out of a full map (MAX_RESIDENT)
+    connected: bool = True     # a publisher is connected now (False: nothing can arrive)
+    connections: int = 0       # handshakes with a publisher: more than one means it went away and came back
 
 
 class KvEventStore:
@@ -70,6 +82,8 @@ class KvEventStore:
         self.last_problem: str | None = None
         self.first_seq: int | None = None
         self.last_seq: int | None = None
+        self.connected = True      # a store fed by hand (tests, replays) has no connection to watch
+        self.connections = 0
         self.changed = threading.Condition(self.lock)
 
     # ---- applying the stream ------------------------------------------------------------------
@@ -157,6 +171,13 @@ class KvEventStore:
             self._clear()
             self.changed.notify_all()
 
+    def link(self, up: bool) -> None:
+        """The subscriber's connection to the publisher came up (a finished handshake) or went down."""
+        with self.changed:
+            self.connected = up
+            self.connections += up
+            self.changed.notify_all()
+
     # ---- reading it ---------------------------------------------------------------------------
     def chain(self, token_ids: Sequence[int], block_size: int) -> int:
         """How many leading full blocks of `token_ids` are resident, following the hash chain
@@ -177,7 +198,8 @@ class KvEventStore:
             return ResidentBlocks(blocks=len(self._blocks), block_size=self.block_size, batches=self.batches,
                                   first_seq=self.first_seq, last_seq=self.last_seq, gaps=self.gaps,
                                   cleared=self.cleared, undecodable=self.undecodable, restarts=self.restarts,
-                                  last_problem=self.last_problem, overflow=self.overflow)
+                                  last_problem=self.last_problem, overflow=self.overflow,
+                                  connected=self.connected, connections=self.connections)
 
     def wait(self, predicate: Callable[[KvEventStore], bool], timeout: float) -> bool:
         """Block until predicate(self) holds after a message (for tests and the CLI)."""
@@ -231,26 +253,50 @@ class KvEventSubscriber:
         check_endpoint(endpoint)
         self.endpoint = endpoint
         self.store = KvEventStore()
+        self.store.connected = False
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.SUB)
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
-        self._sock.setsockopt(zmq.RCVTIMEO, 200)      # so the thread sees stop() within 0.2 s
         self._sock.setsockopt_string(zmq.SUBSCRIBE, topic)
+        # the connection's own events: the handshake done (the subscription goes out right after
+        # it) and the publisher gone; watched by the same thread that reads the messages
+        self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
         try:
             self._sock.connect(endpoint)
         except zmq.ZMQError as err:
-            self._sock.close()
-            self._ctx.term()
+            self._close()
             raise KvEventsError(f"--kv-events {endpoint}: {err}; expected tcp://HOST:PORT") from None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kv-events", daemon=True)
         self._thread.start()
 
+    def wait_joined(self, timeout: float) -> bool:
+        """Block until the subscription is in place, at most `timeout` seconds; False if no
+        publisher answered. Messages published before that are lost to this subscriber.
+
+        The handshake is the last thing this end sees: the subscription goes out after it and
+        takes effect when the publisher's side has read it, with no answer. So this waits
+        SUBSCRIBE_SETTLE_S past the handshake (on loopback a publish 1 ms after it arrived in 20
+        of 20 tries here, one at once in 16 of 20)."""
+        start = time.monotonic()
+        if not self.store.wait(lambda s: s.connected, timeout):
+            return False
+        time.sleep(max(0.0, min(SUBSCRIBE_SETTLE_S, start + timeout - time.monotonic())))
+        return True
+
     def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._sock, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         while not self._stop.is_set():
             try:
-                frames = self._sock.recv_multipart()
+                ready = dict(poller.poll(200))        # so the thread sees stop() within 0.2 s
+                if self._monitor in ready:
+                    self._watch_link()
+                if self._sock not in ready:
+                    continue
+                frames = self._sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 continue
             except zmq.ZMQError:
@@ -260,9 +306,22 @@ class KvEventSubscriber:
             except Exception as err:   # a fault the checks above missed must not end the map: count it, go on
                 self.store.skip(f"{type(err).__name__}: {err}")
 
+    def _watch_link(self) -> None:
+        while self._monitor.poll(0):
+            event = parse_monitor_message(self._monitor.recv_multipart())["event"]
+            if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                self.store.link(True)
+            elif event == zmq.EVENT_DISCONNECTED:
+                self.store.link(False)
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
+        self._close()
+
+    def _close(self) -> None:
+        self._sock.disable_monitor()
+        self._monitor.close()
         self._sock.close()
         self._ctx.term()
 

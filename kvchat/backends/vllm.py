@@ -37,6 +37,7 @@ from .server_stats import ServerSnapshot, ServerStats
 from .vllm_chat import DEFAULT_MAX_TOKENS, VllmChat
 
 EVENT_WAIT_S = 0.5   # after a turn, how long the snapshot waits for the KV events of its blocks
+JOIN_WAIT_S = 3.0    # at the start, how long to wait for the KV-event publisher's handshake (kv_events.py)
 
 
 class VllmBackend:
@@ -55,6 +56,10 @@ class VllmBackend:
             self.kv_dtype = self._kv_dtype(kv_dtype)
             if kv_events is not None:
                 self.events = KvEventSubscriber(kv_events)
+                # a turn sent before the subscription is in place would lose its blocks' events
+                # (one message per step) for good; a wrong port costs this wait once, and the
+                # cache panel then says nothing is connected
+                self.events.wait_joined(JOIN_WAIT_S)
         except BaseException:
             self.shutdown()
             raise
@@ -263,6 +268,10 @@ class VllmBackend:
             store = self.events.store.summary()
             mine = self.events.store.chain(chat.token_ids, bs) if chat is not None else 0
             resident = store.blocks
+            if not store.connected:
+                notes.append(f"no KV-event publisher at {self.events.endpoint}{' now' if store.connections else ''}: "
+                             "the map cannot change until one answers (the server's --kv-events-config endpoint "
+                             "tcp://*:PORT, reached as tcp://SERVER-HOST:PORT)")
             if store.first_seq:
                 notes.append(f"KV events before sequence {store.first_seq} were not seen: blocks stored "
                              "before kvchat subscribed are missing from the map")
