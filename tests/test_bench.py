@@ -225,6 +225,31 @@ def test_llama_cpp_peer_resets_then_times_each_token(monkeypatch):
     assert t.prompt_tokens == 40 and len(t.decode_ms) == 3 and t.ttft_ms >= 0
 
 
+def test_the_same_weights_peers_cache_k_and_v_in_kvchats_cache_dtype(monkeypatch, tmp_path):
+    """Like for like: llama.cpp on the exports of kvchat's weights caches K and V as kvchat's run
+    does (ggml's F32 0, F16 1, BF16 30); the 4-bit file keeps llama.cpp's defaults. The peer and
+    the exports are stood in for (CI has no llama-cpp-python); what is checked is the choice."""
+    from kvchat.bench import gguf_export, peers
+    from kvchat.engine.sources import resolve
+    made: list[tuple[str, int | None]] = []
+
+    class Peer:
+        def __init__(self, gguf, n_ctx, threads, precision, cache_type=None):
+            made.append((precision, cache_type))
+
+    monkeypatch.setitem(sys.modules, "llama_cpp", type(sys)("llama_cpp"))
+    monkeypatch.setattr(peers, "LlamaCppPeer", Peer)
+    monkeypatch.setattr(gguf_export, "export", lambda choice: tmp_path / f"{choice}.gguf")
+    monkeypatch.setattr(gguf_export, "file_precision", lambda path: path.stem.upper() if path.parent == tmp_path
+                        else "Q4_1")
+    for kv, want, says in (("fp32", 0, "F32 like"), ("bf16", 30, "BF16 like"), ("fp16", 1, "F16 like"),
+                           ("fp8", None, "no such cache type")):
+        made.clear()
+        got, notes = peers.load_llama_cpp_files(resolve(None), None, ("f32", "bf16", "q4_1"), 256, 2, kv)
+        assert made == [("F32", want), ("BF16", want), ("Q4_1", None)], kv
+        assert sum(says in n for n in notes) == 2 and "default F16 cache" in notes[2]
+
+
 @pytest.mark.parametrize("context", [31, 64, 257, 1024])
 def test_history_renders_to_exactly_the_requested_tokens(engine, context):
     from kvchat.bench.history import history

@@ -120,7 +120,10 @@ def hf_config(geom):
 # --llama-cpp's choices -> the series each is reported as ("llama_cpp": the original file)
 LLAMA_CPP_FILES = {"f32": "llama_cpp_f32", "bf16": "llama_cpp_bf16", "q4_1": "llama_cpp"}
 SAME_PRECISION = {"fp32": "f32", "bf16": "bf16"}     # kvchat's --dtype -> the export of its precision
-F32_TYPE = 0                                         # ggml's GGML_TYPE_F32, for llama.cpp's type_k/type_v
+# kvchat's cache dtype -> ggml's type for llama.cpp's type_k/type_v (GGML_TYPE_F32, F16, BF16):
+# the same-weights peers cache K and V as kvchat's run does; ggml has no fp8 cache type
+GGML_CACHE_TYPES = {"fp32": 0, "fp16": 1, "bf16": 30}
+GGML_TYPE_NAMES = {0: "F32", 1: "F16", 30: "BF16"}
 
 
 class LlamaCppPeer:
@@ -128,13 +131,14 @@ class LlamaCppPeer:
 
     name = "llama.cpp"
 
-    def __init__(self, gguf: Path, n_ctx: int, threads: int, precision: str = "", f32_cache: bool = False) -> None:
+    def __init__(self, gguf: Path, n_ctx: int, threads: int, precision: str = "", cache_type: int | None = None
+                 ) -> None:
         from llama_cpp import Llama  # ImportError: the caller notes the peer as skipped
         self.gguf, self.precision = gguf, precision
         if precision:
             self.name = f"llama.cpp {precision}"
-        # f32_cache: K and V in F32, like kvchat's CPU cache (llama.cpp's default is F16)
-        cache: dict[str, Any] = {"type_k": F32_TYPE, "type_v": F32_TYPE} if f32_cache else {}
+        # cache_type: ggml's type for K and V (GGML_CACHE_TYPES); None: llama.cpp's default, F16
+        cache: dict[str, Any] = {"type_k": cache_type, "type_v": cache_type} if cache_type is not None else {}
         self.llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
                          n_batch=512, verbose=False, **cache)
 
@@ -174,10 +178,12 @@ def default_llama_cpp(dtype_name: str) -> tuple[str, ...]:
     return (same, "q4_1") if same else ("q4_1",)
 
 
-def load_llama_cpp_files(source, model_arg: str | None, files: tuple[str, ...], n_ctx: int, threads: int
-                         ) -> tuple[dict[str, LlamaCppPeer], list[str]]:
+def load_llama_cpp_files(source, model_arg: str | None, files: tuple[str, ...], n_ctx: int, threads: int,
+                         kv_dtype: str = "fp32") -> tuple[dict[str, LlamaCppPeer], list[str]]:
     """({series key: peer}, notes): one peer per --llama-cpp choice that loads; a missing
-    llama-cpp-python is one note, and nothing is exported for it."""
+    llama-cpp-python is one note, and nothing is exported for it. The exports of kvchat's own
+    weights cache K and V in kvchat's `kv_dtype` (F16, llama.cpp's default, for fp8, which ggml
+    has not); the original 4-bit file keeps llama.cpp's defaults."""
     from kvchat.engine.sources import BUNDLED
 
     from . import gguf_export
@@ -205,14 +211,20 @@ def load_llama_cpp_files(source, model_arg: str | None, files: tuple[str, ...], 
                 notes.append(f"llama.cpp {choice.upper()} skipped: {err}")
                 continue
         precision = gguf_export.file_precision(gguf)
+        cache_type = None if choice == "q4_1" else GGML_CACHE_TYPES.get(kv_dtype)
         try:
-            peers[key] = LlamaCppPeer(gguf, n_ctx, threads, precision, f32_cache=choice != "q4_1")
+            peers[key] = LlamaCppPeer(gguf, n_ctx, threads, precision, cache_type)
         except (OSError, ValueError, RuntimeError) as err:
             notes.append(f"llama.cpp could not load {gguf.name} ({type(err).__name__}: {err}); skipped")
             continue
-        what = ("an export of the safetensors kvchat loads: the same weights, K and V cached in F32 like kvchat's"
-                if choice != "q4_1" else "the GGUF kvchat's weights were converted from: its own quantized weights, "
-                "llama.cpp's default F16 cache")
+        if choice == "q4_1":
+            what = "the GGUF kvchat's weights were converted from: its own quantized weights, llama.cpp's default F16 cache"
+        elif cache_type is None:
+            what = (f"an export of the safetensors kvchat loads: the same weights; K and V cached in F16, llama.cpp's "
+                    f"default, against kvchat's {kv_dtype} (ggml has no such cache type)")
+        else:
+            what = (f"an export of the safetensors kvchat loads: the same weights, K and V cached in "
+                    f"{GGML_TYPE_NAMES[cache_type]} like kvchat's {kv_dtype} cache")
         notes.append(f"llama.cpp {precision} runs {gguf} ({what}), {threads} threads")
     return peers, notes
 

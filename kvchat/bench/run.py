@@ -342,7 +342,7 @@ def run(args) -> int:
             if cfg.llama_cpp_files is None:
                 cfg.llama_cpp_files = bench_peers.default_llama_cpp(engine.dtype_name)
             bench.llama, said = bench_peers.load_llama_cpp_files(engine.source, args.model, cfg.llama_cpp_files,
-                                                                 n_ctx, threads)
+                                                                 n_ctx, threads, engine.kv_dtype)
         else:
             said = ["llama.cpp peer skipped (--no-llama-cpp)"]
         for line in said:
