@@ -8,6 +8,7 @@ import contextlib
 import io
 import json
 import sys
+import types
 
 import pytest
 import torch
@@ -199,6 +200,8 @@ class FakeLlama:
 
     def __init__(self, model_path, n_ctx, n_threads, n_threads_batch, n_batch, verbose):
         self.model_path, self.n_threads = model_path, n_threads
+        # as llama-cpp-python's Llama does: its model parameters start from the library's defaults
+        self.use_extra_bufts = sys.modules["llama_cpp.llama_cpp"].llama_model_default_params().use_extra_bufts
 
     def reset(self):
         self.calls.append("reset")
@@ -214,12 +217,17 @@ class FakeLlama:
 def test_llama_cpp_peer_resets_then_times_each_token(monkeypatch):
     from kvchat.engine.sources import resolve
     from kvchat.bench.peers import load_llama_cpp
-    fake = type(sys)("llama_cpp")
-    fake.Llama = FakeLlama
+    fake, lib = type(sys)("llama_cpp"), type(sys)("llama_cpp.llama_cpp")
+    fake.Llama, fake.llama_cpp = FakeLlama, lib
+    lib.llama_model_default_params = lambda: types.SimpleNamespace(use_extra_bufts=True)
     monkeypatch.setitem(sys.modules, "llama_cpp", fake)
+    monkeypatch.setitem(sys.modules, "llama_cpp.llama_cpp", lib)
     FakeLlama.calls = []
     peer, why = load_llama_cpp(resolve(None), None, n_ctx=256, threads=2)
     assert why == "" and peer.gguf.name.endswith(".gguf") and peer.llm.n_threads == 2
+    # loaded without llama.cpp's repacked weight layouts (its AMX one crashed on Q4_1), and the
+    # library's defaults given back afterwards
+    assert peer.llm.use_extra_bufts is False and lib.llama_model_default_params().use_extra_bufts is True
     t = peer.generate(list(range(40)), steps=3)
     assert FakeLlama.calls == ["reset", "generate 40 temp=0.0"]
     assert t.prompt_tokens == 40 and len(t.decode_ms) == 3 and t.ttft_ms >= 0

@@ -367,3 +367,17 @@ def test_llama_cpp_on_the_bf16_file_with_a_bf16_cache_is_kvchats_within_bf16s_bo
     err = float((theirs - ours).abs().max() / ours.abs().max())
     assert 1e-4 < err < BF16_LOGITS_REL_TOL, f"relative logit error {err:.2e}"    # bf16's error, not fp32's
     assert torch.equal(theirs.argmax(-1), ours.argmax(-1))
+
+
+@needs_llama_cpp
+def test_the_benchs_llama_cpp_peer_decodes_the_bundled_q4_1_file():
+    """On a Xeon with AMX, llama.cpp moved the Q4_1 weights into its AMX layout and crashed in the
+    first decode (SIGSEGV), ending `kvchat bench`; the peer loads them without those layouts
+    (peers.py: _plain_weight_layouts). In a child process, so a crash fails this test only."""
+    import subprocess
+    import sys
+    code = ("from kvchat.bench.peers import LlamaCppPeer\nfrom kvchat.engine.sources import bundled_gguf\n"
+            "t = LlamaCppPeer(bundled_gguf(), 1200, 2).generate(list(range(1000, 2024)), 4)\n"
+            "print('decoded', len(t.decode_ms))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and "decoded 4" in done.stdout, (done.returncode, done.stderr[-1500:])

@@ -19,6 +19,7 @@ through its public API in `run.py`.
 from __future__ import annotations
 
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -139,8 +140,9 @@ class LlamaCppPeer:
             self.name = f"llama.cpp {precision}"
         # cache_type: ggml's type for K and V (GGML_CACHE_TYPES); None: llama.cpp's default, F16
         cache: dict[str, Any] = {"type_k": cache_type, "type_v": cache_type} if cache_type is not None else {}
-        self.llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
-                         n_batch=512, verbose=False, **cache)
+        with _plain_weight_layouts():
+            self.llm = Llama(model_path=str(gguf), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads,
+                             n_batch=512, verbose=False, **cache)
 
     def generate(self, ids: list[int], steps: int) -> Timing:
         """Greedy; reset first, so llama.cpp's own prefix reuse never shortens the prefill."""
@@ -155,6 +157,30 @@ class LlamaCppPeer:
             raise KvchatError(f"llama.cpp peer: no token for a {len(ids)}-token prompt")
         decode = tuple((b - a) * 1000 for a, b in zip(times, times[1:]))
         return Timing(len(ids), (times[0] - t0) * 1000, (times[0] - t0) * 1000, decode)
+
+
+@contextmanager
+def _plain_weight_layouts():
+    """llama.cpp's weights in the file's own layout: no "extra buffer types" (llama.cpp's
+    --no-repack). On a Xeon with AMX, llama-cpp-python 0.3.36 built for the machine moved the
+    Q4_1 file's weights into its AMX layout and then crashed the process (SIGSEGV) in the first
+    decode, taking the whole bench with it. Those layouts exist for quantized types only, so
+    the F32 and BF16 rows are unchanged. Llama() takes no such argument: its model parameters
+    start from llama_model_default_params(), which is wrapped while it runs."""
+    import llama_cpp.llama_cpp as lib
+    defaults = lib.llama_model_default_params
+
+    def plain():
+        params = defaults()
+        if hasattr(params, "use_extra_bufts"):
+            params.use_extra_bufts = False
+        return params
+
+    lib.llama_model_default_params = plain
+    try:
+        yield
+    finally:
+        lib.llama_model_default_params = defaults
 
 
 def load_llama_cpp(source, model_arg: str | None, n_ctx: int, threads: int) -> tuple[LlamaCppPeer | None, str]:
