@@ -202,6 +202,101 @@ def test_a_subscriber_that_has_joined_gets_the_very_next_message_and_sees_the_pu
         ctx.term()
 
 
+class Publisher:
+    """vLLM's KV-event publisher as seen on the wire (vllm/distributed/kv_events.py, 0.32): a PUB
+    socket for live batches and a ROUTER that answers `[b"", start]` with every buffered batch
+    from `start` on, then an end marker. Written here from that protocol, so the subscriber's
+    replay is tested without vLLM (tests/server/ runs it against the real server)."""
+
+    def __init__(self):
+        import zmq
+        self.zmq, self.ctx = zmq, zmq.Context()
+        self.pub, self.router = self.ctx.socket(zmq.PUB), self.ctx.socket(zmq.ROUTER)
+        self.port = self.pub.bind_to_random_port("tcp://127.0.0.1")
+        self.replay_port = self.router.bind_to_random_port("tcp://127.0.0.1")
+        self.buffer: list[tuple[int, bytes]] = []
+        self.asked: list[int] = []
+        self.lock, self.done = threading.Lock(), threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def publish(self, seq: int, events: list, live: bool = True) -> None:
+        payload = msgspec.msgpack.encode([1.0, events, None])
+        with self.lock:
+            self.buffer.append((seq, payload))
+        if live:
+            self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
+
+    def _serve(self):
+        while not self.done.is_set():
+            if not self.router.poll(50):
+                continue
+            client, _, start = self.router.recv_multipart()
+            self.asked.append(int.from_bytes(start, "big"))
+            with self.lock:
+                kept = [(seq, p) for seq, p in self.buffer if seq >= self.asked[-1]]
+            for seq, payload in kept:
+                self.router.send_multipart([client, b"", b"", seq.to_bytes(8, "big"), payload])
+            self.router.send_multipart([client, b"", b"", (-1).to_bytes(8, "big", signed=True), b""])
+
+    def close(self):
+        self.done.set()
+        self.thread.join()
+        self.pub.close(linger=0)
+        self.router.close(linger=0)
+        self.ctx.term()
+
+
+def test_a_replay_endpoint_gives_the_blocks_stored_before_joining_and_fills_a_lost_batch():
+    server = Publisher()
+    server.publish(0, [stored([11], None, [1, 2, 3, 4])], live=False)     # before kvchat subscribed
+    server.publish(1, [stored([12], 11, [5, 6, 7, 8])], live=False)
+    sub = KvEventSubscriber(f"tcp://127.0.0.1:{server.port}", replay=f"tcp://127.0.0.1:{server.replay_port}")
+    try:
+        assert sub.wait_joined(10) and sub.wait_replayed(10)
+        s = sub.store.summary()
+        assert server.asked == [0] and (s.first_seq, s.last_seq, s.replayed, s.gaps) == (0, 1, 2, 0)
+        assert sub.store.chain([1, 2, 3, 4, 5, 6, 7, 8], 4) == 2
+        server.publish(2, [stored([13], 12, [9, 9, 9, 9])])
+        assert sub.store.wait(lambda s: s.last_seq == 2, 10)
+        # batch 3 never reaches the subscriber; batch 4 does, and the numbering's skip asks for 3 on
+        server.publish(3, [stored([14], 13, [7, 7, 7, 7])], live=False)
+        server.publish(4, [{"type": "BlockRemoved", "block_hashes": [11]}])
+        assert sub.store.wait(lambda s: s.last_seq == 4, 10) and sub.wait_replayed(10)
+        s = sub.store.summary()
+        assert server.asked == [0, 3] and s.gaps == 0 and s.replayed == 4 and s.replay_problem is None
+        assert s.blocks == 3 and sub.store.chain([1, 2, 3, 4], 4) == 0      # 14 stored, then 11 removed, in order
+        assert s.batches == 5                                                # batch 4 applied once, not twice
+    finally:
+        sub.stop()
+        server.close()
+
+
+def test_a_replay_endpoint_that_never_answers_lets_live_batches_through_and_says_so(monkeypatch):
+    from kvchat.backends import kv_events
+    monkeypatch.setattr(kv_events, "REPLAY_WAIT_S", 0.5)
+    server = Publisher()
+    sub = KvEventSubscriber(f"tcp://127.0.0.1:{server.port}", replay=f"tcp://127.0.0.1:{free_port()}")
+    try:
+        assert sub.wait_joined(10)
+        server.publish(0, [stored([11], None, [1, 2, 3, 4])])
+        assert sub.store.wait(lambda s: s.batches == 1 and s.replay_problem is not None, 10), sub.store.summary()
+        assert "did not answer within 0.5 s" in sub.store.summary().replay_problem
+        assert sub.store.chain([1, 2, 3, 4], 4) == 1
+    finally:
+        sub.stop()
+        server.close()
+
+
+def test_kv_replay_flags_are_checked(capsys):
+    fails_with(capsys, ["ask", "--kv-replay", "tcp://127.0.0.1:5558", "hi"], "--kv-replay needs --server")
+    routes = {"/v1/models": (200, json.dumps(MODELS)), "/metrics": (200, VLLM_METRICS)}
+    with http_server(routes) as url:
+        fails_with(capsys, ["info", "--server", url, "--kv-replay", "tcp://127.0.0.1:5558"], "--kv-replay needs --kv-events")
+        fails_with(capsys, ["info", "--server", url, "--kv-events", "tcp://127.0.0.1:5557", "--kv-replay", "tcp://*:5558"],
+                   "--kv-replay", "replay_endpoint")
+
+
 def test_a_kv_events_port_where_nothing_publishes_is_named_in_the_panel_notes():
     from kvchat.backends import vllm
     routes = {"/v1/models": (200, json.dumps(MODELS)), "/metrics": (200, VLLM_METRICS)}

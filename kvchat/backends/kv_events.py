@@ -19,6 +19,15 @@ The subscriber therefore watches its own connection (a ZMQ socket monitor): `wai
 returns once the handshake with the publisher is done, and the summary says whether a
 publisher is connected at all (a wrong port is otherwise a silent, empty map).
 
+Replay: a vLLM server whose --kv-events-config also names a `replay_endpoint` (a ROUTER
+socket) keeps its last `buffer_steps` batches (10,000 by default) and sends those from a
+sequence number on to whoever asks: `[b"", start (8 bytes, big-endian)]` from a DEALER, answered
+by `[b"", topic, seq, payload]` per batch and `[b"", b"", -1 (8 bytes), b""]` at the end. With
+it (`--kv-replay`), the subscriber asks for everything from 0 when it joins (the blocks stored
+before kvchat subscribed, which it otherwise never learns) and for the missing batches when the
+numbering skips; live batches that arrive meanwhile are held and applied after the replayed
+ones, duplicates dropped.
+
 Every event is checked before it changes the map: one that is malformed is counted and the
 last one's fault kept (the cache panel names it), and the thread keeps listening. The map
 holds at most MAX_RESIDENT blocks and a message at most MAX_MESSAGE bytes, whatever a
@@ -45,6 +54,8 @@ MAX_MESSAGE = 64 * 2**20       # bytes in one ZMQ message
 MAX_BLOCK_SIZE = 2**16
 MAX_HASH_BYTES = 256
 SUBSCRIBE_SETTLE_S = 0.2       # after the handshake, for the subscription to reach the publisher (wait_joined)
+REPLAY_WAIT_S = 3.0            # how long a replay's answer may take before the held batches go on without it
+END_SEQ = -1                   # the sequence number that ends a replay
 
 
 class KvEventsError(KvchatError):
@@ -67,6 +78,8 @@ class ResidentBlocks:
     overflow: int = 0          # stored blocks left out of a full map (MAX_RESIDENT)
     connected: bool = True     # a publisher is connected now (False: nothing can arrive)
     connections: int = 0       # handshakes with a publisher: more than one means it went away and came back
+    replayed: int = 0          # batches that came from the replay endpoint (--kv-replay)
+    replay_problem: str | None = None  # why the last replay did not complete
 
 
 class KvEventStore:
@@ -84,6 +97,8 @@ class KvEventStore:
         self.last_seq: int | None = None
         self.connected = True      # a store fed by hand (tests, replays) has no connection to watch
         self.connections = 0
+        self.replayed = 0
+        self.replay_problem: str | None = None
         self.changed = threading.Condition(self.lock)
 
     # ---- applying the stream ------------------------------------------------------------------
@@ -199,7 +214,8 @@ class KvEventStore:
                                   first_seq=self.first_seq, last_seq=self.last_seq, gaps=self.gaps,
                                   cleared=self.cleared, undecodable=self.undecodable, restarts=self.restarts,
                                   last_problem=self.last_problem, overflow=self.overflow,
-                                  connected=self.connected, connections=self.connections)
+                                  connected=self.connected, connections=self.connections,
+                                  replayed=self.replayed, replay_problem=self.replay_problem)
 
     def wait(self, predicate: Callable[[KvEventStore], bool], timeout: float) -> bool:
         """Block until predicate(self) holds after a message (for tests and the CLI)."""
@@ -247,11 +263,14 @@ def _hashes(value: object) -> list[BlockHash]:
 
 
 class KvEventSubscriber:
-    """A daemon thread that subscribes to `endpoint` and feeds a KvEventStore."""
+    """A daemon thread that subscribes to `endpoint` and feeds a KvEventStore; with `replay`
+    (the server's replay endpoint), it also asks for the batches it did not see."""
 
-    def __init__(self, endpoint: str, topic: str = "") -> None:
+    def __init__(self, endpoint: str, topic: str = "", replay: str | None = None) -> None:
         check_endpoint(endpoint)
-        self.endpoint = endpoint
+        if replay is not None:
+            check_endpoint(replay, "--kv-replay", "replay_endpoint")
+        self.endpoint, self.replay_endpoint = endpoint, replay
         self.store = KvEventStore()
         self.store.connected = False
         self._ctx = zmq.Context()
@@ -262,8 +281,17 @@ class KvEventSubscriber:
         # the connection's own events: the handshake done (the subscription goes out right after
         # it) and the publisher gone; watched by the same thread that reads the messages
         self._monitor = self._sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED | zmq.EVENT_DISCONNECTED)
+        self._replay: zmq.Socket[bytes] | None = None
+        self._asked: float | None = None          # when the pending replay request went out
+        self._replayed: list[list[bytes]] = []    # its batches so far
+        self._held: list[list[bytes]] = []        # live batches that came meanwhile
         try:
             self._sock.connect(endpoint)
+            if replay is not None:
+                self._replay = self._ctx.socket(zmq.DEALER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.setsockopt(zmq.MAXMSGSIZE, MAX_MESSAGE)
+                self._replay.connect(replay)
         except zmq.ZMQError as err:
             self._close()
             raise KvEventsError(f"--kv-events {endpoint}: {err}; expected tcp://HOST:PORT") from None
@@ -273,7 +301,8 @@ class KvEventSubscriber:
 
     def wait_joined(self, timeout: float) -> bool:
         """Block until the subscription is in place, at most `timeout` seconds; False if no
-        publisher answered. Messages published before that are lost to this subscriber.
+        publisher answered. Messages published before that are lost to this subscriber
+        (unless a replay endpoint sends them).
 
         The handshake is the last thing this end sees: the subscription goes out after it and
         takes effect when the publisher's side has read it, with no answer. So this waits
@@ -285,15 +314,25 @@ class KvEventSubscriber:
         time.sleep(max(0.0, min(SUBSCRIBE_SETTLE_S, start + timeout - time.monotonic())))
         return True
 
+    def wait_replayed(self, timeout: float) -> bool:
+        """Block until no replay is pending (True at once without a replay endpoint)."""
+        return self.store.wait(lambda s: self._asked is None, timeout)
+
     def _run(self) -> None:
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
         poller.register(self._monitor, zmq.POLLIN)
+        if self._replay is not None:
+            poller.register(self._replay, zmq.POLLIN)
         while not self._stop.is_set():
             try:
                 ready = dict(poller.poll(200))        # so the thread sees stop() within 0.2 s
                 if self._monitor in ready:
                     self._watch_link()
+                if self._replay is not None and self._replay in ready:
+                    self._read_replay()
+                if self._asked is not None and time.monotonic() - self._asked > REPLAY_WAIT_S:
+                    self._finish_replay(f"{self.replay_endpoint} did not answer within {REPLAY_WAIT_S:g} s")
                 if self._sock not in ready:
                     continue
                 frames = self._sock.recv_multipart(zmq.NOBLOCK)
@@ -301,15 +340,75 @@ class KvEventSubscriber:
                 continue
             except zmq.ZMQError:
                 break
-            try:
-                self.store.apply_message(frames)
-            except Exception as err:   # a fault the checks above missed must not end the map: count it, go on
-                self.store.skip(f"{type(err).__name__}: {err}")
+            self._live(frames)
+
+    def _apply(self, frames: Sequence[bytes]) -> None:
+        try:
+            self.store.apply_message(frames)
+        except Exception as err:   # a fault the checks above missed must not end the map: count it, go on
+            self.store.skip(f"{type(err).__name__}: {err}")
+
+    def _live(self, frames: list[bytes]) -> None:
+        if self._asked is not None:
+            self._held.append(frames)
+            return
+        last = self.store.last_seq
+        seq = _seq(frames)
+        if self._replay is not None and last is not None and seq is not None and seq > last + 1:
+            self._held.append(frames)           # the numbering skipped: ask for what is missing first
+            self._ask(last + 1)
+            return
+        self._apply(frames)
+
+    def _ask(self, start: int) -> None:
+        assert self._replay is not None
+        try:
+            self._replay.send_multipart([b"", start.to_bytes(8, "big", signed=True)], zmq.NOBLOCK)
+        except zmq.ZMQError as err:            # nothing connected there yet: the held batches go on
+            self._finish_replay(f"{self.replay_endpoint}: {err}")
+            return
+        self._asked, self._replayed = time.monotonic(), []
+
+    def _read_replay(self) -> None:
+        assert self._replay is not None
+        while self._replay.poll(0):
+            frames = self._replay.recv_multipart()
+            if self._asked is None:
+                continue                        # the late answer of a request given up on
+            if len(frames) == 4 and frames[0] == b"" and _seq(frames[1:]) == END_SEQ:
+                self._finish_replay(None)
+            elif len(frames) == 4 and frames[0] == b"":
+                self._replayed.append(frames[1:])
+            else:
+                self._finish_replay(f"{self.replay_endpoint} answered with {len(frames)} frames; expected "
+                                    "an empty frame, topic, sequence and payload")
+
+    def _finish_replay(self, problem: str | None) -> None:
+        """Apply the replayed batches in order, then the held live ones they did not already hold."""
+        seen = {_seq(f) for f in self._replayed}
+        for frames in sorted(self._replayed, key=lambda f: _seq(f) or 0):
+            last = self.store.last_seq
+            if last is None or (_seq(frames) or 0) > last:
+                self._apply(frames)
+                with self.store.lock:
+                    self.store.replayed += 1
+        for frames in self._held:
+            if _seq(frames) not in seen:
+                self._apply(frames)
+        with self.store.changed:
+            self._asked, self._replayed, self._held = None, [], []
+            self.store.replay_problem = problem
+            self.store.changed.notify_all()
 
     def _watch_link(self) -> None:
         while self._monitor.poll(0):
             event = parse_monitor_message(self._monitor.recv_multipart())["event"]
             if event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+                if self._replay is not None and self._asked is None:
+                    # what was published before we joined (or while the publisher was away);
+                    # asked before the join is told, so wait_replayed() after wait_joined() waits for it
+                    last = self.store.last_seq
+                    self._ask(0 if last is None else last + 1)
                 self.store.link(True)
             elif event == zmq.EVENT_DISCONNECTED:
                 self.store.link(False)
@@ -323,14 +422,21 @@ class KvEventSubscriber:
         self._sock.disable_monitor()
         self._monitor.close()
         self._sock.close()
+        if self._replay is not None:
+            self._replay.close()
         self._ctx.term()
 
 
-def check_endpoint(endpoint: str) -> None:
+def _seq(frames: Sequence[bytes]) -> int | None:
+    """The sequence number of a (topic, seq, payload) message, or None where it has none."""
+    return int.from_bytes(frames[1], "big", signed=True) if len(frames) == 3 and len(frames[1]) == 8 else None
+
+
+def check_endpoint(endpoint: str, flag: str = "--kv-events", field: str = "endpoint") -> None:
     """tcp://HOST:PORT with a numeric port; raises KvEventsError naming what is accepted."""
     prefix = "tcp://"
     host, _, port = endpoint[len(prefix):].rpartition(":") if endpoint.startswith(prefix) else ("", "", "")
     if not host or host == "*" or not port.isdigit() or not 0 < int(port) < 65536:
-        raise KvEventsError(f"--kv-events {endpoint!r}: expected tcp://HOST:PORT, the endpoint given to the "
+        raise KvEventsError(f"{flag} {endpoint!r}: expected tcp://HOST:PORT, the {field} given to the "
                             "server's --kv-events-config (a server bound to tcp://*:5557 is reached at "
                             "tcp://SERVER-HOST:5557)")

@@ -45,7 +45,7 @@ class VllmBackend:
 
     def __init__(self, url: str, kv_events: str | None = None, geometry: str | None = None,
                  model_config: str | None = None, kv_dtype: str | None = None,
-                 deadlines: Deadlines | None = None) -> None:
+                 deadlines: Deadlines | None = None, kv_replay: str | None = None) -> None:
         self.api = ServerApi(url, deadlines)
         self.events: KvEventSubscriber | None = None
         self.resets = 0           # prefix-cache resets kvchat made: each frees every conversation's blocks
@@ -54,12 +54,16 @@ class VllmBackend:
             self.metrics = self._scrape()
             self.geometry, self.geometry_source = match_geometry(self.model.name, geometry, model_config)
             self.kv_dtype = self._kv_dtype(kv_dtype)
+            if kv_replay is not None and kv_events is None:
+                raise KvchatError("--kv-replay needs --kv-events tcp://HOST:PORT (the replay fills in that stream)")
             if kv_events is not None:
-                self.events = KvEventSubscriber(kv_events)
+                self.events = KvEventSubscriber(kv_events, replay=kv_replay)
                 # a turn sent before the subscription is in place would lose its blocks' events
                 # (one message per step) for good; a wrong port costs this wait once, and the
-                # cache panel then says nothing is connected
-                self.events.wait_joined(JOIN_WAIT_S)
+                # cache panel then says nothing is connected. With a replay endpoint, the blocks
+                # stored before kvchat subscribed arrive before the first snapshot.
+                if self.events.wait_joined(JOIN_WAIT_S):
+                    self.events.wait_replayed(JOIN_WAIT_S)
         except BaseException:
             self.shutdown()
             raise
@@ -82,7 +86,8 @@ class VllmBackend:
             raise KvchatError(f"{', '.join(local_only)}: local-engine setting{'s' if len(local_only) > 1 else ''}; "
                               "with --server the server's own flags decide (vllm --dtype, --kv-cache-dtype, "
                               "--gpu-memory-utilization)")
-        return cls(args.server, kv_events=getattr(args, "kv_events", None), geometry=getattr(args, "geometry", None),
+        return cls(args.server, kv_events=getattr(args, "kv_events", None), kv_replay=getattr(args, "kv_replay", None),
+                   geometry=getattr(args, "geometry", None),
                    model_config=getattr(args, "model", None), kv_dtype=getattr(args, "kv_dtype", None),
                    deadlines=Deadlines.parse(getattr(args, "timeouts", None)))
 
@@ -274,7 +279,12 @@ class VllmBackend:
                              "tcp://*:PORT, reached as tcp://SERVER-HOST:PORT)")
             if store.first_seq:
                 notes.append(f"KV events before sequence {store.first_seq} were not seen: blocks stored "
-                             "before kvchat subscribed are missing from the map")
+                             "before kvchat subscribed are missing from the map"
+                             + ("" if self.events.replay_endpoint else
+                                " (a replay_endpoint in the server's --kv-events-config, given as --kv-replay, "
+                                "sends them)"))
+            if store.replay_problem:
+                notes.append(f"KV-event replay: {store.replay_problem}")
             if store.restarts:
                 notes.append(f"the server restarted {store.restarts} time(s): the map starts again from empty")
             if store.gaps:

@@ -99,6 +99,9 @@ def add_server_args(p: argparse.ArgumentParser, top: bool = False) -> None:
     g.add_argument("--kv-events", metavar="tcp://HOST:PORT", **_defaults(top, default=None),
                    help="with --server: the server's KV-event stream (its --kv-events-config endpoint), "
                         "for the block map")
+    g.add_argument("--kv-replay", metavar="tcp://HOST:PORT", **_defaults(top, default=None),
+                   help="with --kv-events: the server's replay endpoint (its --kv-events-config "
+                        "replay_endpoint), for the blocks stored before kvchat subscribed and any batch lost")
     g.add_argument("--timeouts", metavar="NAME=S,...", **_defaults(top, default=None),
                    help="with --server: how long to wait, in seconds: connect (3), answer (10: a plain request), "
                         "first-token (300), gap (60: between a reply's events), total (1800: a whole reply); "

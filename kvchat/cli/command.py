@@ -86,7 +86,8 @@ def check_server_flags(args) -> bool:
     """True for a --server run; --kv-events and --geometry make sense only with one."""
     if getattr(args, "server", None):
         return True
-    for flag, value in (("--kv-events", getattr(args, "kv_events", None)), ("--geometry", getattr(args, "geometry", None)),
+    for flag, value in (("--kv-events", getattr(args, "kv_events", None)), ("--kv-replay", getattr(args, "kv_replay", None)),
+                        ("--geometry", getattr(args, "geometry", None)),
                         ("--timeouts", getattr(args, "timeouts", None))):
         if value:
             raise UsageError(f"{flag} needs --server URL (it describes a vLLM server)")

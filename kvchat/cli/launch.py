@@ -85,8 +85,9 @@ def _prepare(args) -> KvChatApp:
     make_policy(args.policy)
     if getattr(args, "server", None):
         return _prepare_server(args, settings, path, theme)
-    if getattr(args, "kv_events", None) or getattr(args, "geometry", None) or getattr(args, "timeouts", None):
-        raise KvchatError("--kv-events, --geometry and --timeouts need --server URL (they describe a vLLM server)")
+    if any(getattr(args, name, None) for name in ("kv_events", "kv_replay", "geometry", "timeouts")):
+        raise KvchatError("--kv-events, --kv-replay, --geometry and --timeouts need --server URL (they describe a "
+                          "vLLM server)")
     cfg = engine_config(args)
     sp = sampling(args, default_max=512)
     checked = preflight(cfg)

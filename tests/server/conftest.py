@@ -59,6 +59,7 @@ def free_port() -> int:
 class Server:
     url: str
     kv_events: str
+    kv_replay: str      # the publisher's replay endpoint (ROUTER): the batches it buffered
     proc: subprocess.Popen
     log: Path
     dtype: str          # bf16 or fp32 (native_build.computes_bf16)
@@ -87,7 +88,7 @@ def vllm_server(tmp_path_factory):
     pytest.importorskip("httpx", reason="the server client needs the 'server' extra: pip install -e .[server]")
     from kvchat.engine.sources import bundled_dir
     model = bundled_dir()
-    port, events_port = free_port(), free_port()
+    port, events_port, replay_port = free_port(), free_port(), free_port()
     log = tmp_path_factory.mktemp("vllm") / "server.log"
     env = dict(os.environ, VLLM_SERVER_DEV_MODE="1", VLLM_CPU_KVCACHE_SPACE="1")
     from kvchat.engine.native_build import computes_bf16
@@ -99,10 +100,12 @@ def vllm_server(tmp_path_factory):
            "--enable-prompt-tokens-details",
            "-O0",   # no torch.compile: ready in about 1 minute instead of 3-4 on 2 busy cores
            "--kv-events-config", json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
-                                             "endpoint": f"tcp://*:{events_port}"})]
+                                             "endpoint": f"tcp://*:{events_port}",
+                                             "replay_endpoint": f"tcp://*:{replay_port}"})]
     with open(log, "wb") as out:
         proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, start_new_session=True)
-    server = Server(f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{events_port}", proc, log, dtype)
+    server = Server(f"http://127.0.0.1:{port}", f"tcp://127.0.0.1:{events_port}", f"tcp://127.0.0.1:{replay_port}",
+                    proc, log, dtype)
     try:
         wait_until_serving(server)
         yield server

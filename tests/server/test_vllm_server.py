@@ -123,6 +123,29 @@ def test_kv_event_map_gains_this_conversations_blocks_and_loses_them_after_reset
         b.shutdown()
 
 
+def test_a_subscriber_with_the_replay_endpoint_sees_blocks_stored_before_it_joined(vllm_server):
+    quiet = backend(vllm_server)                      # no KV events: nothing hears this turn
+    try:
+        chat = quiet.open(system=fresh_system())
+        stats = run_turn(chat, f"Remember these. {notes(40, 30)}")
+        full_blocks = (stats.prompt_tokens + stats.generated_tokens - 1) // 128
+    finally:
+        quiet.shutdown()
+    late = backend(vllm_server, kv_events=vllm_server.kv_events)
+    replayed = backend(vllm_server, kv_events=vllm_server.kv_events, kv_replay=vllm_server.kv_replay)
+    try:
+        assert late.events.store.chain(chat.token_ids, 128) == 0 and late.events.store.summary().replayed == 0
+        # the replay is in before the backend is handed over (VllmBackend waits for it)
+        store = replayed.events.store.summary()
+        assert replayed.events.store.chain(chat.token_ids, 128) == full_blocks >= 2, store
+        assert store.first_seq == 0 and store.replayed >= 1 and store.replay_problem is None
+        snap = replayed.snapshot()
+        assert not any("were not seen" in n for n in snap.server.notes), snap.server.notes
+    finally:
+        late.shutdown()
+        replayed.shutdown()
+
+
 def test_a_cap_with_drop_oldest_trims_what_is_sent(vllm_server):
     b = backend(vllm_server)
     try:
