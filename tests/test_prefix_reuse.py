@@ -133,3 +133,24 @@ def test_a_turn_that_fails_before_its_first_token_leaves_no_orphan_message(engin
         assert follow.turn == 2
     finally:
         engine.close_conversation(conv)
+
+
+def test_a_turn_renders_its_history_once_and_the_kept_rendering_is_exact(engine, monkeypatch):
+    """The policy's fit and the request both need the turn's token ids; the template runs once
+    (the whole history each time: it grows with the conversation), and what is given back is
+    what a fresh rendering gives."""
+    conv = engine.new_conversation("You are brief.")
+    calls: list[int] = []
+    render = engine.render
+    monkeypatch.setattr(engine, "render", lambda messages: calls.append(len(messages)) or render(messages))
+    try:
+        run_turn(conv, MESSAGES[0], max_tokens=4)
+        assert calls == [2]                                    # system + user, rendered once
+        run_turn(conv, MESSAGES[1], max_tokens=4)
+        assert calls == [2, 4]
+        kept = conv.render(conv.messages)                      # changed since (the reply): rendered afresh
+        assert calls == [2, 4, 5] and kept == render(conv.messages)
+        kept.append(-1)                                        # a caller's list is its own
+        assert conv.render(conv.messages) == render(conv.messages) and calls == [2, 4, 5]
+    finally:
+        engine.close_conversation(conv)
