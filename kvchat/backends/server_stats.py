@@ -28,6 +28,7 @@ class ServerStats:
     event_batches: int | None
     event_gaps: int | None           # sequence numbers skipped: events lost, the map may be stale
     notes: tuple[str, ...] = ()      # what the panels cannot show in this mode, and why
+    event_replayed: int | None = None  # batches the replay endpoint sent (None: no --kv-replay)
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)

@@ -322,6 +322,7 @@ class VllmBackend:
             inter_token_ms=m.inter_token.mean_ms if m.inter_token else None,
             ttft_ms=m.ttft.mean_ms if m.ttft else None, resident_blocks=resident,
             event_batches=store.batches if store else None, event_gaps=store.gaps if store else None,
+            event_replayed=store.replayed if store and self.events and self.events.replay_endpoint else None,
             notes=tuple(notes) + ("the map shows resident full prefix blocks by content, in no physical "
                                   "order; partial last blocks and block ids are not reported",))
         return ServerSnapshot(

@@ -75,8 +75,9 @@ def server_lines(v: ServerStats) -> Text:
                f"{_count(v.running)} running, {_count(v.waiting)} waiting\n")
     out.append(f"its histograms: inter-token {ms(v.inter_token_ms)} · TTFT {ms(v.ttft_ms)} (means)\n")
     if v.resident_blocks is not None:
+        replayed = f"{v.event_replayed:,} replayed, " if v.event_replayed is not None else ""
         out.append(f"resident prefix blocks {v.resident_blocks:,} (KV events: {_count(v.event_batches)} batches, "
-                   f"{_count(v.event_gaps)} lost)\n")
+                   f"{replayed}{_count(v.event_gaps)} lost)\n")
     for note in v.notes:
         out.append(f"{inert(note)}\n", style="dim italic")     # a server's label values may be in it
     out.rstrip()

@@ -141,6 +141,10 @@ def test_a_subscriber_with_the_replay_endpoint_sees_blocks_stored_before_it_join
         assert store.first_seq == 0 and store.replayed >= 1 and store.replay_problem is None
         snap = replayed.snapshot()
         assert not any("were not seen" in n for n in snap.server.notes), snap.server.notes
+        # the cache panel counts them beside the batches and the lost ones
+        from kvchat.widgets.cache_panel import server_lines
+        assert snap.server.event_replayed == store.replayed and late.snapshot().server.event_replayed is None
+        assert f"{store.replayed:,} replayed, 0 lost)" in server_lines(snap.server).plain
     finally:
         late.shutdown()
         replayed.shutdown()
