@@ -124,7 +124,9 @@ def test_while_a_reply_streams_the_block_map_counts_its_prompt_blocks_as_this_co
     with fake_vllm({"/tokenize": tokenize, "/v1/chat/completions": slow}) as s:
         backend = VllmBackend(s.url, geometry="smollm2-135m", kv_dtype="bf16")
         store = KvEventStore()
-        backend.events = type("Events", (), {"store": store, "stop": lambda self: None})()
+        # a subscriber's stand-in, the store fed by hand (no replay endpoint)
+        backend.events = type("Events", (), {"store": store, "stop": lambda self: None,
+                                             "endpoint": "tcp://127.0.0.1:5557", "replay_endpoint": None})()
         try:
             c = backend.open()
             text = " ".join(f"word{i}" for i in range(40))     # 45 prompt tokens: 2 full blocks of 16
