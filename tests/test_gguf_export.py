@@ -357,7 +357,7 @@ def test_llama_cpp_on_the_bf16_file_with_a_bf16_cache_is_kvchats_within_bf16s_bo
     from kvchat.bench.peers import GGML_CACHE_TYPES
     threads = torch.get_num_threads()
     llm = llama_cpp.Llama(model_path=str(exported["bf16"]), n_ctx=512, n_threads=threads, n_threads_batch=threads,
-                          n_batch=512, type_k=GGML_CACHE_TYPES["bf16"], type_v=GGML_CACHE_TYPES["bf16"],
+                          n_batch=512, type_k=GGML_CACHE_TYPES["bf16"][0], type_v=GGML_CACHE_TYPES["bf16"][0],
                           logits_all=True, verbose=False)
     ids = prompt(engine, "Explain why the sky is blue, in one paragraph.")
     with torch.no_grad():

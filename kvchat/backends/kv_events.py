@@ -102,12 +102,12 @@ class KvEventStore:
         self.changed = threading.Condition(self.lock)
 
     # ---- applying the stream ------------------------------------------------------------------
-    def apply_message(self, frames: Sequence[bytes]) -> None:
-        """One ZMQ message: (topic, seq, payload)."""
+    def apply_message(self, frames: Sequence[bytes], replayed: bool = False) -> None:
+        """One ZMQ message: (topic, seq, payload); `replayed`: it came from the replay endpoint."""
         try:
-            if len(frames) != 3 or len(frames[1]) != 8:
+            seq = _seq(frames)
+            if seq is None:
                 raise ValueError(f"a message of {len(frames)} frames; expected topic, sequence, payload")
-            seq = int.from_bytes(frames[1], "big", signed=True)
             batch = _decode.decode(frames[2])
             if not isinstance(batch, (list, tuple)) or len(batch) < 2 or not isinstance(batch[1], list):
                 raise ValueError("a payload that is not [timestamp, [events], ...]")
@@ -127,6 +127,7 @@ class KvEventStore:
                 self.restarts += 1
             self.last_seq = seq
             self.batches += 1
+            self.replayed += replayed
             for event in events:
                 try:
                     self._apply(event)
@@ -342,9 +343,9 @@ class KvEventSubscriber:
                 break
             self._live(frames)
 
-    def _apply(self, frames: Sequence[bytes]) -> None:
+    def _apply(self, frames: Sequence[bytes], replayed: bool = False) -> None:
         try:
-            self.store.apply_message(frames)
+            self.store.apply_message(frames, replayed)
         except Exception as err:   # a fault the checks above missed must not end the map: count it, go on
             self.store.skip(f"{type(err).__name__}: {err}")
 
@@ -385,13 +386,11 @@ class KvEventSubscriber:
 
     def _finish_replay(self, problem: str | None) -> None:
         """Apply the replayed batches in order, then the held live ones they did not already hold."""
-        seen = {_seq(f) for f in self._replayed}
-        for frames in sorted(self._replayed, key=lambda f: _seq(f) or 0):
-            last = self.store.last_seq
-            if last is None or (_seq(frames) or 0) > last:
-                self._apply(frames)
-                with self.store.lock:
-                    self.store.replayed += 1
+        replayed = sorted(((_seq(f) or 0, f) for f in self._replayed), key=lambda sf: sf[0])
+        for seq, frames in replayed:
+            if self.store.last_seq is None or seq > self.store.last_seq:
+                self._apply(frames, replayed=True)
+        seen = {seq for seq, _ in replayed}
         for frames in self._held:
             if _seq(frames) not in seen:
                 self._apply(frames)

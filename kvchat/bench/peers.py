@@ -123,8 +123,7 @@ LLAMA_CPP_FILES = {"f32": "llama_cpp_f32", "bf16": "llama_cpp_bf16", "q4_1": "ll
 SAME_PRECISION = {"fp32": "f32", "bf16": "bf16"}     # kvchat's --dtype -> the export of its precision
 # kvchat's cache dtype -> ggml's type for llama.cpp's type_k/type_v (GGML_TYPE_F32, F16, BF16):
 # the same-weights peers cache K and V as kvchat's run does; ggml has no fp8 cache type
-GGML_CACHE_TYPES = {"fp32": 0, "fp16": 1, "bf16": 30}
-GGML_TYPE_NAMES = {0: "F32", 1: "F16", 30: "BF16"}
+GGML_CACHE_TYPES = {"fp32": (0, "F32"), "fp16": (1, "F16"), "bf16": (30, "BF16")}
 
 
 class LlamaCppPeer:
@@ -237,7 +236,7 @@ def load_llama_cpp_files(source, model_arg: str | None, files: tuple[str, ...], 
                 notes.append(f"llama.cpp {choice.upper()} skipped: {err}")
                 continue
         precision = gguf_export.file_precision(gguf)
-        cache_type = None if choice == "q4_1" else GGML_CACHE_TYPES.get(kv_dtype)
+        cache_type, cache_name = (None, "") if choice == "q4_1" else GGML_CACHE_TYPES.get(kv_dtype, (None, ""))
         try:
             peers[key] = LlamaCppPeer(gguf, n_ctx, threads, precision, cache_type)
         except (OSError, ValueError, RuntimeError) as err:
@@ -250,7 +249,7 @@ def load_llama_cpp_files(source, model_arg: str | None, files: tuple[str, ...], 
                     f"default, against kvchat's {kv_dtype} (ggml has no such cache type)")
         else:
             what = (f"an export of the safetensors kvchat loads: the same weights, K and V cached in "
-                    f"{GGML_TYPE_NAMES[cache_type]} like kvchat's {kv_dtype} cache")
+                    f"{cache_name} like kvchat's {kv_dtype} cache")
         notes.append(f"llama.cpp {precision} runs {gguf} ({what}), {threads} threads")
     return peers, notes
 
