@@ -49,40 +49,6 @@ static inline void widen_rows(const void *src, int64_t off, int64_t next, int64_
     }
 }
 
-/* VLANES vectors in, one out: lane r holds the sum of a[r]'s lanes, in hsum's order (halves
- * added, then their halves...), as a transpose-and-add network in the machine's width */
-#define PAIR(x, y, ...) (__builtin_shufflevector(x, y, __VA_ARGS__))
-static inline fnv transpose_sum(const fnv *a) {
-#if VLANES == 16
-    fnv x[8], y[4], z[2];
-    for (int i = 0; i < 8; i++)
-        x[i] = PAIR(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
-               PAIR(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
-    for (int i = 0; i < 4; i++)
-        y[i] = PAIR(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
-               PAIR(x[2 * i], x[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
-    for (int i = 0; i < 2; i++)
-        z[i] = PAIR(y[2 * i], y[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
-               PAIR(y[2 * i], y[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
-    return PAIR(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
-           PAIR(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
-#elif VLANES == 8
-    fnv x[4], y[2];
-    for (int i = 0; i < 4; i++)
-        x[i] = PAIR(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
-               PAIR(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
-    for (int i = 0; i < 2; i++)
-        y[i] = PAIR(x[2 * i], x[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
-               PAIR(x[2 * i], x[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
-    return PAIR(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14) + PAIR(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15);
-#else
-    fnv x[2];
-    for (int i = 0; i < 2; i++)
-        x[i] = PAIR(a[2 * i], a[2 * i + 1], 0, 1, 4, 5) + PAIR(a[2 * i], a[2 * i + 1], 2, 3, 6, 7);
-    return PAIR(x[0], x[1], 0, 2, 4, 6) + PAIR(x[0], x[1], 1, 3, 5, 7);
-#endif
-}
-
 /* one query's scores against a tile's first `rows` rows (the rest of the TILE zero):
  * sc[r] = q . k_r, VLANES rows at a time, each row's sum one accumulator over the row's
  * vectors (q's vector loaded once for the VLANES rows), their lanes summed by one
@@ -149,6 +115,13 @@ static inline int chunk(const DecodeArgs *a, const int32_t *table, int64_t lengt
     return nt;
 }
 
+/* a work item: KV head `head` of sequence `seq` over its blocks [b0, b1) */
+typedef struct { int64_t seq, head, b0, b1; } Item;
+
+/* the item a thread takes after this one, when it knows it (NULL when not): its first chunk
+ * is fetched while this item's last chunk computes */
+typedef struct { const int32_t *table; int64_t length, head, b0, b1; } Then;
+
 /* multiply-add chains p V keeps in registers: Q queries x nn vectors of head_dim */
 #define PV_REGS (VLANES == 16 ? 24 : 12)
 #define MAX_Q 16
@@ -188,7 +161,7 @@ static inline __attribute__((always_inline)) void pv(float *acc, float (*sc)[CHU
  * the core waiting on the update's chain (max, exp, sum) at every tile. */
 static inline __attribute__((always_inline)) void item(
         const DecodeArgs *a, const int32_t *table, int64_t length, const float *q, int64_t h,
-        int64_t b0, int64_t b1, float *m, float *l, float *acc, const int G, const int NV) {
+        int64_t b0, int64_t b1, float *m, float *l, float *acc, const Then *then, const int G, const int NV) {
     const int dim = NV * LANES, nn = dim / VLANES;
     float sc[MAX_GROUP][CHUNK] __attribute__((aligned(64)));
     float kbuf[CHUNK_TILES * TILE * MAX_DIM] __attribute__((aligned(64)));
@@ -214,7 +187,10 @@ static inline __attribute__((always_inline)) void item(
         int nrows[CHUNK_TILES] = {0};
         const int nt = chunk(a, table, length, h, &b, &r0, b1, off, s_off, rows);
         int64_t pb = b, pr = r0;
-        chunk(a, table, length, h, &pb, &pr, b1, next_off, next_soff, nrows);
+        if (chunk(a, table, length, h, &pb, &pr, b1, next_off, next_soff, nrows) == 0 && then != NULL) {
+            int64_t tb = then->b0, tr = 0;
+            chunk(a, then->table, then->length, then->head, &tb, &tr, then->b1, next_off, next_soff, nrows);
+        }
         const float *next_k[CHUNK_TILES] = {0}, *next_v[CHUNK_TILES] = {0};
         for (int t = 0; t < nt; t++) {
             if (fp8 || half) {                         /* half is 0 for fp8: widen_rows' kind */
@@ -289,11 +265,11 @@ static inline __attribute__((always_inline)) void item(
 }
 
 typedef void (*item_fn)(const DecodeArgs *, const int32_t *, int64_t, const float *, int64_t, int64_t, int64_t,
-                        float *, float *, float *);
+                        float *, float *, float *, const Then *);
 #define ITEM(G, NV) \
     static void item_##G##_##NV(const DecodeArgs *a, const int32_t *t, int64_t len, const float *q, int64_t h, \
-                                int64_t b0, int64_t b1, float *m, float *l, float *acc) { \
-        item(a, t, len, q, h, b0, b1, m, l, acc, G, NV); }
+                                int64_t b0, int64_t b1, float *m, float *l, float *acc, const Then *then) { \
+        item(a, t, len, q, h, b0, b1, m, l, acc, then, G, NV); }
 #define ITEMS(G) ITEM(G, 4) ITEM(G, 8)
 ITEMS(1) ITEMS(2) ITEMS(3) ITEMS(4) ITEMS(5) ITEMS(6) ITEMS(7) ITEMS(8)
 static const item_fn ITEM_FNS[8][2] = {
@@ -302,11 +278,9 @@ static const item_fn ITEM_FNS[8][2] = {
 
 /* any other geometry within the limits: the same code with G and NV read at run time */
 static void item_any(const DecodeArgs *a, const int32_t *t, int64_t len, const float *q, int64_t h,
-                     int64_t b0, int64_t b1, float *m, float *l, float *acc) {
-    item(a, t, len, q, h, b0, b1, m, l, acc, (int)a->group, (int)(a->dim / LANES));
+                     int64_t b0, int64_t b1, float *m, float *l, float *acc, const Then *then) {
+    item(a, t, len, q, h, b0, b1, m, l, acc, then, (int)a->group, (int)(a->dim / LANES));
 }
-
-typedef struct { int64_t seq, head, b0, b1; } Item;
 
 static inline int64_t length_of(const DecodeArgs *a, int64_t s) { return a->lens ? a->lens[s] : a->length; }
 
@@ -364,39 +338,58 @@ int kv_decode(const DecodeArgs *a, const float *q, float *out, int splits, int t
     first[nb] = it;
     const int nv = (int)(d / LANES);
     const item_fn fn = g <= 8 && (nv == 4 || nv == 8) ? ITEM_FNS[g - 1][nv / 8] : item_any;
-#define RUN(i) fn(a, a->tables + work[i].seq * a->table_stride, length_of(a, work[i].seq), \
-                  q + work[i].seq * a->q_stride, work[i].head, work[i].b0, work[i].b1, m + (i) * g, l + (i) * g, \
-                  acc + (i) * g * d)
-    if (nb == 1) {            /* equal items: each thread its share */
-        #pragma omp parallel for num_threads(threads) schedule(static)
-        for (int64_t i = 0; i < items; i++) RUN(i);
-    } else {                  /* sequences of any lengths: items as threads come free */
-        #pragma omp parallel for num_threads(threads) schedule(dynamic)
-        for (int64_t i = 0; i < items; i++) RUN(i);
-    }
-    /* merge the splits by log-sum-exp; a few sequences' merges cost less than waking threads */
-    #pragma omp parallel for num_threads(threads) schedule(static) if (nb > 4)
-    for (int64_t sh = 0; sh < nb * hk; sh++) {
-        const int64_t s = sh / hk, h = sh % hk;
-        const int64_t n = (first[s + 1] - first[s]) / hk, i0 = first[s] + h * n;
-        for (int64_t j = 0; j < g; j++) {
-            float mx = -INFINITY, total = 0.0f;
-            for (int64_t sp = 0; sp < n; sp++) {
-                const float mi = m[(i0 + sp) * g + j];
-                mx = mi > mx ? mi : mx;
+#define RUN(i, then) fn(a, a->tables + work[i].seq * a->table_stride, length_of(a, work[i].seq), \
+                        q + work[i].seq * a->q_stride, work[i].head, work[i].b0, work[i].b1, m + (i) * g, l + (i) * g, \
+                        acc + (i) * g * d, then)
+    /* Each thread takes runs of consecutive items, so that it knows the item after this one
+     * and fetches its first chunk while this one's last computes: at 256 tokens an item is one
+     * chunk, and items fetched only when they began waited on memory at every start. One
+     * sequence: its items are equal, each thread one run of its share. Several: runs of a few
+     * items as threads come free (short sequences beside long ones balance). */
+    const int64_t run = nb == 1 ? (items + threads - 1) / threads : (items + 4 * threads - 1) / (4 * threads);
+    int64_t taken = 0;
+    #pragma omp parallel num_threads(threads)
+    {
+        for (;;) {
+            int64_t i0;
+            #pragma omp atomic capture
+            { i0 = taken; taken += run; }
+            if (i0 >= items) break;
+            const int64_t i1 = i0 + run < items ? i0 + run : items;
+            for (int64_t i = i0; i < i1; i++) {
+                Then then;
+                if (i + 1 < i1)
+                    then = (Then){a->tables + work[i + 1].seq * a->table_stride, length_of(a, work[i + 1].seq),
+                                  work[i + 1].head, work[i + 1].b0, work[i + 1].b1};
+                RUN(i, i + 1 < i1 ? &then : NULL);
             }
-            float *o = out + ((s * hk + h) * g + j) * d;
-            for (int64_t c = 0; c < d; c++) o[c] = 0.0f;
-            for (int64_t sp = 0; sp < n; sp++) {
-                const int64_t at = (i0 + sp) * g + j;
-                if (m[at] == -INFINITY) continue;      /* a stretch with no rows */
-                const float w = expf(m[at] - mx);
-                total += l[at] * w;
-                const float *ai = acc + at * d;
-                for (int64_t c = 0; c < d; c++) o[c] += ai[c] * w;
+        }
+        /* then the splits merged by log-sum-exp, in the same team (a team of its own cost a
+         * wake-up of the threads per layer) */
+        #pragma omp barrier
+        #pragma omp for schedule(static)
+        for (int64_t sh = 0; sh < nb * hk; sh++) {
+            const int64_t s = sh / hk, h = sh % hk;
+            const int64_t n = (first[s + 1] - first[s]) / hk, i0 = first[s] + h * n;
+            for (int64_t j = 0; j < g; j++) {
+                float mx = -INFINITY, total = 0.0f;
+                for (int64_t sp = 0; sp < n; sp++) {
+                    const float mi = m[(i0 + sp) * g + j];
+                    mx = mi > mx ? mi : mx;
+                }
+                float *o = out + ((s * hk + h) * g + j) * d;
+                for (int64_t c = 0; c < d; c++) o[c] = 0.0f;
+                for (int64_t sp = 0; sp < n; sp++) {
+                    const int64_t at = (i0 + sp) * g + j;
+                    if (m[at] == -INFINITY) continue;      /* a stretch with no rows */
+                    const float w = expf(m[at] - mx);
+                    total += l[at] * w;
+                    const float *ai = acc + at * d;
+                    for (int64_t c = 0; c < d; c++) o[c] += ai[c] * w;
+                }
+                const float inv = 1.0f / total;
+                for (int64_t c = 0; c < d; c++) o[c] *= inv;
             }
-            const float inv = 1.0f / total;
-            for (int64_t c = 0; c < d; c++) o[c] *= inv;
         }
     }
     free(mem);
