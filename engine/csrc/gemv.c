@@ -46,6 +46,22 @@ static inline __attribute__((always_inline)) void tile(const float *x, const flo
             }
         }
     }
+#if VLANES == 16
+    if (X * R <= VLANES) {      /* every output's lanes summed at once: one transpose, not X R hsums */
+        fnv all[VLANES];
+        for (int i = 0; i < VLANES; i++) all[i] = i < X * R ? acc[i / R][i % R][0] : (fnv){0};
+        float sums[VLANES];
+        const fnv t = transpose_sum(all);
+        memcpy(sums, &t, sizeof t);
+        for (int b = 0; b < X; b++)
+            for (int r = 0; r < R; r++) {
+                float s = sums[b * R + r];
+                for (int64_t j = kv; j < k; j++) s += w[r * k + j] * x[b * k + j];
+                y[b * n + r] = s;
+            }
+        return;
+    }
+#endif
     for (int b = 0; b < X; b++)
         for (int r = 0; r < R; r++) {
             float s = hsum_subs(acc[b][r]);

@@ -128,6 +128,40 @@ static inline fnv splatn(float x) {
 #endif
 }
 
+/* VLANES vectors in, one out: lane r holds the sum of a[r]'s lanes, in hsum's order (halves
+ * added, then their halves...), as a transpose-and-add network in the machine's width */
+#define PAIR(x, y, ...) (__builtin_shufflevector(x, y, __VA_ARGS__))
+static inline fnv transpose_sum(const fnv *a) {
+#if VLANES == 16
+    fnv x[8], y[4], z[2];
+    for (int i = 0; i < 8; i++)
+        x[i] = PAIR(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+               PAIR(a[2 * i], a[2 * i + 1], 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30, 31);
+    for (int i = 0; i < 4; i++)
+        y[i] = PAIR(x[2 * i], x[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18, 19, 24, 25, 26, 27) +
+               PAIR(x[2 * i], x[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15, 20, 21, 22, 23, 28, 29, 30, 31);
+    for (int i = 0; i < 2; i++)
+        z[i] = PAIR(y[2 * i], y[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 24, 25, 28, 29) +
+               PAIR(y[2 * i], y[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15, 18, 19, 22, 23, 26, 27, 30, 31);
+    return PAIR(z[0], z[1], 0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30) +
+           PAIR(z[0], z[1], 1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+#elif VLANES == 8
+    fnv x[4], y[2];
+    for (int i = 0; i < 4; i++)
+        x[i] = PAIR(a[2 * i], a[2 * i + 1], 0, 1, 2, 3, 8, 9, 10, 11) +
+               PAIR(a[2 * i], a[2 * i + 1], 4, 5, 6, 7, 12, 13, 14, 15);
+    for (int i = 0; i < 2; i++)
+        y[i] = PAIR(x[2 * i], x[2 * i + 1], 0, 1, 4, 5, 8, 9, 12, 13) +
+               PAIR(x[2 * i], x[2 * i + 1], 2, 3, 6, 7, 10, 11, 14, 15);
+    return PAIR(y[0], y[1], 0, 2, 4, 6, 8, 10, 12, 14) + PAIR(y[0], y[1], 1, 3, 5, 7, 9, 11, 13, 15);
+#else
+    fnv x[2];
+    for (int i = 0; i < 2; i++)
+        x[i] = PAIR(a[2 * i], a[2 * i + 1], 0, 1, 4, 5) + PAIR(a[2 * i], a[2 * i + 1], 2, 3, 6, 7);
+    return PAIR(x[0], x[1], 0, 2, 4, 6) + PAIR(x[0], x[1], 1, 3, 5, 7);
+#endif
+}
+
 /* sixteen lanes kept as SUBS accumulators of VLANES, summed as hsum sums one f16v */
 static inline float hsum_subs(const fnv *parts) {
     f16v whole;
