@@ -264,6 +264,30 @@ def test_e4m3_rounding_is_torchs_for_a_sweep_of_values():
     assert torch.equal(got, rows[:, 0].to(FP8).view(torch.uint8))
 
 
+@pytest.mark.parametrize("head_major", [False, True], ids=["tokens", "heads"])
+def test_decode_reads_every_e4m3_byte_exactly(head_major):
+    """Every e4m3fn byte but NaN (subnormals, both zeros, 448) as the V row of a one-row
+    sequence, scales 1: the softmax of one row is exactly 1, so the output is V as the kernel
+    widened it, and it must be torch's e4m3 -> float32 exactly (as values: the output is summed
+    from +0, so -0 comes out +0). The widening goes through a float32 subnormal for e4m3's
+    subnormals (decode.c's widen_rows); this pins its values for any rewrite."""
+    d = 256
+    byte = torch.arange(256, dtype=torch.uint8)
+    byte[(byte & 0x7F) == 0x7F] = 0                      # 0x7f, 0xff: e4m3fn's NaNs
+    shape = (1, 1, BS, d) if head_major else (1, BS, 1, d)
+    k, v = torch.zeros(shape, dtype=FP8), torch.zeros(shape, dtype=FP8)
+    if head_major:
+        k, v = k.movedim(0, 2), v.movedim(0, 2)          # (blocks, bs, H_kv, d) views of head-major storage
+    v.view(torch.uint8)[0, 0, 0] = byte
+    ks, vs = torch.ones(k.shape[:-1]), torch.ones(k.shape[:-1])
+    q = torch.randn(3, d, generator=torch.Generator().manual_seed(7))
+    got = native.decode(q, k, v, torch.zeros(1, dtype=torch.int32), 1, d ** -0.5, ks, vs)
+    want = byte.view(FP8).float()
+    assert got is not None
+    for row in got:
+        assert torch.equal(row, want)
+
+
 @pytest.mark.parametrize("k", [576, 4096, 100])
 def test_rms_norm_is_torchs(k):
     gen = torch.Generator().manual_seed(k)

@@ -25,7 +25,14 @@
  * e4m3: each byte's sign placed at bit 31 and its exponent and mantissa at bits 20-26 of a
  * float32 give the value times 2^-120, exactly (see engine/cpu_attention.py); times 2^120,
  * also exact, gives the value, so that the products with the queries are ordinary floats
- * rather than subnormals. The scales are applied to the scores and p (item()). */
+ * rather than subnormals. An e4m3 subnormal passes through a float32 subnormal, and a multiply
+ * that meets one takes a microcode assist on x86: a cache of unscaled N(0, 1) values (1.2% e4m3
+ * subnormals) decoded B = 8 at 4,096 tokens in 3.2 ms a layer against 1.0 without them. Our
+ * writes scale each row to 448, so a subnormal is under 1/28,672 of its row's largest value:
+ * 0.23% of the 16-byte vectors of the bundled model's cache after 2,048 tokens hold one. An
+ * assist-free widening (an integer add to the exponent, subnormals fixed up apart) cost more
+ * than those assists on that cache: 1.19-1.28 ms a layer against 1.03 on rows scaled as ours.
+ * The scales are applied to the scores and p (item()). */
 static inline void widen_rows(const void *src, int64_t off, int64_t next, int64_t stride, int rows, int pf_rows,
                               int64_t dim, float *dst, int kind) {
     const int64_t size = kind ? 2 : 1;                    /* bytes an element */
