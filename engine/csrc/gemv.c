@@ -99,7 +99,7 @@ static inline __attribute__((always_inline)) void column(const float *x, const f
 
 /* x: (b, k); w: (n, k); y: (b, n); all contiguous fp32. */
 void kv_gemv(const float *x, const float *w, float *y, int64_t b, int64_t n, int64_t k, int threads) {
-    const int64_t rows = b == 1 ? ROWS_ONE : ROWS_MANY, groups = n / rows;
+    const int64_t rows = b == 1 ? ROWS_ONE : b == 2 ? ROWS_TWO : ROWS_MANY, groups = n / rows;
     /* below SMALL, waking a second thread would cost more than it saves */
     #pragma omp parallel num_threads(threads) if (b * n * k >= SMALL)
     {
@@ -107,6 +107,9 @@ void kv_gemv(const float *x, const float *w, float *y, int64_t b, int64_t n, int
         for (int64_t gi = 0; gi < groups; gi++) {
             if (b == 1)
                 tile(x, w + gi * rows * k, y + gi * rows, n, k, ROWS_ONE, 1, NULL, 0, 0);
+            else if (b == 2)
+                column(x, w + gi * rows * k, y + gi * rows, b, n, k, ROWS_TWO,
+                       gi + 1 < groups ? w + (gi + 1) * rows * k : NULL);
             else
                 column(x, w + gi * rows * k, y + gi * rows, b, n, k, ROWS_MANY,
                        gi + 1 < groups ? w + (gi + 1) * rows * k : NULL);

@@ -122,7 +122,7 @@ int kv_gemv_bf16(const float *x, const uint16_t *w, float *y, int64_t b, int64_t
 #else
     xb = (uint16_t *)(uintptr_t)x;   /* never read: the widening loop reads x itself */
 #endif
-    const int64_t rows = b == 1 ? ROWS_ONE : ROWS_MANY, groups = n / rows;
+    const int64_t rows = b == 1 ? ROWS_ONE : b == 2 ? ROWS_TWO : ROWS_MANY, groups = n / rows;
     #pragma omp parallel num_threads(threads) if (b * n * k >= SMALL)
     {
         #pragma omp for schedule(static) nowait
@@ -130,6 +130,9 @@ int kv_gemv_bf16(const float *x, const uint16_t *w, float *y, int64_t b, int64_t
             if (b == 1)
                 tile(x, xb, w + gi * rows * k, y + gi * rows, n, k, ROWS_ONE, 1,
                      gi + 1 < groups ? w + (gi + 1) * rows * k : NULL, 0, ROWS_ONE);
+            else if (b == 2)
+                column(x, xb, w + gi * rows * k, y + gi * rows, b, n, k, ROWS_TWO,
+                       gi + 1 < groups ? w + (gi + 1) * rows * k : NULL);
             else
                 column(x, xb, w + gi * rows * k, y + gi * rows, b, n, k, ROWS_MANY,
                        gi + 1 < groups ? w + (gi + 1) * rows * k : NULL);
