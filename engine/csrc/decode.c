@@ -128,9 +128,7 @@ static inline int chunk(const DecodeArgs *a, const int32_t *table, int64_t lengt
 /* a work item: KV head `head` of sequence `seq` over its blocks [b0, b1) */
 typedef struct { int64_t seq, head, b0, b1; } Item;
 
-/* the item a thread takes after this one, when it knows it (NULL when not): its first chunk
- * is fetched while this item's last chunk computes */
-typedef struct { const int32_t *table; int64_t length, head, b0, b1; } Then;
+static inline int64_t length_of(const DecodeArgs *a, int64_t s) { return a->lens ? a->lens[s] : a->length; }
 
 /* multiply-add chains p V keeps in registers: Q queries x nn vectors of head_dim */
 #define PV_REGS (VLANES == 16 ? 24 : 12)
@@ -171,7 +169,7 @@ static inline __attribute__((always_inline)) void pv(float *acc, float (*sc)[CHU
  * the core waiting on the update's chain (max, exp, sum) at every tile. */
 static inline __attribute__((always_inline)) void item(
         const DecodeArgs *a, const int32_t *table, int64_t length, const float *q, int64_t h,
-        int64_t b0, int64_t b1, float *m, float *l, float *acc, const Then *then, const int G, const int NV) {
+        int64_t b0, int64_t b1, float *m, float *l, float *acc, const Item *then, const int G, const int NV) {
     const int dim = NV * LANES, nn = dim / VLANES;
     float sc[MAX_GROUP][CHUNK] __attribute__((aligned(64)));
     float kbuf[CHUNK_TILES * TILE * MAX_DIM] __attribute__((aligned(64)));
@@ -198,8 +196,9 @@ static inline __attribute__((always_inline)) void item(
         const int nt = chunk(a, table, length, h, &b, &r0, b1, off, s_off, rows);
         int64_t pb = b, pr = r0;
         if (chunk(a, table, length, h, &pb, &pr, b1, next_off, next_soff, nrows) == 0 && then != NULL) {
-            int64_t tb = then->b0, tr = 0;
-            chunk(a, then->table, then->length, then->head, &tb, &tr, then->b1, next_off, next_soff, nrows);
+            int64_t tb = then->b0, tr = 0;       /* the last chunk: the next item's first instead */
+            chunk(a, a->tables + then->seq * a->table_stride, length_of(a, then->seq), then->head, &tb, &tr,
+                  then->b1, next_off, next_soff, nrows);
         }
         const float *next_k[CHUNK_TILES] = {0}, *next_v[CHUNK_TILES] = {0};
         for (int t = 0; t < nt; t++) {
@@ -275,10 +274,10 @@ static inline __attribute__((always_inline)) void item(
 }
 
 typedef void (*item_fn)(const DecodeArgs *, const int32_t *, int64_t, const float *, int64_t, int64_t, int64_t,
-                        float *, float *, float *, const Then *);
+                        float *, float *, float *, const Item *);
 #define ITEM(G, NV) \
     static void item_##G##_##NV(const DecodeArgs *a, const int32_t *t, int64_t len, const float *q, int64_t h, \
-                                int64_t b0, int64_t b1, float *m, float *l, float *acc, const Then *then) { \
+                                int64_t b0, int64_t b1, float *m, float *l, float *acc, const Item *then) { \
         item(a, t, len, q, h, b0, b1, m, l, acc, then, G, NV); }
 #define ITEMS(G) ITEM(G, 4) ITEM(G, 8)
 ITEMS(1) ITEMS(2) ITEMS(3) ITEMS(4) ITEMS(5) ITEMS(6) ITEMS(7) ITEMS(8)
@@ -288,11 +287,9 @@ static const item_fn ITEM_FNS[8][2] = {
 
 /* any other geometry within the limits: the same code with G and NV read at run time */
 static void item_any(const DecodeArgs *a, const int32_t *t, int64_t len, const float *q, int64_t h,
-                     int64_t b0, int64_t b1, float *m, float *l, float *acc, const Then *then) {
+                     int64_t b0, int64_t b1, float *m, float *l, float *acc, const Item *then) {
     item(a, t, len, q, h, b0, b1, m, l, acc, then, (int)a->group, (int)(a->dim / LANES));
 }
-
-static inline int64_t length_of(const DecodeArgs *a, int64_t s) { return a->lens ? a->lens[s] : a->length; }
 
 /* kv_decode's -1 cases, checked before anything is read or written (kv_decode_step checks
  * them before its first layer) */
@@ -312,6 +309,31 @@ int kv_decode_check(const DecodeArgs *a, int splits) {
         }
     }
     return 0;
+}
+
+/* the n splits of one (sequence, KV head), items i0 .. i0 + n - 1, merged by log-sum-exp into its
+ * g outputs at out (g x d) */
+static void merge(const float *m, const float *l, const float *acc, int64_t i0, int64_t n, int64_t g, int64_t d,
+                  float *out) {
+    for (int64_t j = 0; j < g; j++) {
+        float mx = -INFINITY, total = 0.0f;
+        for (int64_t sp = 0; sp < n; sp++) {
+            const float mi = m[(i0 + sp) * g + j];
+            mx = mi > mx ? mi : mx;
+        }
+        float *o = out + j * d;
+        for (int64_t c = 0; c < d; c++) o[c] = 0.0f;
+        for (int64_t sp = 0; sp < n; sp++) {
+            const int64_t at = (i0 + sp) * g + j;
+            if (m[at] == -INFINITY) continue;      /* a stretch with no rows */
+            const float w = expf(m[at] - mx);
+            total += l[at] * w;
+            const float *ai = acc + at * d;
+            for (int64_t c = 0; c < d; c++) o[c] += ai[c] * w;
+        }
+        const float inv = 1.0f / total;
+        for (int64_t c = 0; c < d; c++) o[c] *= inv;
+    }
 }
 
 /* q: (batch, kv_heads * group, dim) at a stride of q_stride between sequences; out: (batch,
@@ -366,40 +388,15 @@ int kv_decode(const DecodeArgs *a, const float *q, float *out, int splits, int t
             { i0 = taken; taken += run; }
             if (i0 >= items) break;
             const int64_t i1 = i0 + run < items ? i0 + run : items;
-            for (int64_t i = i0; i < i1; i++) {
-                Then then;
-                if (i + 1 < i1)
-                    then = (Then){a->tables + work[i + 1].seq * a->table_stride, length_of(a, work[i + 1].seq),
-                                  work[i + 1].head, work[i + 1].b0, work[i + 1].b1};
-                RUN(i, i + 1 < i1 ? &then : NULL);
-            }
+            for (int64_t i = i0; i < i1; i++) RUN(i, i + 1 < i1 ? &work[i + 1] : NULL);
         }
-        /* then the splits merged by log-sum-exp, in the same team (a team of its own cost a
-         * wake-up of the threads per layer) */
+        /* then the splits merged, in the same team (a team of its own cost a wake-up of the
+         * threads per layer) */
         #pragma omp barrier
         #pragma omp for schedule(static)
         for (int64_t sh = 0; sh < nb * hk; sh++) {
-            const int64_t s = sh / hk, h = sh % hk;
-            const int64_t n = (first[s + 1] - first[s]) / hk, i0 = first[s] + h * n;
-            for (int64_t j = 0; j < g; j++) {
-                float mx = -INFINITY, total = 0.0f;
-                for (int64_t sp = 0; sp < n; sp++) {
-                    const float mi = m[(i0 + sp) * g + j];
-                    mx = mi > mx ? mi : mx;
-                }
-                float *o = out + ((s * hk + h) * g + j) * d;
-                for (int64_t c = 0; c < d; c++) o[c] = 0.0f;
-                for (int64_t sp = 0; sp < n; sp++) {
-                    const int64_t at = (i0 + sp) * g + j;
-                    if (m[at] == -INFINITY) continue;      /* a stretch with no rows */
-                    const float w = expf(m[at] - mx);
-                    total += l[at] * w;
-                    const float *ai = acc + at * d;
-                    for (int64_t c = 0; c < d; c++) o[c] += ai[c] * w;
-                }
-                const float inv = 1.0f / total;
-                for (int64_t c = 0; c < d; c++) o[c] *= inv;
-            }
+            const int64_t s = sh / hk, n = (first[s + 1] - first[s]) / hk;
+            merge(m, l, acc, first[s] + sh % hk * n, n, g, d, out + sh * g * d);
         }
     }
     free(mem);

@@ -192,3 +192,15 @@ def check_start(args, source, device, kv_dtype: str) -> int | None:
         from kvchat.engine.streaming import DEFAULT_SINK_TOKENS, check_window_cap
         check_window_cap(cap, DEFAULT_SINK_TOKENS, args.block_size)
     return cap if cap is not None else geom.max_position
+
+
+def check_server_flags(args) -> bool:
+    """True for a --server run; --kv-events and --geometry make sense only with one."""
+    if getattr(args, "server", None):
+        return True
+    for flag, value in (("--kv-events", getattr(args, "kv_events", None)), ("--kv-replay", getattr(args, "kv_replay", None)),
+                        ("--geometry", getattr(args, "geometry", None)),
+                        ("--timeouts", getattr(args, "timeouts", None))):
+        if value:
+            raise UsageError(f"{flag} needs --server URL (it describes a vLLM server)")
+    return False

@@ -12,7 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from .args import (Parser, UsageError, add_cap_args, add_model_args, add_sampling_args, check_start, engine_config, positive_int, sampling, utf8_text)
+from .args import (Parser, UsageError, add_cap_args, add_model_args, add_sampling_args, check_server_flags, check_start, engine_config, positive_int, sampling, utf8_text)
 from ..store.files import FileRefused, read_text
 from ..text import STOP_WORDS, command_remedies, inert, shown
 
@@ -80,18 +80,6 @@ def load_backend(args, quiet: bool = False):
     if not quiet:
         print(shown(f"loading {checked.source.name} ..."), file=sys.stderr, flush=True)
     return LocalBackend.load(cfg, checked=checked)
-
-
-def check_server_flags(args) -> bool:
-    """True for a --server run; --kv-events and --geometry make sense only with one."""
-    if getattr(args, "server", None):
-        return True
-    for flag, value in (("--kv-events", getattr(args, "kv_events", None)), ("--kv-replay", getattr(args, "kv_replay", None)),
-                        ("--geometry", getattr(args, "geometry", None)),
-                        ("--timeouts", getattr(args, "timeouts", None))):
-        if value:
-            raise UsageError(f"{flag} needs --server URL (it describes a vLLM server)")
-    return False
 
 
 CUT = ("cut", "timeout")    # stop reasons of a reply that did not arrive whole

@@ -71,7 +71,7 @@ def prepare(args) -> KvChatApp:
 def _prepare(args) -> KvChatApp:
     from kvchat.engine import make_policy, preflight
 
-    from .args import check_start, engine_config, sampling
+    from .args import check_server_flags, check_start, engine_config, sampling
     from ..backends.local import LocalBackend
 
     path = settings_mod.config_path()
@@ -83,11 +83,8 @@ def _prepare(args) -> KvChatApp:
         raise SettingsError(f"settings file {path}: unknown theme {settings.theme!r}; accepted: {', '.join(themes)}")
     theme = args.theme or settings.theme or "dark"
     make_policy(args.policy)
-    if getattr(args, "server", None):
+    if check_server_flags(args):
         return _prepare_server(args, settings, path, theme)
-    if any(getattr(args, name, None) for name in ("kv_events", "kv_replay", "geometry", "timeouts")):
-        raise KvchatError("--kv-events, --kv-replay, --geometry and --timeouts need --server URL (they describe a "
-                          "vLLM server)")
     cfg = engine_config(args)
     sp = sampling(args, default_max=512)
     checked = preflight(cfg)
