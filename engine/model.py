@@ -112,6 +112,8 @@ def rope_inv_freq(geom: Geometry) -> torch.Tensor:
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     if native.gemv_serves(x, w):  # a decode step's rows (1 to 16) in fp32 on CPU: one C call, not torch's eight ops
         return native.rms_norm(x, w, eps)
+    if x.dtype == torch.float32 and native_step.chunk_serves(x, w):  # a prompt chunk's: threads over the rows
+        return native_step.add_rms_norm_rows(x, None, w, eps)
     if x.dtype == torch.float32 and _FUSED_RMS_NORM:
         return F.rms_norm(x, w.shape, w, eps)  # one op instead of eight: decode is op-bound on CPU
     xf = x.float()
@@ -121,14 +123,22 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
 _FUSED_RMS_NORM = hasattr(F, "rms_norm")
 
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """x: (T, hidden), set to x + residual in place when residual is given; returns
-    RMSNorm(x) * w. A decode step's rows take one C call for both (native_step)."""
-    if native.gemv_serves(x, w) and (residual is None or native_step.rows_serve(residual)):
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float,
+                 dtype: torch.dtype | None = None) -> torch.Tensor:
+    """x: (T, hidden), set to x + residual in place when residual is given (residual may be
+    bf16 beside fp32 x: a bf16 prefill's product output); returns RMSNorm(x) * w in dtype
+    (default x's: bf16 for a bf16 prefill's next product). A decode step's rows take one C
+    call for both (native_step), a prompt chunk's another with threads over the rows."""
+    dtype = x.dtype if dtype is None else dtype
+    if (dtype == x.dtype and native.gemv_serves(x, w)
+            and (residual is None or native_step.rows_serve(residual))):
         return native_step.add_rms_norm(x, residual, w, eps)
+    if (x.dtype == torch.float32 and dtype in (torch.float32, torch.bfloat16) and native_step.chunk_serves(x, w)
+            and (residual is None or (native_step.chunk_serves(residual) and residual.shape == x.shape))):
+        return native_step.add_rms_norm_rows(x, residual, w, eps, dtype)
     if residual is not None:
         x.add_(residual)
-    return rms_norm(x, w, eps)
+    return rms_norm(x, w, eps).to(dtype)
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -136,6 +146,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     decode step's rows, two torch ops otherwise."""
     if native_step.rows_serve(gate_up):
         return native_step.silu_mul(gate_up)
+    if native_step.chunk_serves(gate_up):
+        return native_step.silu_mul_rows(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)                                    # (T, inter) each
     return F.silu(gate) * up
 
@@ -148,7 +160,8 @@ def rope_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, position
     it serves, else apply_rope and write_kv."""
     t = qkv.shape[0]
     hk, d = k_cache.shape[2], k_cache.shape[3]
-    if t <= native.max_rows() and native_step.rope_serves(qkv, cos, k_cache, positions, slots):
+    qkv = qkv.to(cos.dtype)      # a bf16 prefill's product output: RoPE in the tables' dtype
+    if native_step.rope_serves(qkv, cos, k_cache, positions, slots):
         return native_step.rope_write(qkv, cos, sin, positions, k_cache, v_cache, slots, k_scale, v_scale, n_heads)
     qk = apply_rope(qkv[:, :(n_heads + hk) * d].view(t, n_heads + hk, d), cos[positions], sin[positions])
     q, k = qk[:, :n_heads], qk[:, n_heads:]                                # (T, hq, d), (T, hk, d)
@@ -307,7 +320,7 @@ class Llama:
                 return logits
         cos, sin = self.rope_cover(batch.max_position)                    # (max_pos, 1, d) each
         last = len(self.layers) - 1
-        h = add_rms_norm(x, None, self.layers[0].attn_norm, g.norm_eps)
+        h = add_rms_norm(x, None, self.layers[0].attn_norm, g.norm_eps, self._rows_dtype(x))
         for i, layer in enumerate(self.layers):
             k_cache, v_cache, k_scale, v_scale = pool.layer(i)
             q = rope_write(linear(h, layer.wqkv), cos, sin, positions, k_cache, v_cache, batch.slots,
@@ -315,27 +328,37 @@ class Llama:
             keep = last_only and i == last and t > batch.decode + len(batch.prefills)
             if keep:  # the last layer's K/V are written; only the rows with logits go on
                 x, q = self._last_rows(x, batch), self._last_rows(q, batch)  # (R, hidden), (R, hq, d)
-            o = self._attend(q, batch, (k_cache, v_cache, k_scale, v_scale), keep)  # (T or R, hq, d)
-            h = add_rms_norm(x, linear(o.reshape(x.shape[0], hq * d), layer.wo), layer.mlp_norm, g.norm_eps)
+            rows = self._rows_dtype(x)
+            o = self._attend(q, batch, (k_cache, v_cache, k_scale, v_scale), keep, rows)  # (T or R, hq, d)
+            h = add_rms_norm(x, linear(o.reshape(x.shape[0], hq * d), layer.wo), layer.mlp_norm, g.norm_eps, rows)
             after = self.layers[i + 1].attn_norm if i < last else self.norm
-            h = add_rms_norm(x, self._gate_up_down(h, layer), after, g.norm_eps)
+            h = add_rms_norm(x, self._gate_up_down(h, layer), after, g.norm_eps, rows if i < last else None)
         return linear(h, self.lm_head).float()                            # (T or R, vocab)
 
     def _gate_up_down(self, h: torch.Tensor, layer: Layer) -> torch.Tensor:
-        """down(silu(gate) * up) of h's rows. A prefill's rows against bf16 weights stay bf16
-        from the gate/up product to the down product's input (prefill_dtype): the widest rows
-        are never copied to fp32 and back."""
-        if self._narrow_prefill(h):
-            return (silu_mul(h.to(self.prefill_dtype) @ layer.w_gate_up.T) @ layer.w_down.T).to(h.dtype)
+        """down(silu(gate) * up) of h's rows. A prefill's rows against bf16 weights come in
+        bf16 (_rows_dtype) and stay bf16 through both products: the widest rows are never
+        copied to fp32 and back."""
+        if h.dtype == self.prefill_dtype != self.act_dtype:
+            return silu_mul(h @ layer.w_gate_up.T) @ layer.w_down.T
         return linear(silu_mul(linear(h, layer.w_gate_up)), layer.w_down)
 
     def _narrow_prefill(self, rows: torch.Tensor) -> bool:
         """Whether these prefill rows go to prefill_dtype (PREFILL_BF16_MIN_ROWS)."""
         return self.prefill_dtype != rows.dtype and rows.shape[0] >= PREFILL_BF16_MIN_ROWS
 
-    def _attend(self, q: torch.Tensor, batch: Batch, cache, last_rows: bool) -> torch.Tensor:
+    def _rows_dtype(self, rows: torch.Tensor) -> torch.dtype:
+        """The dtype of the products' input and output rows for these rows: prefill_dtype for a
+        bf16 prefill's (each product rounds its rows to bf16 and gives bf16 either way, so
+        handing them on in bf16 changes no bit and saves a cast each way), else the rows' own."""
+        return self.prefill_dtype if self._narrow_prefill(rows) else rows.dtype
+
+    def _attend(self, q: torch.Tensor, batch: Batch, cache, last_rows: bool,
+                dtype: torch.dtype | None = None) -> torch.Tensor:
         """q: (T, hq, d), or with last_rows (decode + chunks, hq, d): the decode rows, then
-        each chunk's rows (its last row alone with last_rows). Returns the same shape."""
+        each chunk's rows (its last row alone with last_rows). Returns the same shape, in
+        dtype (default q's)."""
+        dtype = q.dtype if dtype is None else dtype
         k_cache, v_cache, k_scale, v_scale = cache
         b = batch.decode
         out = []
@@ -354,8 +377,9 @@ class Llama:
                 if self._narrow_prefill(qc):
                     qc = qc.to(self.prefill_dtype)
                 out.append(paged_prefill(qc, k_cache, v_cache, c.block_table, c.prefix_len,
-                                         self.scale, k_scale, v_scale, runs=c.runs).to(q.dtype))  # (T_c, hq, d)
+                                         self.scale, k_scale, v_scale, runs=c.runs))  # (T_c, hq, d)
                 row += c.length
+        out = [o.to(dtype) for o in out]
         return out[0] if len(out) == 1 else torch.cat(out)
 
     @staticmethod

@@ -68,6 +68,10 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kv_add_rms_norm.restype = None
     lib.kv_silu_mul.argtypes = [ptr, ptr, i64, i64]
     lib.kv_silu_mul.restype = None
+    lib.kv_add_rms_norm_rows.argtypes = [ptr, ptr, i64, ptr, ptr, i64, i64, i64, ctypes.c_float, ctypes.c_int]
+    lib.kv_add_rms_norm_rows.restype = None
+    lib.kv_silu_mul_rows.argtypes = [ptr, ptr, i64, i64, i64, ctypes.c_int]
+    lib.kv_silu_mul_rows.restype = None
     lib.kv_rope_write.argtypes = [ctypes.POINTER(WriteArgs), ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, i64,
                                   ctypes.c_int]
     lib.kv_rope_write.restype = ctypes.c_int
@@ -147,6 +151,27 @@ def check(path: str) -> str | None:
             gate, up = gu[i * 2 * k + c], gu[i * 2 * k + k + c]
             if not _near(ys[i * k + c], gate / (1 + math.exp(-gate)) * up, abs(gate * up)):
                 return "kv_silu_mul gave a wrong value"
+    # a prompt chunk's rows: the residual in bf16, the norm rounded to bf16; silu * up on bf16
+    def widened(h: int) -> float:
+        return struct.unpack("<f", struct.pack("<I", h << 16))[0]
+    rb = [_bf16_bits(v) for v in res]
+    xs, yh = _floats(x), (ctypes.c_uint16 * (b * k))()
+    lib.kv_add_rms_norm_rows(xs, (ctypes.c_uint16 * len(rb))(*rb), 1, _floats(w[:k]), yh, 1, b, k, 1e-5, 2)
+    for i in range(b):
+        row = [x[i * k + c] + widened(rb[i * k + c]) for c in range(k)]
+        inv = 1 / math.sqrt(math.fsum(v * v for v in row) / k + 1e-5)
+        if any(not _near(xs[i * k + c], row[c], 1) or abs(widened(yh[i * k + c]) - row[c] * inv * w[c]) >
+               2 ** -8 * abs(row[c] * inv * w[c]) + 1e-6 for c in range(k)):
+            return "kv_add_rms_norm_rows gave a wrong value"
+    gh = [_bf16_bits(v) for v in gu]
+    sh = (ctypes.c_uint16 * (b * k))()
+    lib.kv_silu_mul_rows((ctypes.c_uint16 * len(gh))(*gh), sh, b, k, 1, 2)
+    for i in range(b):
+        for c in range(k):
+            gate, up = widened(gh[i * 2 * k + c]), widened(gh[i * 2 * k + k + c])
+            want = gate / (1 + math.exp(-gate)) * up
+            if abs(widened(sh[i * k + c]) - want) > 2 ** -7 * abs(want) + 1e-6:    # two roundings to bf16
+                return "kv_silu_mul_rows gave a wrong value"
     # decode: 2 sequences of 20 and 3 rows, blocks of 4, 1 KV head of 2 queries, d 16
     bs, d, g, lens, table = 4, 16, 2, [20, 3], [[4, 0, 2, 5, 1], [3, 6, 6, 6, 6]]
     nb = 7

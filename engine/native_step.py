@@ -6,6 +6,9 @@ issue 25's note), a fifth of a step on a busy 2-core machine. Two levels replace
 - `add_rms_norm`, `silu_mul`, `rope_write`: one C call each, with the signatures of
   `cuda_graph.TorchOps`, for the few rows of any batch whose rows take the C products
   (Llama.forward uses them when a batch holds prompt chunks beside its decode rows);
+- `add_rms_norm_rows`, `silu_mul_rows`: the same ops over a prompt chunk's hundreds of rows,
+  threads over the rows, with a bf16 prefill's rows in bf16 where its products take and give
+  them (rope_write takes any number of rows too);
 - `decode_step`: a batch of decode rows only (one per sequence, 1 to native.max_rows())
   through every layer and the logits in one C call (kv_decode_step), which runs those same
   kernels with the products and the attention in between. Its per-layer arguments (weight
@@ -28,7 +31,7 @@ from .native_abi import LayerArgs, StepArgs
 
 def rows_serve(x: torch.Tensor) -> bool:
     """Whether the fused ops take rows like x: 1 to native.max_rows() contiguous fp32 CPU rows (a
-    decode step's; a prefill's keep torch's multithreaded ops), and the kernels loaded."""
+    decode step's; a prompt chunk's take the *_rows calls below), and the kernels loaded."""
     return (x.dim() == 2 and 0 < x.shape[0] <= max_rows() and x.dtype == torch.float32
             and x.device.type == "cpu" and x.is_contiguous())
 
@@ -48,6 +51,39 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     b, n2 = gate_up.shape
     out = torch.empty(b, n2 // 2)
     lib().kv_silu_mul(gate_up.data_ptr(), out.data_ptr(), b, n2 // 2)
+    return out
+
+
+def chunk_serves(x: torch.Tensor, w: torch.Tensor | None = None) -> bool:
+    """Whether add_rms_norm_rows and silu_mul_rows take rows like x: any number of contiguous
+    fp32 or bf16 CPU rows (a prompt chunk's; a decode step's take the calls above too), fp32
+    contiguous norm weights w where given, and the kernels loaded."""
+    return (x.dim() == 2 and x.shape[0] > 0 and x.dtype in (torch.float32, torch.bfloat16)
+            and x.device.type == "cpu" and x.is_contiguous() and lib() is not None
+            and (w is None or (w.dtype == torch.float32 and w.is_contiguous() and w.device.type == "cpu")))
+
+
+def add_rms_norm_rows(x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor, eps: float,
+                      dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """add_rms_norm over any number of rows, threads over them: x (T, k) fp32, set to x +
+    residual in place (residual: (T, k) fp32 or bf16, widened exactly); returns RMSNorm(x) * w
+    in dtype (fp32, or bf16 rounded to nearest even: a bf16 product's input). Callers check
+    chunk_serves(x, w) and chunk_serves(residual)."""
+    y = torch.empty(x.shape, dtype=dtype)
+    lib().kv_add_rms_norm_rows(x.data_ptr(), residual.data_ptr() if residual is not None else None,
+                               residual is not None and residual.dtype == torch.bfloat16, w.data_ptr(), y.data_ptr(),
+                               dtype == torch.bfloat16, x.shape[0], x.shape[1], eps, threads.count())
+    return y
+
+
+def silu_mul_rows(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu_mul over any number of rows, threads over them: (T, 2 n) fp32 or bf16 -> (T, n)
+    in the same dtype (bf16: torch's two roundings, after the SiLU and after the product).
+    Callers check chunk_serves(gate_up)."""
+    b, n2 = gate_up.shape
+    out = torch.empty(b, n2 // 2, dtype=gate_up.dtype)
+    lib().kv_silu_mul_rows(gate_up.data_ptr(), out.data_ptr(), b, n2 // 2, gate_up.dtype == torch.bfloat16,
+                           threads.count())
     return out
 
 

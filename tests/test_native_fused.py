@@ -46,6 +46,37 @@ def check_silu_mul(gen: torch.Generator, b: int, n: int, what: str = "") -> None
     assert_within(native_step.silu_mul(gu), *silu_mul_reference(gu), what=f"{what} silu*up")
 
 
+def check_chunk_ops(gen: torch.Generator, b: int, k: int, n: int, what: str = "") -> None:
+    """A prompt chunk's rows (add_rms_norm_rows, silu_mul_rows; threads over the rows past
+    65,536 values): each row the bits the decode step's own call gives it; the residual
+    taken in bf16 widened exactly, the norm given in bf16 as torch rounds fp32 to bf16 (nearest
+    even; a NaN stays a NaN, though not torch's vector path's 0xFFFF); silu * up on bf16 rows
+    within its bound."""
+    x, r = torch.randn(b, k, generator=gen) * 3, torch.randn(b, k, generator=gen)
+    w = torch.randn(k, generator=gen)
+    got, want = x.clone(), x.clone()
+    y = native_step.add_rms_norm_rows(got, r, w, 1e-5)
+    assert torch.equal(y, native_step.add_rms_norm(want, r, w, 1e-5)) and torch.equal(got, want), what
+    rb = r.bfloat16()
+    got, want = x.clone(), x.clone()
+    y = native_step.add_rms_norm_rows(got, rb, w, 1e-5)
+    assert torch.equal(got, x + rb.float()), f"{what}: a bf16 residual is widened exactly, then one fp32 add"
+    assert torch.equal(y, native_step.add_rms_norm(want, rb.float(), w, 1e-5)), what
+    x[0, 0] = float("nan")
+    y16 = native_step.add_rms_norm_rows(x.clone(), None, w, 1e-5, torch.bfloat16)
+    y32 = native_step.add_rms_norm_rows(x.clone(), None, w, 1e-5)
+    want16 = y32.bfloat16()
+    assert y16.dtype == torch.bfloat16 and torch.equal(y16.isnan(), want16.isnan()) and y16[0].isnan().all(), what
+    assert torch.equal(y16[1:].view(torch.int16), want16[1:].view(torch.int16)), \
+        f"{what}: the bf16 norm is torch's rounding of the fp32 one, bit for bit"
+    gu = torch.randn(b, 2 * n, generator=gen) * 20
+    gate = gu[:, :n]     # below -88.72 fp32's e^-gate overflows where gate e^gate is not yet below
+    gate[gate < -87] = -100.0   # the bound's underflow term (check_silu_mul); -100 is within it
+    assert torch.equal(native_step.silu_mul_rows(gu), native_step.silu_mul(gu)), what
+    g16 = gu.bfloat16()
+    assert_within(native_step.silu_mul_rows(g16).float(), *silu_mul_reference(g16), what=f"{what} bf16 silu*up")
+
+
 def pool_for(hk: int, d: int, nb: int, kv: str, head_major: bool):
     """NaN-filled K/V caches (e4m3's NaN byte and NaN scales for fp8) in either layout."""
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": FP8}[kv]
@@ -114,6 +145,11 @@ def test_add_rms_norm_is_the_add_then_the_norm(b, k):
 @pytest.mark.parametrize("n", [1536, 100, 9])
 def test_silu_mul_is_torchs_formula_within_its_bound(b, n):
     check_silu_mul(torch.Generator().manual_seed(b * 7 + n), b, n)
+
+
+@pytest.mark.parametrize("b, k, n", [(1, 576, 1536), (7, 100, 9), (300, 576, 1536), (130, 4096, 14336 // 8)])
+def test_a_chunks_rows_take_the_decode_steps_bits_and_bf16_as_torch_rounds(b, k, n):
+    check_chunk_ops(torch.Generator().manual_seed(b * 11 + k + n), b, k, n)
 
 
 # the bundled model (9 q, 3 KV heads of 64), Llama 3.1 8B (32, 8, 128), MHA of 32, head_dim 96

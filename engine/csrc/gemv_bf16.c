@@ -23,12 +23,6 @@
 #endif
 #define SMALL 32768    /* the tile shapes: vec.h */
 
-static inline float bf16_float(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
-}
 
 #if DPBF16
 #define PARTS 1         /* one __m512 accumulator of 16 lanes */

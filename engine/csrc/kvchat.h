@@ -77,6 +77,12 @@ int kv_write(const WriteArgs *a, const int64_t *slots, int64_t n, int threads);
 void kv_add_rms_norm(float *x, const float *r, const float *w, float *y, int64_t b, int64_t k, float eps);
 /* gate_up: (b, 2 n), gate then up; out: (b, n) = silu(gate) * up (step.c) */
 void kv_silu_mul(const float *gate_up, float *out, int64_t b, int64_t n);
+/* a prompt chunk's rows, threads over them (step.c): kv_add_rms_norm with r in bf16 bits where
+ * r_bf16 and y rounded to bf16 bits where y_bf16; kv_silu_mul on fp32 rows, or on bf16 bits in
+ * and out where bf16 (torch's two roundings) */
+void kv_add_rms_norm_rows(float *x, const void *r, int64_t r_bf16, const float *w, void *y, int64_t y_bf16,
+                          int64_t b, int64_t k, float eps, int threads);
+void kv_silu_mul_rows(const void *gate_up, void *out, int64_t b, int64_t n, int64_t bf16, int threads);
 /* qkv: n rows at a stride of qkv_stride, each `heads` q heads, kv_heads k heads, kv_heads v
  * heads of dim floats; cos, sin: (n_pos, dim). q_out: (n, heads, dim) = RoPE(q); RoPE(k) and v
  * go to their slots as kv_write writes them. 0, or -1 (nothing written) when a slot or a

@@ -31,6 +31,39 @@ static inline f16v splat(float x) { return (f16v){0} + x; }
 /* a's lanes where mask is set (all ones), b's elsewhere */
 static inline f16v vselect(i16v mask, f16v a, f16v b) { return (f16v)(((i16v)a & mask) | ((i16v)b & ~mask)); }
 
+/* bf16 <-> fp32, one or sixteen at a time. Widening is exact (the bits moved up 16 places);
+ * rounding is to nearest even with NaN to the one quiet NaN 0x7FC0, torch's scalar conversion
+ * (c10's round_to_nearest_even), so rows rounded here hold the bits x.to(torch.bfloat16) gives
+ * (but a NaN: torch's vector path makes it 0xFFFF). */
+typedef uint16_t h16v __attribute__((vector_size(32)));
+typedef uint32_t u16v __attribute__((vector_size(64)));
+static inline float bf16_float(uint16_t h) {
+    const uint32_t u = (uint32_t)h << 16;
+    float f;
+    memcpy(&f, &u, 4);
+    return f;
+}
+static inline uint16_t bf16_from_float(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, 4);
+    if (f != f) return 0x7FC0;
+    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+static inline f16v load_bf16(const uint16_t *p) {
+    h16v h;
+    memcpy(&h, p, sizeof h);
+    return (f16v)(__builtin_convertvector(h, u16v) << 16);
+}
+static inline u16v bf16_bits(f16v v) {          /* each lane's bf16 in its low 16 bits */
+    const u16v b = (u16v)v, nan = (u16v)(v != v);
+    return (((b + 0x7FFFu + ((b >> 16) & 1u)) >> 16) & ~nan) | (0x7FC0u & nan);
+}
+static inline void store_bf16(uint16_t *p, f16v v) {
+    const h16v h = __builtin_convertvector(bf16_bits(v), h16v);
+    memcpy(p, &h, sizeof h);
+}
+static inline f16v round_bf16(f16v v) { return (f16v)(bf16_bits(v) << 16); }   /* v rounded to bf16, as fp32 */
+
 /* the sixteen lanes summed pairwise: the same order on every build */
 static inline float hsum(f16v v) {
     f8v a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +

@@ -34,16 +34,6 @@ static inline uint8_t e4m3_from_float(float f) {
     return out | (uint8_t)(sign >> 24);
 }
 
-/* float32 -> bf16 bits, rounding to nearest even, NaN to the one quiet NaN: the conversion
- * torch itself does (c10's round_to_nearest_even), so a bf16 cache written here holds the
- * bits torch's path (x.to(torch.bfloat16)) would write */
-static inline uint16_t bf16_from_float(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, 4);
-    if (f != f) return 0x7FC0;
-    return (uint16_t)((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
-}
-
 /* float32 -> fp16 bits, rounding to nearest even, as torch's conversion (c10's
  * fp16_ieee_from_fp32_value): 65520 and up to inf, NaN to 0x7E00, each with its sign */
 static inline uint16_t fp16_from_float(float f) {
