@@ -19,7 +19,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
-from . import threads
+from . import native, threads
 
 
 def sdpa_decode(q, k, v, scale):
@@ -232,6 +232,9 @@ def prefix_then_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix
     if g > 1:
         kn, vn = kn.repeat_interleave(g, dim=0), vn.repeat_interleave(g, dim=0)  # (H, T, d): T rows, cheap
     o2, l2 = _FLASH_LSE(q[None], kn[None], vn[None], is_causal=True, scale=scale)[:2]  # (1, H, T, d), (1, H, T)
+    merged = native.merge_two(o1[0], l1[0], o2[0], l2[0])                 # (T, H, d), one C pass
+    if merged is not None:
+        return merged.transpose(0, 1)
     out = torch.stack((o1.reshape(h, t, d), o2[0]))                       # (2, H, T, d)
     lse = torch.stack((l1.reshape(h, t), l2[0]))                          # (2, H, T)
     return merge_partials(out, lse)

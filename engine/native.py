@@ -251,6 +251,27 @@ def decode_batch(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, 
                    v_scale)
 
 
+def merge_two(o1: torch.Tensor, l1: torch.Tensor, o2: torch.Tensor, l2: torch.Tensor) -> torch.Tensor | None:
+    """A prompt chunk's attention to the cached prefix and to itself merged by log-sum-exp in
+    one C pass (kv_merge_two): o1 (hk, g T, d) with l1 (hk, g T), each KV head's g query heads
+    folded into its rows; o2 (H, T, d) with l2 (H, T); fp32 or bf16 outputs with unit stride
+    in d, fp32 log-sum-exps, any other strides. Returns (T, H, d) contiguous in o1's dtype,
+    or None where the kernels do not serve."""
+    h, t, d = o2.shape
+    hk = o1.shape[0]
+    if (lib() is None or o1.dtype not in (torch.float32, torch.bfloat16) or o2.dtype != o1.dtype
+            or l1.dtype != torch.float32 or l2.dtype != torch.float32 or o1.stride(-1) != 1 or o2.stride(-1) != 1
+            or o1.device.type != "cpu" or h % hk or o1.shape != (hk, h // hk * t, d)
+            or l1.shape != o1.shape[:2] or l2.shape != o2.shape[:2]):
+        return None
+    out = torch.empty(t, h, d, dtype=o1.dtype)
+    st = (ctypes.c_int64 * 8)(o1.stride(0), o1.stride(1), l1.stride(0), l1.stride(1),
+                              o2.stride(0), o2.stride(1), l2.stride(0), l2.stride(1))
+    lib().kv_merge_two(o1.data_ptr(), l1.data_ptr(), o2.data_ptr(), l2.data_ptr(), st, out.data_ptr(),
+                       t, h, h // hk, d, o1.dtype == torch.bfloat16, threads.count())
+    return out
+
+
 def write_serves(k_cache: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor) -> bool:
     """Whether write() takes these: CPU, fp32 rows with unit stride in head_dim (the same
     head stride for K and V; row strides may differ: K comes out of RoPE, V out of the

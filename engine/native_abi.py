@@ -72,6 +72,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kv_add_rms_norm_rows.restype = None
     lib.kv_silu_mul_rows.argtypes = [ptr, ptr, i64, i64, i64, ctypes.c_int]
     lib.kv_silu_mul_rows.restype = None
+    lib.kv_merge_two.argtypes = [ptr] * 6 + [i64] * 5 + [ctypes.c_int]
+    lib.kv_merge_two.restype = None
     lib.kv_rope_write.argtypes = [ctypes.POINTER(WriteArgs), ptr, i64, i64, ptr, ptr, i64, ptr, ptr, ptr, i64,
                                   ctypes.c_int]
     lib.kv_rope_write.restype = ctypes.c_int
@@ -172,6 +174,20 @@ def check(path: str) -> str | None:
             want = gate / (1 + math.exp(-gate)) * up
             if abs(widened(sh[i * k + c]) - want) > 2 ** -7 * abs(want) + 1e-6:    # two roundings to bf16
                 return "kv_silu_mul_rows gave a wrong value"
+    # two partial attentions merged by log-sum-exp: t 2 rows, 2 query heads of 1 KV head, d 3
+    t, h, d = 2, 2, 3
+    o1, o2 = [rng.uniform(-1, 1) for _ in range(h * t * d)], [rng.uniform(-1, 1) for _ in range(h * t * d)]
+    l1, l2 = [rng.uniform(-3, 3) for _ in range(h * t)], [rng.uniform(-3, 3) for _ in range(h * t)]
+    merged = _floats([0.0] * (t * h * d))
+    st = (ctypes.c_int64 * 8)(h * t * d, d, h * t, 1, t * d, d, t, 1)
+    lib.kv_merge_two(_floats(o1), _floats(l1), _floats(o2), _floats(l2), st, merged, t, h, h, d, 0, 2)
+    for r in range(t):
+        for q in range(h):
+            a, bb = math.exp(l1[q * t + r]), math.exp(l2[q * t + r])
+            for c in range(d):
+                want = (a * o1[(q * t + r) * d + c] + bb * o2[(q * t + r) * d + c]) / (a + bb)
+                if not _near(merged[(r * h + q) * d + c], want, 1):
+                    return "kv_merge_two gave a wrong value"
     # decode: 2 sequences of 20 and 3 rows, blocks of 4, 1 KV head of 2 queries, d 16
     bs, d, g, lens, table = 4, 16, 2, [20, 3], [[4, 0, 2, 5, 1], [3, 6, 6, 6, 6]]
     nb = 7

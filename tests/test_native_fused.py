@@ -10,8 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tolerance import assert_within, rms_norm_reference, rope_reference, silu_mul_reference
+from tolerance import (ETA, EXP_ULPS, U, assert_within, attention_reference, gamma, rms_norm_reference,
+                       rope_reference, silu_mul_reference)
 from kvchat.engine import attention as A
+from kvchat.engine import cpu_attention
 from kvchat.engine import native, native_step
 from kvchat.engine.geometry import Geometry
 from kvchat.engine.kv_cache import KVPool, plan_pool
@@ -150,6 +152,49 @@ def test_silu_mul_is_torchs_formula_within_its_bound(b, n):
 @pytest.mark.parametrize("b, k, n", [(1, 576, 1536), (7, 100, 9), (300, 576, 1536), (130, 4096, 14336 // 8)])
 def test_a_chunks_rows_take_the_decode_steps_bits_and_bf16_as_torch_rounds(b, k, n):
     check_chunk_ops(torch.Generator().manual_seed(b * 11 + k + n), b, k, n)
+
+
+# ---- a prompt chunk after a cached prefix: the two partial attentions merged (kv_merge_two) ----
+def check_merge_two(gen: torch.Generator, t: int, h: int, hk: int, d: int, dtype: torch.dtype, what: str = "") -> None:
+    """Partial outputs and log-sum-exps as torch's fused kernel lays them out (o1 folding each KV
+    head's query heads into its rows; the log-sum-exps row-major across heads), merged, against
+    the merge in float64 from the same inputs: the weights' exp and division, (EXP_ULPS + 3) u
+    each, their sum, one more rounding of fp32, and for bf16 the output's own rounding."""
+    g = h // hk
+    o1 = torch.randn(1, g * t, hk, d, generator=gen).to(dtype).transpose(1, 2)[0]   # (hk, g t, d), strided
+    o2 = torch.randn(h, t, d, generator=gen).to(dtype)
+    l1 = (torch.randn(1, g * t, hk, generator=gen) * 8).transpose(1, 2)[0]          # (hk, g t), strided
+    l2 = torch.randn(h, t, generator=gen) * 8
+    got = native.merge_two(o1, l1, o2, l2)
+    assert got is not None and got.shape == (t, h, d) and got.dtype == dtype and got.is_contiguous(), what
+    a = o1.double().reshape(hk, g, t, d).reshape(h, t, d)        # query head kvh * g + j, row r
+    la = l1.double().reshape(h, t)
+    w = torch.softmax(torch.stack((la, l2.double())), dim=0)    # (2, H, T)
+    ref = (w[0, ..., None] * a + w[1, ..., None] * o2.double()).transpose(0, 1)    # (T, H, d)
+    mag = (w[0, ..., None] * a.abs() + w[1, ..., None] * o2.double().abs()).transpose(0, 1)
+    bound = gamma(EXP_ULPS + 5) * mag + 2.0 ** -126
+    if dtype != torch.float32:
+        bound = bound * (1 + U[dtype]) + U[dtype] * ref.abs() + ETA[dtype]
+    assert_within(got, ref, bound, what=f"{what} merge {dtype}")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("t, h, hk, d", [(1, 9, 3, 64), (512, 9, 3, 64), (37, 4, 4, 40), (130, 32, 8, 128)])
+def test_a_chunks_two_partial_attentions_merge_as_their_log_sum_exps_say(t, h, hk, d, dtype):
+    check_merge_two(torch.Generator().manual_seed(t + h * 3 + d), t, h, hk, d, dtype)
+
+
+@pytest.mark.parametrize("new, prefix", [(5, 100), (300, 700), (512, 512)])
+def test_prefill_after_a_prefix_with_the_c_merge_matches_the_masked_reference(new, prefix):
+    """cpu_attention.prefix_then_causal as the model calls it, with the C merge, against the
+    (T, S) causal mask in float64 (tests/test_cpu_attention.py checks the torch merge)."""
+    gen = torch.Generator().manual_seed(new + prefix)
+    q = torch.randn(new, 9, 64, generator=gen).transpose(0, 1)                 # (H, T, d) strided
+    k = torch.randn(prefix + new, 3, 64, generator=gen).transpose(0, 1)        # (Hk, S, d)
+    v = torch.randn(prefix + new, 3, 64, generator=gen).transpose(0, 1)
+    mask = torch.ones(new, prefix + new, dtype=torch.bool).tril(diagonal=prefix)
+    got = cpu_attention.prefix_then_causal(q, k, v, prefix, 0.125)
+    assert_within(got, *attention_reference(q, k, v, 0.125, mask))
 
 
 # the bundled model (9 q, 3 KV heads of 64), Llama 3.1 8B (32, 8, 128), MHA of 32, head_dim 96

@@ -11,7 +11,8 @@ import pytest
 import torch
 
 from test_native_batch import BS, CACHES, bits_of, paged_batch
-from test_native_fused import check_add_rms_norm, check_chunk_ops, check_rope_write, check_silu_mul, check_step
+from test_native_fused import (check_add_rms_norm, check_chunk_ops, check_merge_two, check_rope_write, check_silu_mul,
+                               check_step)
 from tolerance import assert_within, gemv_bf16_reference, gemv_reference, paged_decode_reference, rms_norm_reference
 from kvchat.engine import attention as A
 from kvchat.engine import native, native_build
@@ -100,6 +101,8 @@ def test_each_level_computes_the_fused_ops(level):
         check_silu_mul(gen, b, n, level)
     for b, k, n in ((5, 100, 9), (130, 576, 1536)):
         check_chunk_ops(gen, b, k, n, level)
+    for dtype in (torch.float32, torch.bfloat16):
+        check_merge_two(gen, 130, 9, 3, 72, dtype, level)
     for hq, hk, d, kv, head_major in ((9, 3, 64, "fp32", True), (32, 8, 128, "fp8", False), (5, 1, 96, "fp8", True),
                                       (9, 3, 64, "bf16", False), (9, 3, 64, "fp16", True)):
         check_rope_write(gen, hq, hk, d, 7, kv, head_major, f"{level} {hq}x{hk}x{d} {kv}")

@@ -90,6 +90,11 @@ void kv_silu_mul_rows(const void *gate_up, void *out, int64_t b, int64_t n, int6
 int kv_rope_write(const WriteArgs *a, const float *qkv, int64_t qkv_stride, int64_t heads, const float *cos,
                   const float *sin, int64_t n_pos, const int64_t *pos, const int64_t *slots, float *q_out, int64_t n,
                   int threads);
+/* a prompt chunk's attention to the cached prefix (o1, l1) and to itself (o2, l2) merged by
+ * log-sum-exp into out (t, heads, d), fp32 or bf16 as the inputs; st: the inputs' element
+ * strides (decode.c) */
+void kv_merge_two(const void *o1, const float *l1, const void *o2, const float *l2, const int64_t *st, void *out,
+                  int64_t t, int64_t heads, int64_t group, int64_t d, int64_t bf16, int threads);
 /* x: (batch, hidden) the rows' embeddings, left holding the residual stream; work: (batch,
  * 2 hidden + (heads + 2 kv_heads) dim + 2 heads dim + 3 inter) floats; logits: (batch, vocab).
  * 0; -1 (nothing written) when a length, block id, slot or position is out of range or the
