@@ -153,41 +153,8 @@ def check(path: str) -> str | None:
             gate, up = gu[i * 2 * k + c], gu[i * 2 * k + k + c]
             if not _near(ys[i * k + c], gate / (1 + math.exp(-gate)) * up, abs(gate * up)):
                 return "kv_silu_mul gave a wrong value"
-    # a prompt chunk's rows: the residual in bf16, the norm rounded to bf16; silu * up on bf16
-    def widened(h: int) -> float:
-        return struct.unpack("<f", struct.pack("<I", h << 16))[0]
-    rb = [_bf16_bits(v) for v in res]
-    xs, yh = _floats(x), (ctypes.c_uint16 * (b * k))()
-    lib.kv_add_rms_norm_rows(xs, (ctypes.c_uint16 * len(rb))(*rb), 1, _floats(w[:k]), yh, 1, b, k, 1e-5, 2)
-    for i in range(b):
-        row = [x[i * k + c] + widened(rb[i * k + c]) for c in range(k)]
-        inv = 1 / math.sqrt(math.fsum(v * v for v in row) / k + 1e-5)
-        if any(not _near(xs[i * k + c], row[c], 1) or abs(widened(yh[i * k + c]) - row[c] * inv * w[c]) >
-               2 ** -8 * abs(row[c] * inv * w[c]) + 1e-6 for c in range(k)):
-            return "kv_add_rms_norm_rows gave a wrong value"
-    gh = [_bf16_bits(v) for v in gu]
-    sh = (ctypes.c_uint16 * (b * k))()
-    lib.kv_silu_mul_rows((ctypes.c_uint16 * len(gh))(*gh), sh, b, k, 1, 2)
-    for i in range(b):
-        for c in range(k):
-            gate, up = widened(gh[i * 2 * k + c]), widened(gh[i * 2 * k + k + c])
-            want = gate / (1 + math.exp(-gate)) * up
-            if abs(widened(sh[i * k + c]) - want) > 2 ** -7 * abs(want) + 1e-6:    # two roundings to bf16
-                return "kv_silu_mul_rows gave a wrong value"
-    # two partial attentions merged by log-sum-exp: t 2 rows, 2 query heads of 1 KV head, d 3
-    t, h, d = 2, 2, 3
-    o1, o2 = [rng.uniform(-1, 1) for _ in range(h * t * d)], [rng.uniform(-1, 1) for _ in range(h * t * d)]
-    l1, l2 = [rng.uniform(-3, 3) for _ in range(h * t)], [rng.uniform(-3, 3) for _ in range(h * t)]
-    merged = _floats([0.0] * (t * h * d))
-    st = (ctypes.c_int64 * 8)(h * t * d, d, h * t, 1, t * d, d, t, 1)
-    lib.kv_merge_two(_floats(o1), _floats(l1), _floats(o2), _floats(l2), st, merged, t, h, h, d, 0, 2)
-    for r in range(t):
-        for q in range(h):
-            a, bb = math.exp(l1[q * t + r]), math.exp(l2[q * t + r])
-            for c in range(d):
-                want = (a * o1[(q * t + r) * d + c] + bb * o2[(q * t + r) * d + c]) / (a + bb)
-                if not _near(merged[(r * h + q) * d + c], want, 1):
-                    return "kv_merge_two gave a wrong value"
+    if (problem := _chunk_calls_wrong(lib, rng, x, res, w, gu, b, k)) is not None:
+        return problem
     # decode: 2 sequences of 20 and 3 rows, blocks of 4, 1 KV head of 2 queries, d 16
     bs, d, g, lens, table = 4, 16, 2, [20, 3], [[4, 0, 2, 5, 1], [3, 6, 6, 6, 6]]
     nb = 7
@@ -261,6 +228,48 @@ def _decode_wrong(out, q, kc, vc, table, lens, g: int, d: int, bs: int) -> str |
 
 def _f32_bits(x: float) -> int:
     return struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+def _chunk_calls_wrong(lib: ctypes.CDLL, rng: random.Random, x: list[float], res: list[float], w: list[float],
+                       gu: list[float], b: int, k: int) -> str | None:
+    """A prompt chunk's calls: the add and norm with the residual in bf16 and the norm rounded
+    to bf16; silu * up on bf16; two partial attentions merged by log-sum-exp. None, or what
+    was wrong."""
+    def widened(h: int) -> float:
+        return struct.unpack("<f", struct.pack("<I", h << 16))[0]
+    rb = [_bf16_bits(v) for v in res]
+    xs, yh = _floats(x), (ctypes.c_uint16 * (b * k))()
+    lib.kv_add_rms_norm_rows(xs, (ctypes.c_uint16 * len(rb))(*rb), 1, _floats(w[:k]), yh, 1, b, k, 1e-5, 2)
+    for i in range(b):
+        row = [x[i * k + c] + widened(rb[i * k + c]) for c in range(k)]
+        inv = 1 / math.sqrt(math.fsum(v * v for v in row) / k + 1e-5)
+        if any(not _near(xs[i * k + c], row[c], 1) or abs(widened(yh[i * k + c]) - row[c] * inv * w[c]) >
+               2 ** -8 * abs(row[c] * inv * w[c]) + 1e-6 for c in range(k)):
+            return "kv_add_rms_norm_rows gave a wrong value"
+    gh = [_bf16_bits(v) for v in gu]
+    sh = (ctypes.c_uint16 * (b * k))()
+    lib.kv_silu_mul_rows((ctypes.c_uint16 * len(gh))(*gh), sh, b, k, 1, 2)
+    for i in range(b):
+        for c in range(k):
+            gate, up = widened(gh[i * 2 * k + c]), widened(gh[i * 2 * k + k + c])
+            want = gate / (1 + math.exp(-gate)) * up
+            if abs(widened(sh[i * k + c]) - want) > 2 ** -7 * abs(want) + 1e-6:    # two roundings to bf16
+                return "kv_silu_mul_rows gave a wrong value"
+    # t 2 rows, 2 query heads of 1 KV head, d 3
+    t, h, d = 2, 2, 3
+    o1, o2 = [rng.uniform(-1, 1) for _ in range(h * t * d)], [rng.uniform(-1, 1) for _ in range(h * t * d)]
+    l1, l2 = [rng.uniform(-3, 3) for _ in range(h * t)], [rng.uniform(-3, 3) for _ in range(h * t)]
+    merged = _floats([0.0] * (t * h * d))
+    st = (ctypes.c_int64 * 8)(h * t * d, d, h * t, 1, t * d, d, t, 1)
+    lib.kv_merge_two(_floats(o1), _floats(l1), _floats(o2), _floats(l2), st, merged, t, h, h, d, 0, 2)
+    for r in range(t):
+        for q in range(h):
+            e1, e2 = math.exp(l1[q * t + r]), math.exp(l2[q * t + r])
+            for c in range(d):
+                want = (e1 * o1[(q * t + r) * d + c] + e2 * o2[(q * t + r) * d + c]) / (e1 + e2)
+                if not _near(merged[(r * h + q) * d + c], want, 1):
+                    return "kv_merge_two gave a wrong value"
+    return None
 
 
 def _bf16_bits(x: float) -> int:
