@@ -200,8 +200,9 @@ WIDEN_BF16 = not computes_bf16()
 # (Llama.prefill_dtype): its attention takes q and the gathered K/V rounded to bf16 (as the
 # chunk's products round their rows) for torch's bf16 kernel, AMX or AVX512-BF16: 3x its fp32
 # speed on the bundled model's heads (512 rows against 1,024 cached: 2.3 against 6.1 ms on a
-# 2-core Xeon with AMX); its gate/up/down rows stay bf16 between the products. The cache
-# stays fp32, and decode steps attend in fp32 (the C kernel).
+# 2-core Xeon with AMX); the rows its products take and give stay bf16 from the norm to the
+# residual add (Llama._rows_dtype). The residual stream stays fp32, and decode steps attend
+# in fp32 (the C kernel).
 PREFILL_BF16_MIN_ROWS = 16
 WIDEN_MIN_ROWS = 8
 WIDEN_SLICE_BYTES = 4 << 20      # fp32 bytes of weight rows widened at a time: L2 to L3-sized
