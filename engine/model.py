@@ -127,12 +127,9 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor
                  dtype: torch.dtype | None = None) -> torch.Tensor:
     """x: (T, hidden), set to x + residual in place when residual is given (residual may be
     bf16 beside fp32 x: a bf16 prefill's product output); returns RMSNorm(x) * w in dtype
-    (default x's: bf16 for a bf16 prefill's next product). A decode step's rows take one C
-    call for both (native_step), a prompt chunk's another with threads over the rows."""
+    (default x's: bf16 for a bf16 prefill's next product). fp32 CPU rows, a decode step's or a
+    prompt chunk's, take one C call for both (native_step, threads over the rows)."""
     dtype = x.dtype if dtype is None else dtype
-    if (dtype == x.dtype and native.gemv_serves(x, w)
-            and (residual is None or native_step.rows_serve(residual))):
-        return native_step.add_rms_norm(x, residual, w, eps)
     if (x.dtype == torch.float32 and dtype in (torch.float32, torch.bfloat16) and native_step.chunk_serves(x, w)
             and (residual is None or (native_step.chunk_serves(residual) and residual.shape == x.shape))):
         return native_step.add_rms_norm_rows(x, residual, w, eps, dtype)
@@ -142,10 +139,8 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, w: torch.Tensor
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
-    """gate_up: (T, 2 inter), gate then up -> silu(gate) * up (T, inter): one C call for a
-    decode step's rows, two torch ops otherwise."""
-    if native_step.rows_serve(gate_up):
-        return native_step.silu_mul(gate_up)
+    """gate_up: (T, 2 inter), gate then up -> silu(gate) * up (T, inter): one C call for CPU
+    rows (fp32, or a bf16 prefill's), two torch ops otherwise."""
     if native_step.chunk_serves(gate_up):
         return native_step.silu_mul_rows(gate_up)
     gate, up = gate_up.chunk(2, dim=-1)                                    # (T, inter) each

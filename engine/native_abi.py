@@ -121,7 +121,7 @@ def check(path: str) -> str | None:
                 return f"kv_gemv gave {y[i * n + j]!r} where {want!r} was due"
     # the bf16 product: the same weights cut to bf16 (their top 16 bits), x as it is
     wb = [struct.unpack("<2H", struct.pack("<f", v))[1] for v in w]
-    wbf = [struct.unpack("<f", struct.pack("<I", h << 16))[0] for h in wb]
+    wbf = [_bf16_float(h) for h in wb]
     yb = _floats([0.0] * (b * n))
     if lib.kv_gemv_bf16(_floats(x), (ctypes.c_uint16 * len(wb))(*wb), yb, b, n, k, 2) != 0:
         return "kv_gemv_bf16 failed"
@@ -174,7 +174,7 @@ def check(path: str) -> str | None:
     # them against the rounded values (Python's own roundings: _bf16_bits, struct's half)
     every = (ctypes.c_int64 * (nb * bs))(*range(nb * bs))
     for half, name in ((1, "bf16"), (2, "fp16")):
-        rounded = [(_bf16_bits(x), struct.unpack("<f", struct.pack("<I", _bf16_bits(x) << 16))[0]) if half == 1 else
+        rounded = [(_bf16_bits(x), _bf16_float(_bf16_bits(x))) if half == 1 else
                    (struct.unpack("<H", struct.pack("<e", x))[0], struct.unpack("<e", struct.pack("<e", x))[0])
                    for x in list(kbuf) + list(vbuf)]
         kh, vh = (ctypes.c_uint16 * (nb * bs * d))(), (ctypes.c_uint16 * (nb * bs * d))()
@@ -235,15 +235,13 @@ def _chunk_calls_wrong(lib: ctypes.CDLL, rng: random.Random, x: list[float], res
     """A prompt chunk's calls: the add and norm with the residual in bf16 and the norm rounded
     to bf16; silu * up on bf16; two partial attentions merged by log-sum-exp. None, or what
     was wrong."""
-    def widened(h: int) -> float:
-        return struct.unpack("<f", struct.pack("<I", h << 16))[0]
     rb = [_bf16_bits(v) for v in res]
     xs, yh = _floats(x), (ctypes.c_uint16 * (b * k))()
     lib.kv_add_rms_norm_rows(xs, (ctypes.c_uint16 * len(rb))(*rb), 1, _floats(w[:k]), yh, 1, b, k, 1e-5, 2)
     for i in range(b):
-        row = [x[i * k + c] + widened(rb[i * k + c]) for c in range(k)]
+        row = [x[i * k + c] + _bf16_float(rb[i * k + c]) for c in range(k)]
         inv = 1 / math.sqrt(math.fsum(v * v for v in row) / k + 1e-5)
-        if any(not _near(xs[i * k + c], row[c], 1) or abs(widened(yh[i * k + c]) - row[c] * inv * w[c]) >
+        if any(not _near(xs[i * k + c], row[c], 1) or abs(_bf16_float(yh[i * k + c]) - row[c] * inv * w[c]) >
                2 ** -8 * abs(row[c] * inv * w[c]) + 1e-6 for c in range(k)):
             return "kv_add_rms_norm_rows gave a wrong value"
     gh = [_bf16_bits(v) for v in gu]
@@ -251,9 +249,9 @@ def _chunk_calls_wrong(lib: ctypes.CDLL, rng: random.Random, x: list[float], res
     lib.kv_silu_mul_rows((ctypes.c_uint16 * len(gh))(*gh), sh, b, k, 1, 2)
     for i in range(b):
         for c in range(k):
-            gate, up = widened(gh[i * 2 * k + c]), widened(gh[i * 2 * k + k + c])
+            gate, up = _bf16_float(gh[i * 2 * k + c]), _bf16_float(gh[i * 2 * k + k + c])
             want = gate / (1 + math.exp(-gate)) * up
-            if abs(widened(sh[i * k + c]) - want) > 2 ** -7 * abs(want) + 1e-6:    # two roundings to bf16
+            if abs(_bf16_float(sh[i * k + c]) - want) > 2 ** -7 * abs(want) + 1e-6:    # two roundings to bf16
                 return "kv_silu_mul_rows gave a wrong value"
     # t 2 rows, 2 query heads of 1 KV head, d 3
     t, h, d = 2, 2, 3
@@ -272,11 +270,16 @@ def _chunk_calls_wrong(lib: ctypes.CDLL, rng: random.Random, x: list[float], res
     return None
 
 
+def _bf16_float(h: int) -> float:
+    """bf16 bits h widened to a float, exactly"""
+    return struct.unpack("<f", struct.pack("<I", h << 16))[0]
+
+
 def _bf16_bits(x: float) -> int:
     """x (a float32) rounded to bf16 by Python's own float arithmetic: the nearer of the two
     bf16 values around it, the even one on a tie"""
     lo = _f32_bits(x) >> 16
-    down, up = (struct.unpack("<f", struct.pack("<I", h << 16))[0] for h in (lo, lo + 1))
+    down, up = (_bf16_float(h) for h in (lo, lo + 1))
     if abs(x - down) != abs(up - x):
         return lo if abs(x - down) < abs(up - x) else lo + 1
     return lo if lo % 2 == 0 else lo + 1

@@ -3,12 +3,13 @@
 Between the products and the attention, a decode step in torch ran about 1,800 small ops and
 240 ctypes calls a step for the bundled model (RoPE, residual adds, SiLU, slicing; profile in
 issue 25's note), a fifth of a step on a busy 2-core machine. Two levels replace them:
-- `add_rms_norm`, `silu_mul`, `rope_write`: one C call each, with the signatures of
-  `cuda_graph.TorchOps`, for the few rows of any batch whose rows take the C products
-  (Llama.forward uses them when a batch holds prompt chunks beside its decode rows);
-- `add_rms_norm_rows`, `silu_mul_rows`: the same ops over a prompt chunk's hundreds of rows,
-  threads over the rows, with a bf16 prefill's rows in bf16 where its products take and give
-  them (rope_write takes any number of rows too);
+- `add_rms_norm_rows`, `silu_mul_rows`, `rope_write`: one C call each for the rows of any
+  batch Llama.forward runs layer by layer (a few decode rows beside prompt chunks, or a
+  chunk's hundreds), threads over the rows, with a bf16 prefill's rows in bf16 where its
+  products take and give them;
+- `add_rms_norm`, `silu_mul`: the single-thread row calls kv_decode_step itself makes
+  (kv_add_rms_norm, kv_silu_mul), with the signatures of `cuda_graph.TorchOps`: the tests'
+  handle on them;
 - `decode_step`: a batch of decode rows only (one per sequence, 1 to native.max_rows())
   through every layer and the logits in one C call (kv_decode_step), which runs those same
   kernels with the products and the attention in between. Its per-layer arguments (weight

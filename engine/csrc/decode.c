@@ -434,7 +434,7 @@ static inline void merge_two_row(const void *o1, const void *o2, float w1, float
 void kv_merge_two(const void *o1, const float *l1, const void *o2, const float *l2, const int64_t *st, void *out,
                   int64_t t, int64_t heads, int64_t group, int64_t d, int64_t bf16, int threads) {
     const int64_t size = bf16 ? 2 : 4;
-    #pragma omp parallel for num_threads(t * heads * d >= 65536 ? threads : 1) schedule(static)
+    #pragma omp parallel for num_threads(t * heads * d >= PARALLEL_FLOATS ? threads : 1) schedule(static)
     for (int64_t r = 0; r < t; r++)
         for (int64_t h = 0; h < heads; h++) {
             const int64_t kvh = h / group, r1 = (h % group) * t + r;

@@ -117,8 +117,6 @@ void kv_silu_mul(const float *gate_up, float *out, int64_t b, int64_t n) {
  * ops and a cast, each a pass over the chunk: a 4,096-token bf16 prefill of the bundled model
  * on a 2-core Xeon spent 100 ms in its norms, 52 here. A row gets the bits it gets in a
  * decode step. */
-#define PARALLEL_FLOATS 65536     /* fewer: one thread (a region's start costs more than the rows) */
-
 void kv_add_rms_norm_rows(float *x, const void *r, int64_t r_bf16, const float *w, void *y, int64_t y_bf16,
                           int64_t b, int64_t k, float eps, int threads) {
     #pragma omp parallel for num_threads(b * k >= PARALLEL_FLOATS ? threads : 1) schedule(static)

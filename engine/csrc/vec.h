@@ -24,6 +24,7 @@ typedef int32_t i16v __attribute__((vector_size(64)));
 typedef int8_t b16v __attribute__((vector_size(16)));
 
 #define LANES 16
+#define PARALLEL_FLOATS 65536     /* values a call needs for its threads: fewer, one (a region's start costs more) */
 
 static inline f16v load(const float *p) { f16v v; memcpy(&v, p, sizeof v); return v; }
 static inline void store(float *p, f16v v) { memcpy(p, &v, sizeof v); }

@@ -98,7 +98,7 @@ static int slots_in_pool(const WriteArgs *a, const int64_t *slots, int64_t n) {
 int kv_write(const WriteArgs *a, const int64_t *slots, int64_t n, int threads) {
     if (!slots_in_pool(a, slots, n))
         return -1;
-    #pragma omp parallel for num_threads(n * a->kv_heads * a->dim > 65536 ? threads : 1) schedule(static)
+    #pragma omp parallel for num_threads(n * a->kv_heads * a->dim > PARALLEL_FLOATS ? threads : 1) schedule(static)
     for (int64_t t = 0; t < n; t++)
         for (int64_t h = 0; h < a->kv_heads; h++) {
             put(a, slots[t], h, 0, a->src_k + t * a->k_row_stride + h * a->src_head_stride);
@@ -123,7 +123,7 @@ void kv_rope_write_rows(const WriteArgs *a, const float *qkv, int64_t qkv_stride
                         const float *sin, const int64_t *pos, const int64_t *slots, float *q_out, int64_t n,
                         int threads) {
     const int64_t d = a->dim, hk = a->kv_heads;
-    #pragma omp parallel for num_threads(n * (heads + 2 * hk) * d > 65536 ? threads : 1) schedule(static)
+    #pragma omp parallel for num_threads(n * (heads + 2 * hk) * d > PARALLEL_FLOATS ? threads : 1) schedule(static)
     for (int64_t t = 0; t < n; t++) {
         const float *row = qkv + t * qkv_stride, *c = cos + pos[t] * d, *s = sin + pos[t] * d;
         float k[1024];     /* one rotated K head: dim is at most 1024 (kv_rope_write checks; the step 256) */
