@@ -150,6 +150,8 @@ class Scheduler:
             self.running.append(req)
             if req.phase == PREFILL:
                 budget -= self._schedule_chunk(req, plan, budget)
+            else:   # a recomputation that found its whole text cached (_begin): its row now, or
+                budget -= self._schedule_decode(req, plan)   # a step could come back empty while busy
         return plan if plan else None
 
     def _schedule_decode(self, req: Request, plan: Plan) -> int:

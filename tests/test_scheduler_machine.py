@@ -294,3 +294,26 @@ def test_a_decoding_request_gets_a_row_in_every_step_while_a_long_prompt_prefill
         assert last.decode_rows == 1 and last.prefill_tokens <= 8 - 1
         assert talker.generated == before + 1 or talker.finished
     assert long.generated == 1 and not talker.finished
+
+
+def test_a_preempted_request_whose_text_is_all_cached_decodes_in_the_step_that_admits_it():
+    """Found by TestCrowd: two conversations ask at once in the 9-block pool; the newer is
+    preempted with its text still in the prefix index, and when the other finishes its whole
+    text is found cached, so it is admitted straight into its decode. That admission scheduled
+    nothing, so the step came back empty while a request still waited (the state machine
+    stopped there: "every request finishes (no livelock)"). Its row now goes in the same step."""
+    sched, model = Scheduler(BlockManager(9, BS), token_budget=6), FakeModel()
+    prompt = [17, 5, 2, 20, 19, 1, 2, 19, 17, 1, 9, 6, 4, 14]
+    reqs = []
+    for _ in range(2):
+        seq = Sequence(BS)
+        sched.attach(seq)
+        reqs.append(make_request(sched, seq, prompt, 12, 1000, None, "cache", 4))
+        sched.add(reqs[-1])
+    for _ in range(100):
+        assert step(sched, model) or not sched.busy, "a step came back empty while a request waited"
+        if not sched.busy:
+            break
+    assert sched.preemptions == 1 and reqs[1].preempted, "the schedule this test is about"
+    for req in reqs:
+        assert req.finished and (req.tokens[len(prompt):], req.stop_reason) == alone(prompt, 12, 1000, None, "cache", 4)
