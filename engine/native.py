@@ -50,6 +50,8 @@ def _load(level: str | None = None, cc: str | None = None) -> tuple[ctypes.CDLL 
     lib, why, cap = native_build.load(cache_dir() / "native", level, cc)
     if lib is None:
         return None, why
+    if os.environ.get("KVCHAT_AMX", "1") == "0":
+        lib.kv_amx_use(0)
     return lib, f"{why}, {'1 thread' if cap else 'threads ' + threads.describe()}"
 
 
@@ -139,7 +141,8 @@ def gemv_serves(x: torch.Tensor, w: torch.Tensor) -> bool:
 def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x: (B, k) fp32 contiguous; w: (n, k) fp32 or bf16 contiguous -> (B, n) fp32 = x @ w.T,
     each weight row read once for all B rows; row b's bits do not depend on B. With bf16
-    weights on a CPU with AVX512-BF16, x is rounded to bf16 for the products (bf16_native())."""
+    weights on a CPU with AVX512-BF16, x is rounded to bf16 for the products (bf16_native()),
+    on AMX tiles where those serve (amx())."""
     n, k = w.shape
     b = x.shape[0]
     y = torch.empty(b, n)
@@ -155,6 +158,23 @@ def bf16_native() -> bool:
     """Whether the loaded kernels multiply bf16 weights with AVX512-BF16 (vdpbf16ps) rather
     than widening them to fp32: the CPU has native bf16 arithmetic and this build uses it."""
     return lib() is not None and bool(lib().kv_bf16_native())
+
+
+def amx() -> bool:
+    """Whether the bf16 products of 1 to 32 rows run on AMX tiles (csrc/gemv_amx.c): the build
+    has AMX, Linux granted the tile state, and KVCHAT_AMX=0 did not set them aside."""
+    return lib() is not None and bool(lib().kv_amx())
+
+
+def describe_bf16() -> str:
+    """How the C kernels multiply bf16 weights, in words (the bench's notes, the cache panel)."""
+    if lib() is None:
+        return "torch's products"
+    if amx():
+        return "AMX tiles (tdpbf16ps, rows rounded to bf16)"
+    if bf16_native():
+        return "AVX512-BF16 (vdpbf16ps, rows rounded to bf16)"
+    return "widened to fp32 in the C kernel"
 
 
 def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:

@@ -56,6 +56,12 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kv_gemv_bf16.restype = ctypes.c_int
     lib.kv_bf16_native.argtypes = []
     lib.kv_bf16_native.restype = ctypes.c_int
+    lib.kv_gemv_amx.argtypes = [ptr] * 3 + [i64] * 3 + [ctypes.c_int]
+    lib.kv_gemv_amx.restype = ctypes.c_int
+    lib.kv_amx.argtypes = []
+    lib.kv_amx.restype = ctypes.c_int
+    lib.kv_amx_use.argtypes = [ctypes.c_int]
+    lib.kv_amx_use.restype = ctypes.c_int
     lib.kv_gemv_tile.argtypes = []
     lib.kv_gemv_tile.restype = ctypes.c_int
     lib.kv_rms_norm.argtypes = [ptr] * 3 + [i64, i64, ctypes.c_float]
@@ -130,6 +136,16 @@ def check(path: str) -> str | None:
             want = math.fsum(x[i * k + c] * wbf[j * k + c] for c in range(k))
             if not _near(yb[i * n + j], want, k * 100):   # x in bf16 where vdpbf16ps serves: 2^-8 of each term
                 return f"kv_gemv_bf16 gave {yb[i * n + j]!r} where {want!r} was due"
+    # the same on AMX tiles, where the build and the OS give them (a shape they cut: 32 x 64)
+    xa = [rng.uniform(-1, 1) for _ in range(b * 64)]
+    wa = [struct.unpack("<2H", struct.pack("<f", rng.uniform(-1, 1)))[1] for _ in range(32 * 64)]
+    ya = _floats([0.0] * (b * 32))
+    if lib.kv_gemv_amx(_floats(xa), (ctypes.c_uint16 * len(wa))(*wa), ya, b, 32, 64, 2) == 0:
+        for i in range(b):
+            for j in range(32):
+                want = math.fsum(xa[i * 64 + c] * _bf16_float(wa[j * 64 + c]) for c in range(64))
+                if not _near(ya[i * 32 + j], want, 64 * 100):
+                    return f"kv_gemv_amx gave {ya[i * 32 + j]!r} where {want!r} was due"
     yn = _floats([0.0] * (b * k))
     lib.kv_rms_norm(_floats(x), _floats(w[:k]), yn, b, k, 1e-5)
     for i in range(b):

@@ -103,6 +103,8 @@ static inline __attribute__((always_inline)) void column(const float *x, const u
 /* x: (b, k) fp32; w: (n, k) bf16 bits; y: (b, n) fp32; all contiguous. 0, or -1 when the
  * scratch for x in bf16 could not be had (nothing written). */
 int kv_gemv_bf16(const float *x, const uint16_t *w, float *y, int64_t b, int64_t n, int64_t k, int threads) {
+    if (kv_gemv_amx(x, w, y, b, n, k, threads) == 0)   /* AMX tiles where the CPU and the shape allow */
+        return 0;
     uint16_t *xb = NULL;
 #if DPBF16
     const int64_t kv = k / STEP * STEP;

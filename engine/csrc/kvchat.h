@@ -65,6 +65,13 @@ void kv_gemv(const float *x, const float *w, float *y, int64_t b, int64_t n, int
 int kv_gemv_bf16(const float *x, const uint16_t *w, float *y, int64_t b, int64_t n, int64_t k, int threads);
 /* 1 when kv_gemv_bf16 uses AVX512-BF16's vdpbf16ps (x rounded to bf16), 0 when it widens w (gemv_bf16.c) */
 int kv_bf16_native(void);
+/* kv_gemv_bf16's rows on AMX tiles (gemv_amx.c): 0, or -1 where the tiles do not serve (no AMX in
+ * this build or from the OS, kv_amx_use(0), 33 rows or more, n % 16 or k % 32) */
+int kv_gemv_amx(const float *x, const uint16_t *w, float *y, int64_t b, int64_t n, int64_t k, int threads);
+/* 1 when the tiles may serve: built with AMX, granted by the OS, not set aside */
+int kv_amx(void);
+/* 0 sets the tiles aside (vdpbf16ps serves), 1 allows them; returns the previous setting */
+int kv_amx_use(int on);
 /* rows of x per tile in kv_gemv: 4 with AVX-512, else 2 (vec.h: the tile shapes) */
 int kv_gemv_tile(void);
 /* x, y: (b, k); w: (k,): y = x / sqrt(mean(x^2) + eps) * w (gemv.c) */
