@@ -104,6 +104,22 @@ def _near(got: float, want: float, scale: float) -> bool:
     return abs(got - want) <= 1e-4 * scale + 1e-6
 
 
+def _amx_wrong(lib: ctypes.CDLL, rng: random.Random, b: int) -> str | None:
+    """kv_gemv_amx on b rows against 32 x 64 bf16 weights (a shape its tiles cut), where the
+    build and the OS give it the tiles: None, or what was wrong."""
+    xa = [rng.uniform(-1, 1) for _ in range(b * 64)]
+    wa = [struct.unpack("<2H", struct.pack("<f", rng.uniform(-1, 1)))[1] for _ in range(32 * 64)]
+    ya = _floats([0.0] * (b * 32))
+    if lib.kv_gemv_amx(_floats(xa), (ctypes.c_uint16 * len(wa))(*wa), ya, b, 32, 64, 2) != 0:
+        return None
+    for i in range(b):
+        for j in range(32):
+            want = math.fsum(xa[i * 64 + c] * _bf16_float(wa[j * 64 + c]) for c in range(64))
+            if not _near(ya[i * 32 + j], want, 64 * 100):   # x in bf16: 2^-8 of each term
+                return f"kv_gemv_amx gave {ya[i * 32 + j]!r} where {want!r} was due"
+    return None
+
+
 def check(path: str) -> str | None:
     """Load the library at path, call every kernel on a small random case (2 threads), and
     compare with the same arithmetic in Python's double precision. Returns None, or one line
@@ -136,16 +152,8 @@ def check(path: str) -> str | None:
             want = math.fsum(x[i * k + c] * wbf[j * k + c] for c in range(k))
             if not _near(yb[i * n + j], want, k * 100):   # x in bf16 where vdpbf16ps serves: 2^-8 of each term
                 return f"kv_gemv_bf16 gave {yb[i * n + j]!r} where {want!r} was due"
-    # the same on AMX tiles, where the build and the OS give them (a shape they cut: 32 x 64)
-    xa = [rng.uniform(-1, 1) for _ in range(b * 64)]
-    wa = [struct.unpack("<2H", struct.pack("<f", rng.uniform(-1, 1)))[1] for _ in range(32 * 64)]
-    ya = _floats([0.0] * (b * 32))
-    if lib.kv_gemv_amx(_floats(xa), (ctypes.c_uint16 * len(wa))(*wa), ya, b, 32, 64, 2) == 0:
-        for i in range(b):
-            for j in range(32):
-                want = math.fsum(xa[i * 64 + c] * _bf16_float(wa[j * 64 + c]) for c in range(64))
-                if not _near(ya[i * 32 + j], want, 64 * 100):
-                    return f"kv_gemv_amx gave {ya[i * 32 + j]!r} where {want!r} was due"
+    if (problem := _amx_wrong(lib, rng, b)) is not None:
+        return problem
     yn = _floats([0.0] * (b * k))
     lib.kv_rms_norm(_floats(x), _floats(w[:k]), yn, b, k, 1e-5)
     for i in range(b):
