@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import native
+from . import native, native_build
 from .block_manager import BlockManager
 from .chat_template import check_chat_template
 from .errors import KvchatError
@@ -33,6 +33,7 @@ from .runner import Runner
 from .sampler import Sampler, SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
+from .sizing import CPU_PREFILL_CHUNK, PREFILL_CHUNK, prefill_chunk
 from .sources import ModelSource, resolve
 from .telemetry import SHARED, CacheSnapshot, SchedulerSnapshot, StepRecord
 from .template import render_chat, stop_ids
@@ -42,8 +43,6 @@ from .weights import load_model
 
 __all__ = ["KV_DTYPES", "MODEL_DTYPES", "Engine", "EngineConfig", "Generation", "Preflight", "preflight"]
 
-PREFILL_CHUNK = 8192     # CUDA: a cold prefill in one causal call takes the flash kernel; a masked chunk does not
-CPU_PREFILL_CHUNK = 512  # CPU: an 8k prompt takes minutes; chunks this size report progress and can stop
 
 
 @dataclass(slots=True)
@@ -192,7 +191,8 @@ class Engine:
                 self.model.fp32_rows()
         self.lock = FairLock()  # held for one step, or one change to the pool; handed over in order
         self.conversations: list = []
-        self.prefill_chunk = PREFILL_CHUNK if self.device.type == "cuda" else CPU_PREFILL_CHUNK
+        self.prefill_chunk = prefill_chunk(self.geometry, self.dtype_name, self.device.type,   # a lone prompt's
+                                           native_build.computes_bf16())
         self._next_conversation = 0
         self.scheduler: Scheduler
         self.pool: KVPool
@@ -212,7 +212,8 @@ class Engine:
         self.pool = KVPool(self.geometry, spec, self.device)
         self.blocks = BlockManager(spec.num_blocks, spec.block_size)
         if not hasattr(self, "scheduler"):    # the first build; a rebuild keeps the scheduler
-            self.scheduler = Scheduler(self.blocks, self.config.step_tokens or self.prefill_chunk,
+            budget = PREFILL_CHUNK if self.device.type == "cuda" else CPU_PREFILL_CHUNK   # a shared step's tokens
+            self.scheduler = Scheduler(self.blocks, self.config.step_tokens or budget,
                                        self.model.step_weight_bytes)
         self.scheduler.blocks = self.blocks     # the scheduler outlives a rebuild: its queues and counts stay
         self.scheduler.cache_bytes_per_token = spec.bytes_per_token + spec.scale_bytes_per_token
@@ -401,7 +402,7 @@ class Engine:
             "block_size": spec.block_size,
             "num_blocks": spec.num_blocks, "capacity_tokens": spec.capacity_tokens,
             "capacity_bytes": self.pool.nbytes, "weight_bytes": self.model.weight_bytes,
-            "step_tokens": self.scheduler.token_budget,
+            "step_tokens": self.scheduler.token_budget, "prefill_chunk": self.prefill_chunk,
         }
 
 

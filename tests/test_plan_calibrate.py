@@ -122,3 +122,26 @@ def test_records_of_different_models_are_not_fitted_together(tmp_path, capsys):
     assert main(["plan", "--calibrate", f"{TINY},{_bad(tmp_path, d)}"]) == 2
     err = capsys.readouterr().err.splitlines()
     assert len(err) == 1 and "different models or dtypes" in err[0], err
+
+
+def test_a_single_benchs_prefills_are_cut_in_the_chunks_its_engine_took(tmp_path, capsys):
+    """model.prefill_chunk (engine.describe(): 2,048 for the bundled model's bf16 prefill
+    alone, engine/sizing.py) cuts each prefill point into its steps; a record written before it
+    was recorded is read as 512, the CPU's chunk then; a chunk that is not a positive count is
+    one line and exit status 2."""
+    rec = json.loads((ROOT / "docs" / "bench.json").read_text())
+    rec["model"].pop("prefill_chunk", None)
+    path = tmp_path / "bench.json"
+    chunks = {}
+    for chunk in (None, 2048):
+        if chunk is not None:
+            rec["model"]["prefill_chunk"] = chunk
+        path.write_text(json.dumps(rec))
+        pre = [p for p in from_bench_json(str(path)).points if " prefill of " in p.what]
+        assert pre and all(sum(s[0] for s in p.steps) == int(p.what.rsplit(" ", 1)[1]) for p in pre)
+        chunks[chunk] = {s[0] for p in pre for s in p.steps}
+    assert max(chunks[None]) == 512 and max(chunks[2048]) == 2048
+    rec["model"]["prefill_chunk"] = "big"
+    path.write_text(json.dumps(rec))
+    assert main(["plan", "--calibrate", str(path)]) == 2
+    assert "model.prefill_chunk is 'big'" in capsys.readouterr().err

@@ -261,3 +261,18 @@ def test_a_prompt_preempts_idle_histories_only_when_that_admits_it(fast):
     res, _ = simulate(users, num_blocks=6, block_size=4, max_len=24, decode_first=True, fast_forward=fast)
     r = by_user(res)
     assert (r[1, 0].ttft, r[0, 1].cached, r[0, 1].recomputed, res.preemptions) == (pytest.approx(2.6 * MS), 0, 12, 1)
+
+
+def test_kvchats_engine_order_gives_a_lone_prompt_its_chunk_and_a_shared_step_the_budget():
+    """decode_first with prefill_chunk past the budget (the engine's lone chunk, engine/sizing.py):
+    A's 150-token prompt, alone, takes 128 + 22 in two steps; B's 60-token prompt, arriving
+    while A decodes, shares A's steps and takes what the budget of 32 leaves (31 + 29)."""
+    res, sim = simulate([user(0, 0.0, [(150, 8, 0.0)]), user(1, 14.0 * MS, [(60, 2, 0.0)])], decode_first=True,
+                        max_batched_tokens=32, prefill_chunk=128, fast_forward=False)
+    a, b = by_user(res)[0, 0], by_user(res)[1, 0]
+    assert a.ttft == pytest.approx((1 + 12.8 + 1 + 2.2) * MS)          # two steps: 128, then 22 tokens
+    # B arrives at 14 ms, during A's step 2 (13.8 to 17 ms): then steps of A's row + B's 31,
+    # A's row + B's 29 (B's first token), 1 + 3.2 ms and 1 + 3.0 ms
+    assert b.ttft == pytest.approx((17.0 + 4.2 + 4.0) * MS - 14.0 * MS)
+    with pytest.raises(ValueError, match="prefill_chunk"):
+        SchedulerConfig(num_blocks=10, max_len=100, prefill_chunk=0)

@@ -296,6 +296,22 @@ def test_a_decoding_request_gets_a_row_in_every_step_while_a_long_prompt_prefill
     assert long.generated == 1 and not talker.finished
 
 
+def test_a_lone_prompt_takes_its_own_chunk_past_the_steps_budget():
+    """The engine's lone chunk (engine/sizing.py: 2,048 for the bundled model in bf16, against a
+    shared step's 512): a prompt alone goes in chunks of its request's size, not the budget's."""
+    sched, model = Scheduler(BlockManager(200, BS), token_budget=8), FakeModel()
+    seq = Sequence(BS)
+    sched.attach(seq)
+    req = make_request(sched, seq, list(range(1, 20)) * 4, 3, 1000, None, "cache", 32)
+    sched.add(req)
+    while req.generated == 0:
+        assert step(sched, model)
+    assert [r.prefill_tokens for r in sched.recent] == [32, 32, 12]
+    while step(sched, model):
+        pass
+    assert (req.tokens[76:], req.stop_reason) == alone(req.prompt, 3, 1000, None, "cache", 32)
+
+
 def test_a_preempted_request_whose_text_is_all_cached_decodes_in_the_step_that_admits_it():
     """Found by TestCrowd: two conversations ask at once in the 9-block pool; the newer is
     preempted with its text still in the prefix index, and when the other finishes its whole

@@ -4,7 +4,7 @@ from __future__ import annotations
 import json
 
 from kvchat.engine.geometry import KNOWN
-from kvchat.engine.sizing import step_reads, what_if
+from kvchat.engine.sizing import CPU_PREFILL_CHUNK, PREFILL_CHUNK, prefill_chunk, step_reads, what_if
 
 from kvchat.cli.command import main
 
@@ -47,3 +47,12 @@ def test_info_what_if_json_and_text(capsys):
     assert "9.83 GB" in out and "66% of the 15.00 GB budget" in out and "1 such conversation fits" in out
     assert "equals the weight read at" in out
     fails_with(capsys, ["info", "--tokens", "0"], "--tokens must be a positive integer")
+
+
+def test_a_lone_prompts_chunk_is_sized_by_its_products_where_the_cpu_multiplies_bf16():
+    small, big = KNOWN["smollm2-135m"], KNOWN["llama-3.1-8b"]
+    assert prefill_chunk(small, "bf16", "cpu", True) == 2048      # 2 x 134.5M x 2,048 = 5.5e11 FLOP
+    assert prefill_chunk(big, "bf16", "cpu", True) == CPU_PREFILL_CHUNK == 512   # never below the shared step's
+    assert prefill_chunk(small, "bf16", "cpu", False) == 512       # bf16 widened to fp32: several times slower
+    assert prefill_chunk(small, "fp32", "cpu", True) == 512
+    assert prefill_chunk(big, "bf16", "cuda", False) == PREFILL_CHUNK == 8192

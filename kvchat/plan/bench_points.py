@@ -2,9 +2,11 @@
 
 From each context of a single-conversation bench (`kvchat bench`): the decode step (median
 ms per token, at the mean context of the timed steps), the first turn's prefill (its chunks
-of 512 tokens on the CPU, each a step sampling one row), and the next turn's first token
+on the CPU, each a step sampling one row), and the next turn's first token
 after the cached history; for the fp32 (the model's) cache and the fp8 cache. The bench's
-own bandwidth probe, taken in the same run, is the reference bandwidth.
+own bandwidth probe, taken in the same run, is the reference bandwidth. (The chunks are the
+engine's for a lone prompt, the record's model.prefill_chunk: 2,048 tokens for the bundled
+model in bf16, engine/sizing.py; 512 in records written before it was recorded.)
 
 From a batched bench (`kvchat bench --batch 1,2,4 --json`, kind `kvchat-batch-bench`): one
 decode step of B sequences per row (kv dtype, context, batch), its time the median of the
@@ -20,11 +22,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvchat.engine.geometry import KNOWN, Geometry
+from kvchat.engine.sizing import CPU_PREFILL_CHUNK
 
 from ..cli.args import UsageError
 from .fitter import Point, StepRow
-
-CPU_PREFILL_CHUNK = 512      # engine/conversation.py: the CPU prefills in chunks of this many tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -94,6 +95,9 @@ def single_points(d: dict, where: str) -> tuple[list[Point], float]:
     except (KeyError, TypeError, ValueError):
         raise UsageError(f"{where}: lacks the bench's bandwidth probe (floor.bandwidth.gb_s) or new_tokens") from None
     kv_model = str(d["model"].get("kv_dtype"))
+    chunk = d["model"].get("prefill_chunk", CPU_PREFILL_CHUNK)
+    if not isinstance(chunk, int) or chunk < 1:
+        raise UsageError(f"{where}: model.prefill_chunk is {chunk!r}, not a positive number of tokens")
     points: list[Point] = []
     for ctx, row in sorted(d["contexts"].items(), key=lambda kv: int(kv[0])):
         if not isinstance(row, dict):
@@ -111,11 +115,11 @@ def single_points(d: dict, where: str) -> tuple[list[Point], float]:
                 points.append(Point(f"{series} decode at {ctx}", kv, ((1, 1, 1, mean_ctx, mean_ctx + 1),), dec))
             pre = _median(s, "prefill_ms")
             if pre is not None:
-                points.append(Point(f"{series} prefill of {prompt}", kv, prefill_steps(prompt, 0), pre, requests=1))
+                points.append(Point(f"{series} prefill of {prompt}", kv, prefill_steps(prompt, 0, chunk), pre, requests=1))
             nxt, ttft = s.get("next_turn") or {}, _median(s, "ttft_reuse_ms")
             if ttft is not None and nxt.get("computed_tokens") and nxt.get("reused_tokens") is not None:
                 points.append(Point(f"{series} next turn after {ctx}", kv,
-                                    prefill_steps(int(nxt["computed_tokens"]), int(nxt["reused_tokens"])), ttft,
+                                    prefill_steps(int(nxt["computed_tokens"]), int(nxt["reused_tokens"]), chunk), ttft,
                                     requests=1))
     return points, bw
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING, Any
 
+from kvchat.engine.sizing import CPU_PREFILL_CHUNK
+
 from ..cli.args import UsageError
-from .bench_points import CPU_PREFILL_CHUNK
 
 if TYPE_CHECKING:
     from .planner import PlanConfig

@@ -21,7 +21,8 @@ from typing import Any
 
 from kvchat.engine.errors import KvchatError
 from kvchat.engine.geometry import DTYPE_BYTES, KNOWN, Geometry, from_hf_config
-from kvchat.engine.sizing import WORKING_MARGIN
+from kvchat.engine.native_build import computes_bf16
+from kvchat.engine.sizing import WORKING_MARGIN, prefill_chunk
 
 from ..cli.args import UsageError
 from .hardware import Hardware
@@ -207,7 +208,9 @@ def prepare(cfg: PlanConfig) -> tuple[ModelCosts, PoolPlan, StepModel, Scheduler
     sched = SchedulerConfig(num_blocks=pool.num_blocks, max_len=max_len, block_size=cfg.block_size,
                             max_batched_tokens=cfg.max_batched_tokens, max_seqs=cfg.max_seqs,
                             prefix_caching=cfg.prefix_caching, cap=cfg.cap, policy=cfg.policy,
-                            decode_first=cfg.hardware.measured)
+                            decode_first=cfg.hardware.measured,
+                            prefill_chunk=prefill_chunk(g, cfg.dtype, "cpu", computes_bf16()) if cfg.hardware.measured
+                            else None)
     return costs, pool, model, sched, notes
 
 

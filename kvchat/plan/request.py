@@ -25,6 +25,8 @@ class SchedulerConfig:
     policy: str = "stop"
     fast_forward: bool = True
     decode_first: bool = False         # kvchat's engine's step order, not vLLM's (simulator._plan_decode_first)
+    prefill_chunk: int | None = None   # decode_first: a prompt's most tokens a step (the engine's lone chunk,
+                                       # engine/sizing.py); None: max_batched_tokens
 
     def __post_init__(self) -> None:
         for name in ("num_blocks", "max_len", "block_size", "max_batched_tokens", "max_seqs"):
@@ -32,6 +34,8 @@ class SchedulerConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.policy not in POLICIES:
             raise ValueError(f"unknown cap policy {self.policy!r}; accepted: {', '.join(POLICIES)}")
+        if self.prefill_chunk is not None and self.prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk must be positive, got {self.prefill_chunk}")
         if self.cap is not None and self.cap < 1:
             raise ValueError(f"cap must be positive, got {self.cap}")
         if self.max_len > self.num_blocks * self.block_size:

@@ -275,12 +275,13 @@ class Simulator:
         """kvchat's engine's order (engine/scheduler.py): a decode row for every running
         request past its prompt, never left out (the budget may go below zero), then prompt
         chunks of running requests, then waiting requests admitted in arrival order while the
-        budget lasts (a lone prompt takes a whole chunk). A request short of blocks preempts
+        budget lasts (a lone prompt takes a whole chunk: prefill_chunk tokens, which may be more
+        than the budget that bounds a shared step's). A request short of blocks preempts
         the newest running one, itself when it is the newest, even one already given a row
         this step (its row is taken back); one preempted this step is not readmitted in it."""
         cfg, pool, running = self.cfg, self.pool, self.running
-        chunk = cfg.max_batched_tokens
-        budget = chunk
+        chunk = cfg.prefill_chunk or cfg.max_batched_tokens
+        budget = cfg.max_batched_tokens
         sched: dict[int, tuple[Request, int]] = {}
         yielded: set[int] = set()
         decoding = [r for r in running if r.out and r.num_tokens - r.computed == 1]
