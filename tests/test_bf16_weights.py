@@ -154,3 +154,29 @@ def test_a_prefill_against_bf16_weights_attends_and_gates_in_bf16_within_the_bou
     mean_abs = float((got - want).abs().mean())
     assert agree >= AGREE and mean_abs < MEAN_ABS, (agree, mean_abs)
     assert not torch.equal(got, plain)
+
+
+def test_a_short_bf16_chunk_takes_the_amx_products_within_the_bounds(engine, monkeypatch):
+    """A chat's next turn (16 to 32 rows) in a bf16 prefill: its products on the AMX tiles
+    (native.amx_serves: the rows widened exactly, summed in fp32, rounded back to bf16) rather
+    than torch's bf16 product, which copies each matrix into its own layout at every call.
+    Every row's logits against fp32 weights within the decode test's bounds, and beside
+    torch's product's (on a Xeon with AMX, torch 2.13: the same bits, oneDNN's tiles summing k
+    in the same order; not asserted, another oneDNN may order its sums otherwise)."""
+    if not native.amx():
+        pytest.skip("no AMX tiles here")
+    from test_cpu_attention import bundled_text_ids  # noqa: PLC0415
+    ids = bundled_text_ids(engine)[:24]
+    bf = Engine(EngineConfig(dtype="bf16", kv_budget="16MiB"))
+    m = bf.model
+    calls = count_calls(monkeypatch, native, "gemv")
+    got = prefill_logits(bf, ids)
+    assert calls["gemv"] == 4 * len(m.layers) + 1     # qkv, o, gate/up, down a layer; the logits (fp32 rows)
+    monkeypatch.setattr(native, "amx_serves", lambda x, w: False)
+    torch_mm = prefill_logits(bf, ids)
+    assert calls["gemv"] == 4 * len(m.layers) + 2     # only the logits': torch's product served the layers
+    want = prefill_logits(engine, ids)
+    for out in (got, torch_mm):
+        agree = float((out.argmax(-1) == want.argmax(-1)).float().mean())
+        assert agree >= AGREE and float((out - want).abs().mean()) < MEAN_ABS, agree
+    assert float((got - torch_mm).abs().mean()) < MEAN_ABS / 2
