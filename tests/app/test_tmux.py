@@ -55,7 +55,10 @@ class Tmux:
 def test_chat_in_tmux_shows_the_reply_and_the_panels_and_quits_cleanly(tmp_path):
     exit_file = tmp_path / "exit-status"
     env = f"KVCHAT_DATA_DIR={tmp_path / 'data'} KVCHAT_CONFIG_DIR={tmp_path / 'config'}"
-    command = (f"cd {REPO} && env {env} {sys.executable} -m kvchat --max-tokens 24; "
+    # fp32: 512-token prompt chunks on CPU (bf16, auto's pick where the CPU computes bf16, takes
+    # this model's prompt alone in chunks of 2,048: engine/sizing.py), so that the long /load
+    # below moves its progress several times before escape stops it
+    command = (f"cd {REPO} && env {env} {sys.executable} -m kvchat --dtype fp32 --max-tokens 24; "
                f"echo $? > {exit_file}")
     tmux = Tmux("chat")
     tmux.run("new-session", "-d", "-s", tmux.session, "-x", "140", "-y", "45", command)
@@ -74,7 +77,7 @@ def test_chat_in_tmux_shows_the_reply_and_the_panels_and_quits_cleanly(tmp_path)
         for panel in ("KV cache", "used", "per token", "context cap", "blocks", "occupancy", "latency"):
             assert panel in pane
 
-        # a long /load: the status line's prefill progress moves (512-token chunks on CPU),
+        # a long /load: the status line's prefill progress moves (512-token chunks in fp32),
         # then escape stops it between chunks and the command is back in the input
         long_file = Path(f"/tmp/kvchat-long-{os.getpid()}.txt")     # short: a long path wraps in the pane
         long_file.write_text("\n".join(f"Line {i}: the quick brown fox jumps over the lazy dog." for i in range(200)))
