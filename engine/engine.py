@@ -44,7 +44,6 @@ from .weights import load_model
 __all__ = ["KV_DTYPES", "MODEL_DTYPES", "Engine", "EngineConfig", "Generation", "Preflight", "preflight"]
 
 
-
 @dataclass(slots=True)
 class EngineConfig:
     model: str | None = None

@@ -86,16 +86,16 @@ CPU_LONE_CHUNK_FLOP = 6e11   # a lone bf16 chunk's products: about 0.3 s at AMX'
 def prefill_chunk(geom: Geometry, dtype: str, device: str, native_bf16: bool) -> int:
     """The most prompt tokens a lone prompt computes in one step (a request's chunk; a step
     that others share takes at most CPU_PREFILL_CHUNK on a CPU). On a CPU a chunk is the grain
-    of progress and of stopping, so it is sized by its products: 16-bit weights take the
-    largest power of two from CPU_PREFILL_CHUNK to CPU_LONE_CHUNK_MAX whose 2 x params x tokens
-    stay within CPU_LONE_CHUNK_FLOP (the bundled model: 2,048; Llama 3.1 8B: 512) where the CPU
-    multiplies bf16 natively (native_bf16: AVX512-BF16 or AMX); fp32 weights, or bf16 widened
-    to fp32 (several times slower), CPU_PREFILL_CHUNK. Larger chunks are faster: fewer passes over the weights and fewer merges
-    with the prefix (the bundled model's bf16 prefill of 4,096 tokens on a Xeon: 1,715 ms in
-    chunks of 512, 1,650 of 1,024, 1,460 of 2,048)."""
+    of progress and of stopping, so it is sized by its products: bf16 weights on a CPU that
+    multiplies bf16 natively (native_bf16: AVX512-BF16 or AMX) take the largest power of two
+    from CPU_PREFILL_CHUNK to CPU_LONE_CHUNK_MAX whose 2 x params x tokens stay within
+    CPU_LONE_CHUNK_FLOP (the bundled model: 2,048; Llama 3.1 8B: 512); other weights, or bf16
+    widened to fp32 (several times slower), CPU_PREFILL_CHUNK. Larger chunks are faster: fewer
+    passes over the weights and fewer merges with the prefix (the bundled model's bf16 prefill
+    of 4,096 tokens on a Xeon: 1,715 ms in chunks of 512, 1,650 of 1,024, 1,460 of 2,048)."""
     if device == "cuda":
         return PREFILL_CHUNK
-    if dtype == "fp32" or not native_bf16:
+    if dtype != "bf16" or not native_bf16:
         return CPU_PREFILL_CHUNK
     n = CPU_PREFILL_CHUNK
     while n < CPU_LONE_CHUNK_MAX and 2 * geom.param_count() * 2 * n <= CPU_LONE_CHUNK_FLOP:
