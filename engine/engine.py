@@ -33,7 +33,7 @@ from .runner import Runner
 from .sampler import Sampler, SamplingParams
 from .scheduler import Scheduler
 from .sequence import Sequence
-from .sizing import CPU_PREFILL_CHUNK, PREFILL_CHUNK, prefill_chunk
+from .sizing import prefill_chunk, step_tokens
 from .sources import ModelSource, resolve
 from .telemetry import SHARED, CacheSnapshot, SchedulerSnapshot, StepRecord
 from .template import render_chat, stop_ids
@@ -211,8 +211,7 @@ class Engine:
         self.pool = KVPool(self.geometry, spec, self.device)
         self.blocks = BlockManager(spec.num_blocks, spec.block_size)
         if not hasattr(self, "scheduler"):    # the first build; a rebuild keeps the scheduler
-            budget = PREFILL_CHUNK if self.device.type == "cuda" else CPU_PREFILL_CHUNK   # a shared step's tokens
-            self.scheduler = Scheduler(self.blocks, self.config.step_tokens or budget,
+            self.scheduler = Scheduler(self.blocks, self.config.step_tokens or step_tokens(self.device.type),
                                        self.model.step_weight_bytes)
         self.scheduler.blocks = self.blocks     # the scheduler outlives a rebuild: its queues and counts stay
         self.scheduler.cache_bytes_per_token = spec.bytes_per_token + spec.scale_bytes_per_token

@@ -133,9 +133,9 @@ def gemv_serves(x: torch.Tensor, w: torch.Tensor) -> bool:
     """Whether gemv (w: (n, k)) or rms_norm (w: (k,)) takes these: 1 to max_rows() fp32 CPU
     rows x (a decode step's B sequences; a prefill's many rows go to MKL's GEMM), fp32
     contiguous CPU weights (bf16 for gemv), and the kernels loaded."""
-    return (x.dim() == 2 and 0 < x.shape[0] <= max_rows() and x.dtype == torch.float32
-            and (w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and w.dim() == 2)) and x.device.type == "cpu" and w.device.type == "cpu"
-            and w.is_contiguous() and x.is_contiguous())
+    return (x.device.type == "cpu" and w.device.type == "cpu" and x.dtype == torch.float32 and x.dim() == 2
+            and (w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and w.dim() == 2))
+            and w.is_contiguous() and x.is_contiguous() and 0 < x.shape[0] <= max_rows())   # last: loads the kernels
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -171,17 +171,18 @@ def amx_serves(x: torch.Tensor, w: torch.Tensor) -> bool:
     against bf16 w: gemv(x.float(), w), a read of w for all the rows, where torch's bf16 product
     copies w into its own layout at every call (24 rows of the bundled model's next turn: 25.6
     -> 17.6 ms a step of products)."""
-    return (x.dtype == torch.bfloat16 and w.dtype == torch.bfloat16 and x.dim() == 2 and w.dim() == 2
-            and 0 < x.shape[0] <= max_rows() and w.shape[0] % 16 == 0 and w.shape[1] % 32 == 0
-            and x.device.type == "cpu" and w.device.type == "cpu" and w.is_contiguous() and amx())
+    # the tensors' own tests first: a GPU's rows never reach max_rows(), which loads the C kernels
+    return (x.device.type == "cpu" and w.device.type == "cpu" and x.dtype == torch.bfloat16
+            and w.dtype == torch.bfloat16 and x.dim() == 2 and w.dim() == 2 and w.shape[0] % 16 == 0
+            and w.shape[1] % 32 == 0 and w.is_contiguous() and 0 < x.shape[0] <= max_rows() and amx())
 
 
 def describe_bf16() -> str:
     """How the C kernels multiply bf16 weights, in words (the benches' notes)."""
     if lib() is None:
-        return "torch's products"
+        return "torch's bf16 GEMM (the C kernels are off)"
     if amx():
-        return "AMX tiles (tdpbf16ps, rows rounded to bf16)"
+        return "AMX tiles (tdpbf16ps, rows rounded to bf16; KVCHAT_AMX=0 sets them aside)"
     if bf16_native():
         return "AVX512-BF16 (vdpbf16ps, rows rounded to bf16)"
     return "widened to fp32 in the C kernel"

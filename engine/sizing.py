@@ -83,6 +83,11 @@ CPU_LONE_CHUNK_MAX = 2048
 CPU_LONE_CHUNK_FLOP = 6e11   # a lone bf16 chunk's products: about 0.3 s at AMX's 2 TFLOP/s (a Xeon, 2 cores)
 
 
+def step_tokens(device: str) -> int:
+    """The most prompt tokens a step that others share takes (the scheduler's token budget)."""
+    return PREFILL_CHUNK if device == "cuda" else CPU_PREFILL_CHUNK
+
+
 def prefill_chunk(geom: Geometry, dtype: str, device: str, native_bf16: bool) -> int:
     """The most prompt tokens a lone prompt computes in one step (a request's chunk; a step
     that others share takes at most CPU_PREFILL_CHUNK on a CPU). On a CPU a chunk is the grain
@@ -93,11 +98,9 @@ def prefill_chunk(geom: Geometry, dtype: str, device: str, native_bf16: bool) ->
     widened to fp32 (several times slower), CPU_PREFILL_CHUNK. Larger chunks are faster: fewer
     passes over the weights and fewer merges with the prefix (the bundled model's bf16 prefill
     of 4,096 tokens on a Xeon: 1,715 ms in chunks of 512, 1,650 of 1,024, 1,460 of 2,048)."""
-    if device == "cuda":
-        return PREFILL_CHUNK
-    if dtype != "bf16" or not native_bf16:
-        return CPU_PREFILL_CHUNK
-    n = CPU_PREFILL_CHUNK
+    n = step_tokens(device)
+    if device == "cuda" or dtype != "bf16" or not native_bf16:
+        return n
     while n < CPU_LONE_CHUNK_MAX and 2 * geom.param_count() * 2 * n <= CPU_LONE_CHUNK_FLOP:
         n *= 2
     return n

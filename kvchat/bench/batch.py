@@ -183,7 +183,7 @@ def run_batch(args) -> int:
         from kvchat.engine import native
         notes.append(f"kvchat's C kernels: {native.status()}")
         if engine.dtype_name == "bf16":
-            notes.append(f"kvchat's bf16 products: {native.describe_bf16()} (KVCHAT_AMX=0 sets AMX aside)")
+            notes.append(f"kvchat's bf16 products: {native.describe_bf16()}")
     if not args.no_peers:
         from .peers import HFPeer
         bench.hf = HFPeer(engine.source, engine.device, engine.dtype)

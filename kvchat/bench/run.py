@@ -332,8 +332,8 @@ def run(args) -> int:
         from kvchat.engine import native
         notes.append(f"kvchat's C kernels (engine/native.py; KVCHAT_NATIVE=0 sets them aside): {native.status()}")
         if engine.dtype_name == "bf16":
-            notes.append(f"kvchat's bf16 weights: products on {native.describe_bf16()} (KVCHAT_AMX=0 sets AMX "
-                         f"aside); rows and norms in fp32, the cache in {engine.kv_dtype}")
+            notes.append(f"kvchat's bf16 weights: products on {native.describe_bf16()}; rows and norms in fp32, "
+                         f"the cache in {engine.kv_dtype}")
     if cfg.peers:
         bench.hf = bench_peers.HFPeer(engine.source, engine.device, engine.dtype)
         n_ctx = min(max(cfg.contexts) + 2 * cfg.new_tokens + NEXT_TURN_MARGIN, engine.geometry.max_position)

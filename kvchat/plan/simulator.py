@@ -275,8 +275,7 @@ class Simulator:
         """kvchat's engine's order (engine/scheduler.py): a decode row for every running
         request past its prompt, never left out (the budget may go below zero), then prompt
         chunks of running requests, then waiting requests admitted in arrival order while the
-        budget lasts (a lone prompt takes a whole chunk: prefill_chunk tokens, which may be more
-        than the budget that bounds a shared step's). A request short of blocks preempts
+        budget lasts (a lone prompt takes prefill_chunk, past the budget). A request short of blocks preempts
         the newest running one, itself when it is the newest, even one already given a row
         this step (its row is taken back); one preempted this step is not readmitted in it."""
         cfg, pool, running = self.cfg, self.pool, self.running
