@@ -11,8 +11,11 @@ runner computes them in one forward, the scheduler samples and hands each reques
 tokens. Steps are driven by whoever waits: a conversation whose request has nothing new to
 read runs the next step under the lock, for every request at once; the others, finding
 their tokens queued when they get the lock, read them and go on. So several threads sending
-on different conversations share every step, one thread alone runs as before batching, and
-no engine thread has to be started, stopped, or outlive its caller.
+on different conversations share every step, and one thread alone runs as before batching.
+The tensor work itself (the build, each step, a pool rebuild) runs on one thread of the
+process, engine/compute.py, while the thread that drove it holds the lock and waits: with
+each driving thread running its own steps, each kept an OpenMP pool and libgomp's workers
+slept between regions (a step 1.6x slower; compute.py says why).
 """
 from __future__ import annotations
 
@@ -21,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import native, native_build
+from . import compute, native, native_build
 from .block_manager import BlockManager
 from .chat_template import check_chat_template
 from .errors import KvchatError
@@ -176,6 +179,9 @@ def preflight(cfg: EngineConfig, source: ModelSource | None = None) -> Preflight
 class Engine:
     def __init__(self, config: EngineConfig | None = None, source: ModelSource | None = None,
                  checked: Preflight | None = None) -> None:
+        compute.run(lambda: self._load(config, source, checked))
+
+    def _load(self, config: EngineConfig | None, source: ModelSource | None, checked: Preflight | None) -> None:
         self.config = cfg = config or EngineConfig()
         pre = checked or preflight(cfg, source)
         self.source, self.device = pre.source, pre.device
@@ -246,7 +252,7 @@ class Engine:
             self.scheduler.requeue_running()
             for conv in self.conversations:
                 self.blocks.free(conv.seq, keep_index=False)
-            self._build_pool(kv_dtype)
+            compute.run(lambda: self._build_pool(kv_dtype))
             for conv in self.conversations:
                 conv.resize_table()
 
@@ -287,16 +293,20 @@ class Engine:
         """One step for every running request: schedule, run, postprocess. None when there
         was nothing to run."""
         with self.lock:
-            t0 = time.perf_counter()
-            plan = self.scheduler.schedule()
-            if plan is None:
-                return None
-            try:
-                logits, context, forwards = self.runner.run(plan)
-            except Exception as err:  # noqa: BLE001  (the requests in the step carry it to their readers)
-                self.scheduler.fail(plan, err)
-                return None
-            return self.scheduler.postprocess(plan, logits, t0, context, forwards)
+            return compute.run(self._step)
+
+    def _step(self) -> StepRecord | None:
+        # on the compute thread, while the thread that asked for the step holds the lock
+        t0 = time.perf_counter()
+        plan = self.scheduler.schedule()
+        if plan is None:
+            return None
+        try:
+            logits, context, forwards = self.runner.run(plan)
+        except Exception as err:  # noqa: BLE001  (the requests in the step carry it to their readers)
+            self.scheduler.fail(plan, err)
+            return None
+        return self.scheduler.postprocess(plan, logits, t0, context, forwards)
 
     def drive(self, req: Request) -> None:
         """Give req something new to read: run a step unless another thread's step already did.
