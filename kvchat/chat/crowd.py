@@ -8,8 +8,9 @@ second (both take the engine's lock, which a step holds, so never on the UI thre
 posts the figures to the panel. The crowd's turns stay in memory (`Crowd.turns()`); they
 are never saved as the user's conversations. Quitting stops the crowd without waiting (the
 app stays responsive): its threads are cancelled at their next step, and the process waits for
-them after the app ends (`join`), since a thread still inside torch or the C kernels' OpenMP
-while the interpreter shuts down can abort the process.
+them after the app ends (`join`): a thread waiting for its step waits while the engine's
+compute thread runs it in torch or the C kernels' OpenMP, and a step still running while the
+interpreter shuts down can abort the process.
 """
 from __future__ import annotations
 
