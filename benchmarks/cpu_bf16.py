@@ -33,7 +33,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's kvchat, not an installed one
 
-from kvchat.engine import Engine, EngineConfig  # noqa: E402
+from kvchat.engine import Engine, EngineConfig, compute  # noqa: E402
 from kvchat.engine.kv_cache import KVPool, plan_pool  # noqa: E402
 from kvchat.engine.model import Step  # noqa: E402
 
@@ -182,4 +182,6 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    # all of it on the engine's compute thread, where the engines' steps run: one OpenMP pool
+    # in the process (a second one, on this thread, slows both: engine/compute.py)
+    raise SystemExit(compute.run(main))

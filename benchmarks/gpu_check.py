@@ -313,4 +313,7 @@ def summary(r: Report) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    # on the engine's compute thread, where the engines' steps run: one thread for the CUDA
+    # streams and graphs, and one OpenMP pool in the process (engine/compute.py)
+    from kvchat.engine import compute  # noqa: E402  (no triton import: TRITON_INTERPRET is set in main)
+    sys.exit(compute.run(main))

@@ -11,7 +11,11 @@ when the main thread built the engine and ran the steps, 24.6 ms when a worker t
 them; two users on two threads 26.6 ms a step for both.
 
 So the work goes to one long-lived thread, whatever thread asks for it: `run(fn)` hands fn
-over and waits for its result (about 0.05 ms a hand-over against a step of 10-100 ms). The
+over and waits for its result (about 0.06 ms a hand-over against a step of 10-100 ms). A
+thread that ran torch ops of its own keeps a pool all the same (the main thread after a
+large tensor op: the next step 24-26 ms where it had taken 15.7-16.8), so the asking thread
+first lets its own pool go (`release_pool`: OpenMP 5's omp_pause_resource_all, which frees
+the calling thread's pool; nothing to do, and about a microsecond, when it has none). The
 engine's lock stays with the thread that asked: readers queue for it and drive steps exactly
 as before, and the step itself runs here. The thread is a daemon that waits idle between
 calls; a caller interrupted while it waits (ctrl+c in the main thread) waits for the work
@@ -19,6 +23,7 @@ to end before the interrupt goes on, so the lock is never let go under a running
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import queue
 import threading
@@ -62,6 +67,38 @@ def _started() -> threading.Thread:
         return _thread
 
 
+def _find_pause() -> Callable[[int], int] | None:
+    """The OpenMP runtime torch loaded (libgomp; libomp on macOS), its pause call, or None."""
+    try:
+        import torch  # noqa: F401  (loads the runtime)
+        with open("/proc/self/maps") as f:
+            paths = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line or "libomp" in line}
+    except OSError:
+        return None
+    for path in sorted(paths, key=lambda p: "torch" not in p):      # torch's own copy first
+        try:
+            fn = ctypes.CDLL(path).omp_pause_resource_all
+        except (OSError, AttributeError):
+            continue
+        fn.argtypes, fn.restype = [ctypes.c_int], ctypes.c_int
+        return fn
+    return None
+
+
+_pause: Callable[[int], int] | None = None
+_looked = False
+
+
+def release_pool() -> None:
+    """Let go of this thread's OpenMP pool, if it has one (a soft pause: the runtime makes a
+    new one if this thread runs a parallel region again)."""
+    global _pause, _looked
+    if not _looked:
+        _pause, _looked = _find_pause(), True
+    if _pause is not None:
+        _pause(1)          # omp_pause_soft
+
+
 def on_compute_thread() -> bool:
     return threading.current_thread() is _thread
 
@@ -70,6 +107,7 @@ def run(fn: Callable[[], T]) -> T:
     """fn() on the compute thread (at once when called from it); its result, or its error."""
     if on_compute_thread():
         return fn()
+    release_pool()
     _started()
     job = _Job(fn)
     _jobs.put(job)

@@ -23,6 +23,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from kvchat.engine import compute
 from kvchat.engine.errors import KvchatError
 
 from .report import Timing
@@ -50,7 +51,22 @@ class HFPeer:
 
     name = "transformers"
 
+    # It loads and runs on the engine's compute thread: one OpenMP pool in the process for both
+    # (a peer on a thread of its own kept a second pool, and libgomp then let every pool's idle
+    # workers sleep between regions, slowing whichever ran: engine/compute.py)
     def __init__(self, source, device, dtype) -> None:
+        compute.run(lambda: self._load(source, device, dtype))
+
+    def generate(self, ids: list[int], steps: int) -> Timing:
+        """Greedy generate of steps + 1 tokens (EOS suppressed, so every step is timed)."""
+        return compute.run(lambda: self._generate(ids, steps))
+
+    def decode_batch(self, prompts: list[list[int]], steps: int) -> list[float]:
+        """Greedy generate of steps + 1 tokens for all prompts at once, left-padded to the
+        longest: the time of each decode step after the first token (ms)."""
+        return compute.run(lambda: self._decode_batch(prompts, steps))
+
+    def _load(self, source, device, dtype) -> None:
         import torch
         from transformers import LlamaForCausalLM
         from transformers.utils import logging as hf_logging
@@ -72,8 +88,7 @@ class HFPeer:
         if self.device.type == "cuda":
             self.torch.cuda.synchronize(self.device)
 
-    def generate(self, ids: list[int], steps: int) -> Timing:
-        """Greedy generate of steps + 1 tokens (EOS suppressed, so every step is timed)."""
+    def _generate(self, ids: list[int], steps: int) -> Timing:
         torch = self.torch
         input_ids = torch.tensor([ids], device=self.device)
         clock = _Clock(self._sync)
@@ -90,9 +105,7 @@ class HFPeer:
         return Timing(len(ids), (t[1] - t[0]) * 1000, (t[1] - t0) * 1000, decode)
 
 
-    def decode_batch(self, prompts: list[list[int]], steps: int) -> list[float]:
-        """Greedy generate of steps + 1 tokens for all prompts at once, left-padded to the
-        longest: the time of each decode step after the first token (ms)."""
+    def _decode_batch(self, prompts: list[list[int]], steps: int) -> list[float]:
         torch = self.torch
         width = max(len(p) for p in prompts)
         ids = torch.tensor([[self.eos] * (width - len(p)) + list(p) for p in prompts], device=self.device)
