@@ -1,4 +1,4 @@
-"""One thread in the process runs the engine's tensor work: its builds and every step.
+"""One thread in the process runs the engine's tensor work: every step and a pool rebuild.
 
 torch's CPU ops and the C kernels share one OpenMP runtime (torch's libgomp), which keeps a
 pool of worker threads for each thread that starts a parallel region. When the threads of

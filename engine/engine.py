@@ -12,8 +12,8 @@ tokens. Steps are driven by whoever waits: a conversation whose request has noth
 read runs the next step under the lock, for every request at once; the others, finding
 their tokens queued when they get the lock, read them and go on. So several threads sending
 on different conversations share every step, and one thread alone runs as before batching.
-The tensor work itself (the build, each step, a pool rebuild) runs on one thread of the
-process, engine/compute.py, while the thread that drove it holds the lock and waits: with
+The tensor work of each step (and of a pool rebuild) runs on one thread of the process,
+engine/compute.py, while the thread that drove it holds the lock and waits: with
 each driving thread running its own steps, each kept an OpenMP pool and libgomp's workers
 slept between regions (a step 1.6x slower; compute.py says why).
 """
@@ -179,7 +179,10 @@ def preflight(cfg: EngineConfig, source: ModelSource | None = None) -> Preflight
 class Engine:
     def __init__(self, config: EngineConfig | None = None, source: ModelSource | None = None,
                  checked: Preflight | None = None) -> None:
-        compute.run(lambda: self._load(config, source, checked))
+        # on the calling thread, so that ctrl+c stops a long load at once; the OpenMP pool the
+        # load's tensor ops gave this thread is let go (the steps run on compute.py's thread)
+        self._load(config, source, checked)
+        compute.release_pool()
 
     def _load(self, config: EngineConfig | None, source: ModelSource | None, checked: Preflight | None) -> None:
         self.config = cfg = config or EngineConfig()

@@ -114,6 +114,8 @@ POOLS = textwrap.dedent("""
     convs = [eng.new_conversation() for _ in range(3)]
     for c in convs:                              # the tokenizer's own threads start here, not below
         eng.tokenizer.encode("warm up")
+    for _ in convs[0].send("Hi.", SamplingParams(temperature=0.0, max_tokens=2)):
+        pass                                     # and the compute thread with its pool
     def tasks():
         return len(os.listdir("/proc/self/task"))
     base, most, stop = tasks(), [0], threading.Event()
