@@ -4,11 +4,11 @@ torch's CPU ops and the C kernels share one OpenMP runtime (torch's libgomp), wh
 pool of worker threads for each thread that starts a parallel region. When the threads of
 all those pools outnumber the CPUs, libgomp's idle workers stop spinning (from 10,000 spins,
 GOMP_SPINCOUNT, to 100) and sleep, so each of a step's ~150 parallel regions waits for a
-futex wake-up. A chat's turns run on worker threads and a crowd's users on threads of their
-own, and the engine was built on the main thread: every one of them that ran a step kept a
-pool. Measured on a 2-core EPYC (bundled model, bf16, one user, 48 tokens): 15.7 ms a step
-when the main thread built the engine and ran the steps, 24.6 ms when a worker thread ran
-them; two users on two threads 26.6 ms a step for both.
+futex wake-up. A crowd's users run on threads of their own, a chat's turns on worker
+threads, and `kvchat crowd` built its engine on the main thread: each of them that ran a
+step kept a pool. Measured on a 2-core EPYC (bundled model, bf16, one user, 48 tokens): 15.7
+ms a step when the main thread built the engine and ran the steps, 24.6 ms when a worker
+thread ran them; two users on two threads 26.6 ms a step for both.
 
 So the work goes to one long-lived thread, whatever thread asks for it: `run(fn)` hands fn
 over and waits for its result (about 0.06 ms a hand-over against a step of 10-100 ms). A
@@ -19,7 +19,9 @@ the calling thread's pool; nothing to do, and about a microsecond, when it has n
 engine's lock stays with the thread that asked: readers queue for it and drive steps exactly
 as before, and the step itself runs here. The thread is a daemon that waits idle between
 calls; a caller interrupted while it waits (ctrl+c in the main thread) waits for the work
-to end before the interrupt goes on, so the lock is never let go under a running step.
+to end before the interrupt goes on, so the lock is never let go under a running step. (So a
+model load stays on its caller, where ctrl+c stops it at once; the Engine lets that thread's
+pool go after it.)
 """
 from __future__ import annotations
 
