@@ -70,11 +70,13 @@ def _started() -> threading.Thread:
 
 
 def _find_pause() -> Callable[[int], int] | None:
-    """The OpenMP runtime torch loaded (libgomp; libomp on macOS), its pause call, or None."""
+    """torch's libgomp (pip's torch on Linux), its pause call, or None. Only libgomp: its pause
+    frees the calling thread's pool and nothing else, which is what was measured; LLVM's and
+    Intel's runtimes keep one pool for the process and pause all of it."""
     try:
         import torch  # noqa: F401  (loads the runtime)
         with open("/proc/self/maps") as f:
-            paths = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line or "libomp" in line}
+            paths = {line.split()[-1] for line in f if "libgomp" in line}
     except OSError:
         return None
     for path in sorted(paths, key=lambda p: "torch" not in p):      # torch's own copy first
