@@ -179,12 +179,6 @@ def preflight(cfg: EngineConfig, source: ModelSource | None = None) -> Preflight
 class Engine:
     def __init__(self, config: EngineConfig | None = None, source: ModelSource | None = None,
                  checked: Preflight | None = None) -> None:
-        # on the calling thread, so that ctrl+c stops a long load at once; the OpenMP pool the
-        # load's tensor ops gave this thread is let go (the steps run on compute.py's thread)
-        self._load(config, source, checked)
-        compute.release_pool()
-
-    def _load(self, config: EngineConfig | None, source: ModelSource | None, checked: Preflight | None) -> None:
         self.config = cfg = config or EngineConfig()
         pre = checked or preflight(cfg, source)
         self.source, self.device = pre.source, pre.device
@@ -207,6 +201,9 @@ class Engine:
         self.blocks: BlockManager
         self.runner: Runner
         self._build_pool(pre.kv_dtype)
+        # the load ran here, on the calling thread, so that ctrl+c stops it at once; the OpenMP
+        # pool its tensor ops gave this thread is let go (the steps run on compute.py's thread)
+        compute.release_pool()
 
     # ---- the pool ------------------------------------------------------------------------
     def _build_pool(self, kv_dtype: str) -> None:
