@@ -100,10 +100,7 @@ def resolve(model: str | None, random_weights: bool = False, geometry_only: bool
                              "HF-format directory with safetensors, or a .gguf file")
     if geometry_only:
         return ModelSource(path.name, _config(path, path.name), None, Path(), random_weights=True)
-    src = _from_dir(path, path.name)
-    if random_weights:
-        return ModelSource(src.name, src.geometry, None, src.tokenizer_path, random_weights=True)
-    return src
+    return _from_dir(path, path.name, weights=not random_weights)
 
 
 def alias_search_paths(alias: str) -> list[Path]:
@@ -171,7 +168,9 @@ def _check_files(path: Path) -> None:
                              "needs its tokenizer files beside config.json")
 
 
-def _from_dir(path: Path, name: str) -> ModelSource:
+def _from_dir(path: Path, name: str, weights: bool = True) -> ModelSource:
+    """A model directory, checked: config.json, tokenizer files, and (weights=False: random
+    weights, so a directory of config.json and the tokenizer alone will do) its safetensors."""
     if not path.is_dir():
         raise ModelLoadError(f"{path}: not a directory; accepted: an HF-format model directory or a .gguf file")
     geom = _config(path, name)
@@ -183,6 +182,9 @@ def _from_dir(path: Path, name: str) -> ModelSource:
         if "auto_map" in tok_cfg:
             raise ModelLoadError(f"{tok_cfg_path}: has auto_map (custom tokenizer code), which kvchat never runs; "
                                  "accepted: a tokenizer.json tokenizer")
+    if not weights:
+        _check_files(path)
+        return ModelSource(name, geom, None, path, random_weights=True)
     files = sorted(glob.glob(str(path / "*.safetensors")))
     if not files:
         pickled = [p for p in os.listdir(path) if p.endswith(PICKLED)]

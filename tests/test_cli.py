@@ -122,6 +122,19 @@ def test_alias_without_weights_says_where_it_looked(capsys, tmp_path, monkeypatc
     assert str(tmp_path) in err
 
 
+def test_random_weights_need_only_the_config_and_the_tokenizer(capsys, model_copy):
+    """A directory of config.json and tokenizer files (a few MB of an 8B model's repository) runs
+    its geometry with random weights; without --random-weights it still needs its safetensors."""
+    (model_copy / "model.safetensors").unlink()
+    fails_with(capsys, ["ask", "--model", str(model_copy), "hi"], "no *.safetensors weights")
+    assert main(["ask", "--json", "--model", str(model_copy), "--random-weights", "--max-tokens", "3",
+                 "--kv-budget", "32MiB", "hi"]) == 0
+    rec = json.loads(capsys.readouterr().out)
+    assert rec["generated_tokens"] == 3 and rec["kv_bytes_per_token"] == 2 * 30 * 3 * 64 * DTYPE_BYTES[rec["kv_dtype"]]
+    (model_copy / "tokenizer.json").unlink()
+    fails_with(capsys, ["ask", "--model", str(model_copy), "--random-weights", "hi"], "no tokenizer")
+
+
 @pytest.mark.parametrize("flag,value,fragment", [
     ("--block-size", "0", "--block-size must be a positive integer"),
     ("--block-size", "-16", "--block-size must be a positive integer"),
