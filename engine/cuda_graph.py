@@ -26,6 +26,7 @@ which is how the tests exercise this file without a GPU.
 """
 from __future__ import annotations
 
+import os
 import warnings
 import weakref
 
@@ -230,6 +231,12 @@ class GraphDecoder:
 
 
 _DECODERS: weakref.WeakKeyDictionary[Llama, GraphDecoder] = weakref.WeakKeyDictionary()
+
+
+def enabled() -> bool:
+    """False with KVCHAT_CUDA_GRAPH=0: a CUDA decode step then launches its kernels one by one,
+    as a prefill does, so that a bench can measure what the graph saves."""
+    return os.environ.get("KVCHAT_CUDA_GRAPH", "1") != "0"
 
 
 def decoder_for(model: Llama, pool: KVPool) -> GraphDecoder:

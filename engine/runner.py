@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from .cuda_graph import GraphDecoder, decoder_for
+from .cuda_graph import GraphDecoder, decoder_for, enabled as graphs_enabled
 from .kv_cache import KVPool
 from .model import Batch, Chunk, Llama
 from .request import Request
@@ -51,7 +51,7 @@ class Runner:
             positions.append(pos)
             slots.append(seq.slot(pos))
             lens.append(pos + 1)
-        if self.device.type == "cuda" and decode and not chunks:
+        if self.device.type == "cuda" and decode and not chunks and graphs_enabled():
             dec = decoder_for(self.model, self.pool)
             if len(decode) <= dec.max_batch:
                 return self._graphed(dec, decode, ids, positions, slots, lens), sum(lens)

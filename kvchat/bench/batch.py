@@ -65,16 +65,24 @@ def parse_batches(text: str) -> tuple[int, ...]:
     return tuple(values)
 
 
-def gemm_gflops(seconds: float = 0.5) -> float:
-    """The rate of a large fp32 matrix product here: the compute bound's denominator."""
+def gemm_gflops(seconds: float = 0.5, device=None, dtype=None) -> float:
+    """The rate of a large matrix product here: the compute bound's denominator. On the CPU
+    in fp32; on a GPU in the model's dtype (its matrix units), timed between synchronizations."""
     import torch
-    a, b = torch.randn(1024, 2048), torch.randn(2048, 1024)
+    device = torch.device(device or "cpu")
+    cuda = device.type == "cuda"
+    m = 8192 if cuda else 1024                    # a GPU needs a large product to fill its units
+    a = torch.randn(m, 2 * m, device=device, dtype=dtype if cuda and dtype else torch.float32)
+    b = torch.randn(2 * m, m, device=device, dtype=a.dtype)
+    sync = torch.cuda.synchronize if cuda else (lambda: None)
     a @ b
+    sync()
     n, t0 = 0, time.perf_counter()
     while time.perf_counter() - t0 < seconds:
         a @ b
         n += 1
-    return n * 2 * 1024 * 2048 * 1024 / (time.perf_counter() - t0) / 1e9
+        sync()
+    return n * 2 * m * 2 * m * m / (time.perf_counter() - t0) / 1e9
 
 
 class BatchBench:
@@ -197,9 +205,10 @@ def run_batch(args) -> int:
         notes.append("vLLM not measured: give --server URL of a running vLLM server (scripts/setup-vllm.sh)")
     load0 = busy_note(notes)
     weights = engine.model.step_weight_bytes
-    probe = bench_floor.BandwidthProbe(bench_floor.probe_bytes(weights, available_memory(torch.device("cpu"))))
+    probe = bench_floor.BandwidthProbe(bench_floor.probe_bytes(weights, available_memory(engine.device)),
+                                       engine.device)
     probe.sample(5)
-    flops = gemm_gflops()
+    flops = gemm_gflops(device=engine.device, dtype=engine.model.dtype)
     try:
         points = bench.measure(probe)
     finally:

@@ -52,18 +52,25 @@ class Bandwidth:
 
 class BandwidthProbe:
     """A float32 buffer of about buffer_bytes (at least MIN_BUFFER), summed on demand: the
-    bench samples it between contexts so that the floor follows the run's conditions."""
+    bench samples it between contexts so that the floor follows the run's conditions. On a
+    GPU the buffer is in the device's memory, each sum timed between synchronizations."""
 
-    def __init__(self, buffer_bytes: int) -> None:
+    def __init__(self, buffer_bytes: int, device=None) -> None:
         import torch
-        self.buf = torch.ones(max(buffer_bytes, MIN_BUFFER) // 4, dtype=torch.float32)  # every page resident
+        self.device = torch.device(device or "cpu")
+        self.buf = torch.ones(max(buffer_bytes, MIN_BUFFER) // 4, dtype=torch.float32,
+                              device=self.device)   # every page resident
         self.buf.sum()                              # warm: threads started, code paged in
         self.samples: list[float] = []
 
     def sample(self, repeats: int = 3) -> None:
+        import torch
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         for _ in range(repeats):
+            sync()
             t0 = time.perf_counter()
             self.buf.sum()
+            sync()
             self.samples.append((time.perf_counter() - t0) * 1000)
 
     def result(self) -> Bandwidth:

@@ -334,6 +334,11 @@ def run(args) -> int:
         if engine.dtype_name == "bf16":
             notes.append(f"kvchat's bf16 weights: products on {native.describe_bf16()}; rows and norms in fp32, "
                          f"the cache in {engine.kv_dtype}")
+    elif engine.device.type == "cuda":
+        from kvchat.engine import cuda_graph
+        notes.append("decode steps: " + ("one CUDA graph each, per batch-size bucket (KVCHAT_CUDA_GRAPH=0 sets "
+                                         "them aside)" if cuda_graph.enabled() else "eager, kernel by kernel "
+                                         "(KVCHAT_CUDA_GRAPH=0)"))
     if cfg.peers:
         bench.hf = bench_peers.HFPeer(engine.source, engine.device, engine.dtype)
         n_ctx = min(max(cfg.contexts) + 2 * cfg.new_tokens + NEXT_TURN_MARGIN, engine.geometry.max_position)
@@ -358,10 +363,10 @@ def run(args) -> int:
     load0 = busy_note(notes)
     weights = bench_floor.step_weight_bytes(engine.model)
     buffer = bench_floor.probe_bytes(weights + (max(cfg.contexts) + cfg.new_tokens + NEXT_TURN_MARGIN)
-                                     * engine.bytes_per_token, available_memory(torch.device("cpu")))
+                                     * engine.bytes_per_token, available_memory(engine.device))
     bench.say(f"measuring read bandwidth (sums over a {buffer / 2**20:,.0f} MiB buffer, "
               "before, between and after the contexts)")
-    bench.probe = bench_floor.BandwidthProbe(buffer)
+    bench.probe = bench_floor.BandwidthProbe(buffer, engine.device)
     bench.probe.sample(5)
     try:
         results = bench.measure()
