@@ -26,6 +26,7 @@ which is how the tests exercise this file without a GPU.
 """
 from __future__ import annotations
 
+import gc
 import os
 import warnings
 import weakref
@@ -245,3 +246,13 @@ def decoder_for(model: Llama, pool: KVPool) -> GraphDecoder:
     if dec is None or not dec.serves(model, pool):
         dec = _DECODERS[model] = GraphDecoder(model, pool)
     return dec
+
+
+def forget(model: Llama) -> None:
+    """Drop the model's decoder, and with it the graphs and buffers captured on its pool (a
+    rebuilt pool gets a decoder of its own). On a GPU the freed memory also goes back from
+    torch's allocator cache, so that a pool of most of the device can be rebuilt in its place."""
+    _DECODERS.pop(model, None)
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        gc.collect()
+        torch.cuda.empty_cache()

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from . import compute, native, native_build
+from . import compute, cuda_graph, native, native_build
 from .block_manager import BlockManager
 from .chat_template import check_chat_template
 from .errors import KvchatError
@@ -212,8 +212,9 @@ class Engine:
         if getattr(self, "kv_budget_bytes", None) is None:
             self.kv_budget_bytes = self.config.budget_bytes or default_budget(self.geometry, kv_dtype, self.device)
         spec = plan_pool(self.geometry, kv_dtype, self.kv_budget_bytes, self.config.block_size)
-        if hasattr(self, "pool"):
-            del self.pool  # free the old tensors before allocating new ones
+        if hasattr(self, "pool"):  # every hold on the old tensors let go before the new ones are made
+            del self.pool, self.runner
+            cuda_graph.forget(self.model)
         self.pool = KVPool(self.geometry, spec, self.device)
         self.blocks = BlockManager(spec.num_blocks, spec.block_size)
         if not hasattr(self, "scheduler"):    # the first build; a rebuild keeps the scheduler

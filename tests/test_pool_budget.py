@@ -23,3 +23,32 @@ def test_the_default_budget_is_fixed_in_bytes_across_kv_dtypes(engine, monkeypat
         engine.kv_budget_bytes = saved
         monkeypatch.undo()
         engine.set_kv_dtype("fp32")
+
+
+def test_a_rebuild_lets_go_of_the_old_pool_before_making_the_new_one(engine, monkeypatch):
+    """On a GPU the default pool takes 90% of the free memory, so the old one must be freed first:
+    the engine's, the runner's and a graph decoder's holds on it all go (the H200 run found the
+    runner and the decoder keeping it, and `/kv fp8` out of memory). Here the new pool's
+    allocation looks for the old tensors still alive."""
+    import gc
+    import weakref
+
+    from kvchat.engine import cuda_graph, kv_cache
+
+    cuda_graph.decoder_for(engine.model, engine.pool)   # as a CUDA step would have made it
+    old = weakref.ref(engine.pool.data)
+    alive_at_build = []
+    real = kv_cache.KVPool.__init__
+
+    def build(self, *args, **kwargs):
+        gc.collect()
+        alive_at_build.append(old() is not None)
+        real(self, *args, **kwargs)
+    monkeypatch.setattr(kv_cache.KVPool, "__init__", build)
+    try:
+        engine.set_kv_dtype("fp8")
+        assert alive_at_build == [False]
+        assert engine.kv_dtype == "fp8" and engine.runner.pool is engine.pool
+    finally:
+        monkeypatch.undo()
+        engine.set_kv_dtype("fp32")
