@@ -7,7 +7,8 @@ rebinds every key by its id), the help and the command palette, and the model's 
 runs in a thread worker and hands the backend to the screen. Quitting lets the reply in
 progress end, so it is saved, then exits; SIGINT, SIGTERM and SIGHUP quit the same way,
 sooner (a closed terminal or a `kill` mid-reply keeps what streamed, and the terminal leaves
-the alternate screen and mouse mode as on ctrl+q).
+the alternate screen and mouse mode as on ctrl+q). They and a terminal that went away reach
+the app through app/signals.py, not the event loop, which a dead terminal can block for good.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from rich.console import RenderableType
 from textual.app import App
@@ -37,6 +39,7 @@ from ..store import settings as settings_mod
 from ..store.settings import Settings
 from . import theming
 from .palette import KvchatCommands
+from .signals import SignalWatch, terminal_fds
 from .startup import AppOptions
 
 QUIT_GRACE_S = 10.0        # ctrl+q: the reply in progress has this long to stop and be saved
@@ -49,7 +52,8 @@ def _last_resort(saved: threading.Event | None, code: int) -> None:
     """A signal's backstop, in a daemon thread: once the reply in progress is in the log (or
     SIGNAL_GRACE_S passed), the app has EXIT_GRACE_S to end by itself, and then the process
     ends here. A terminal that hung up (SIGHUP) leaves Textual waiting forever to write the
-    sequences that restore it; a process ending normally takes this thread along."""
+    sequences that restore it, and its event loop blocked on them; a process ending normally
+    takes this thread along."""
     if saved is not None:
         saved.wait(SIGNAL_GRACE_S)
     time.sleep(EXIT_GRACE_S)
@@ -80,6 +84,7 @@ class KvChatApp(App[int], inherit_bindings=False):
         self.backend: Backend | None = None
         self.failure: str | None = None         # one line for stderr after exit
         self.signalled: int | None = None       # the signal that asked the app to quit
+        self._signals: SignalWatch | None = None
         self._load_started = time.perf_counter()
         self.use_command_palette = True         # opened by keys.KEYS' "palette" key
         self.add_mode("chat", self._chat)
@@ -97,22 +102,36 @@ class KvChatApp(App[int], inherit_bindings=False):
         self.run_worker(self._load, thread=True, group="load", exit_on_error=False)
         if not self.is_headless:                # a test's app leaves the test runner's signals alone
             loop = asyncio.get_running_loop()
-            for sig in SIGNALS:                 # removed when the loop closes, as the app ends
-                loop.add_signal_handler(sig, self._signalled, sig)
+            # closed by run(), as the app ends, the previous handlers then back
+            self._signals = SignalWatch(SIGNALS, terminal_fds(), lambda sig: self._signalled(loop, sig))
 
-    def _signalled(self, sig: int) -> None:
-        """SIGINT, SIGTERM, SIGHUP: quit as ctrl+q does, the reply in progress stopped and
-        saved, within SIGNAL_GRACE_S; a second signal exits at once. The exit status is the
-        shell's for a signal, 128 + its number."""
+    def run(self, **kwargs: Any) -> int | None:
+        """App.run, then the signals' previous handlers back (after the terminal is restored,
+        which can block too)."""
+        try:
+            return super().run(**kwargs)
+        finally:
+            if self._signals is not None:
+                self._signals.close()
+                self._signals = None
+
+    def _signalled(self, loop: asyncio.AbstractEventLoop, sig: int) -> None:
+        """SIGINT, SIGTERM, SIGHUP, or the terminal gone (SIGHUP), in the signals' thread: quit
+        as ctrl+q does, the reply in progress stopped and saved, within SIGNAL_GRACE_S; a second
+        signal exits at once. The exit status is the shell's for a signal, 128 + its number. The
+        backstop starts here, so it runs when the loop never gets to the quit."""
         again = self.signalled is not None
         self.signalled = sig
-        if again:
-            self.exit(return_code=128 + sig)
-            return
-        turn = self.chat_screen.jobs.replying
-        threading.Thread(target=_last_resort, args=(turn.saved if turn is not None else None, 128 + sig),
-                         daemon=True, name="kvchat-signal").start()
-        self.call_later(self.action_quit, SIGNAL_GRACE_S)
+        try:
+            if again:
+                loop.call_soon_threadsafe(self.exit, None, 128 + sig)
+                return
+            turn = self.chat_screen.jobs.replying
+            threading.Thread(target=_last_resort, args=(turn.saved if turn is not None else None, 128 + sig),
+                             daemon=True, name="kvchat-signal").start()
+            loop.call_soon_threadsafe(self.call_later, self.action_quit, SIGNAL_GRACE_S)
+        except RuntimeError:        # the loop closed: the app has ended already
+            pass
 
     def exit(self, result: int | None = None, return_code: int = 0, message: RenderableType | None = None) -> None:
         self.chat_screen.closing = True     # worker messages still in the queue are dropped from now on
