@@ -115,11 +115,13 @@ def check_decode_kernel(r: Report, s: Setup) -> None:
             r.row("decode", case, f"{ms * 1000:.1f} us {gbps:,.0f} GB/s {frac:.0%}", peer, verdict)
             r.facts.setdefault("decode_frac", {})[ctx] = frac
 
-    if s.quick:
+    if not s.sweep:
         return
     sweep = [DecodeConfig(), DecodeConfig(block_n=32), DecodeConfig(block_n=128), DecodeConfig(num_warps=8),
              DecodeConfig(num_stages=3), DecodeConfig(num_stages=4), DecodeConfig(waves=2), DecodeConfig(waves=8),
-             DecodeConfig(block_n=128, num_warps=8, num_stages=3), DecodeConfig(block_n=32, waves=8)]
+             DecodeConfig(waves=16), DecodeConfig(block_n=128, waves=8), DecodeConfig(num_warps=8, waves=8),
+             DecodeConfig(block_n=128, num_warps=8, num_stages=3), DecodeConfig(block_n=32, waves=8),
+             DecodeConfig(block_n=32, waves=16)]
     for ctx in (8 * K, 32 * K):
         with r.guard("sweep", f"{ctx // K}k"):
             sets, q, lens, per = build(ctx)
@@ -251,6 +253,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--quick", action="store_true", help="fewer contexts, no launch-parameter sweep")
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     ap.add_argument("--cpu-dry-run", action="store_true", help="exercise the script on CPU (tiny model)")
+    ap.add_argument("--sweep", action="store_true", help="with --quick: the decode kernel's launch-parameter sweep too")
     ap.add_argument("--section", choices=list(SECTIONS), help=argparse.SUPPRESS)  # internal: one child's part
     ap.add_argument("--state", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -273,7 +276,8 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         state = Path(tmp) / "state.json"
         state.write_text(json.dumps(dict(rows=[], facts={})))
-        flags = [f for f, on in (("--quick", args.quick), ("--cpu-dry-run", args.cpu_dry_run)) if on]
+        flags = [f for f, on in (("--quick", args.quick), ("--cpu-dry-run", args.cpu_dry_run), ("--sweep", args.sweep))
+                 if on]
         for name, (_, limit) in SECTIONS.items():
             before = state.read_text()
             cmd = [sys.executable, str(Path(__file__).resolve()), "--section", name, "--state", str(state), *flags]

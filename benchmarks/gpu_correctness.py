@@ -28,18 +28,14 @@ def check_correctness(r: Report, s: Setup) -> None:
             fused = (torch.randn(t, 3 * hk * d, generator=gen) * 3).to(act).to(dev)
             k, v = fused[:, :hk * d].view(t, hk, d), fused[:, 2 * hk * d:].view(t, hk, d)
             slots = torch.randperm(nb * bs, generator=gen)[:t].to(dev)
-            bufs = []
-            for _ in range(2):
-                c = [torch.zeros(nb, bs, hk, d, device=dev).to(dtype) for _ in range(2)]
-                sc = [torch.zeros(nb, bs, hk, device=dev) for _ in range(2)] if dtype == A.FP8 else [None, None]
-                bufs.append(c + sc)
+            bufs = [caches(nb, bs, hk, d, dtype, where) for where in (dev, dev, "cpu")]
             with kernels_on_cpu(s):
                 kernels.write_kv(bufs[0][0], bufs[0][1], k, v, slots, bufs[0][2], bufs[0][3])
             A.write_kv_ref(bufs[1][0], bufs[1][1], k, v, slots, bufs[1][2], bufs[1][3])
-            diffs = sum(int((a.view(torch.uint8) != b.view(torch.uint8)).sum())
-                        for a, b in zip(bufs[0], bufs[1]) if a is not None)
-            r.row("correct", f"write_kv {name} (hk 8, d 128, {t} rows)", f"{diffs} bytes differ", "write_kv_ref",
-                  "PASS" if diffs == 0 else "FAIL")
+            A.write_kv_ref(bufs[2][0], bufs[2][1], k.cpu(), v.cpu(), slots.cpu(), bufs[2][2], bufs[2][3])
+            cpu, here, where = byte_diffs(bufs[0], bufs[2]), byte_diffs(bufs[0], bufs[1]), first_diff(bufs[0], bufs[2])
+            r.row("correct", f"write_kv {name} (hk 8, d 128, {t} rows)", f"{cpu} bytes differ{where}",
+                  f"write_kv_ref on CPU; on {dev.type}: {here}", "PASS" if cpu == 0 else "FAIL")
 
     # the dry run sweeps the dtypes with 2 KV heads: a quarter of the interpreted programs, the
     # same code (tests/test_kernels.py checks 8 KV heads)
@@ -96,6 +92,38 @@ def check_correctness(r: Report, s: Setup) -> None:
             check_graph_batch(r, s, case, b)
 
 
+def caches(nb: int, bs: int, hk: int, d: int, dtype, device) -> list:
+    """Zeroed K and V caches (nb, bs, hk, d), and for fp8 their scales (nb, bs, hk), on device."""
+    import torch
+    from kvchat.engine import attention as A
+    c = [torch.zeros(nb, bs, hk, d, device=device).to(dtype) for _ in range(2)]
+    return c + ([torch.zeros(nb, bs, hk, device=device) for _ in range(2)] if dtype == A.FP8 else [None, None])
+
+
+def byte_diffs(got: list, want: list) -> int:
+    """Bytes that differ between two lists of tensors (None entries skipped), compared on the CPU:
+    the verdict is against torch's CPU arithmetic, the semantics tests/ pin the kernels to."""
+    import torch
+    return sum(int((a.cpu().contiguous().view(torch.uint8) != b.cpu().contiguous().view(torch.uint8)).sum())
+               for a, b in zip(got, want) if a is not None)
+
+
+def first_diff(got: list, want: list, names=("k cache", "v cache", "k scales", "v scales")) -> str:
+    """Where the first differing element is, and both values: a finding to act on, not a count."""
+    import torch
+    for name, a, b in zip(names, got, want):
+        if a is None:
+            continue
+        a, b = a.cpu().contiguous(), b.cpu().contiguous()
+        bad = (a.view(torch.uint8) != b.view(torch.uint8)).view(-1)
+        if bad.any():
+            i = int(bad.nonzero()[0]) // a.element_size()
+            count = int((a.reshape(-1).float() != b.reshape(-1).float()).sum())
+            return (f" ({count} elements; first in {name}[{i}]: "
+                    f"{a.reshape(-1)[i].float().item():.6g} vs {b.reshape(-1)[i].float().item():.6g})")
+    return ""
+
+
 def check_fused(r: Report, s: Setup, gen) -> None:
     """The decode step's fused kernels against their torch forms (engine.cuda_graph.TorchOps)."""
     import torch
@@ -136,19 +164,18 @@ def check_fused(r: Report, s: Setup, gen) -> None:
             sin = torch.cat((ang.sin(), ang.sin()), -1).to(act).to(dev)
             positions = torch.randint(0, max_pos, (t,), generator=gen).to(dev)
             slots = torch.randperm(nb * bs, generator=gen)[:t].to(dev)
-            bufs = []
-            for _ in range(2):
-                c = [torch.zeros(nb, bs, hk, d, device=dev).to(cache) for _ in range(2)]
-                sc = [torch.zeros(nb, bs, hk, device=dev) for _ in range(2)] if cache == A.FP8 else [None, None]
-                bufs.append(c + sc)
+            bufs = [caches(nb, bs, hk, d, cache, where) for where in (dev, dev, "cpu")]
             with kernels_on_cpu(s):
                 q_got = kernels.rope_write(qkv, cos, sin, positions, *bufs[0][:2], slots, *bufs[0][2:], hq)
-            q_want = TorchOps.rope_write(qkv, cos, sin, positions, *bufs[1][:2], slots, *bufs[1][2:], hq)
-            diffs = int((q_got.contiguous().view(torch.uint8) != q_want.contiguous().view(torch.uint8)).sum())
-            diffs += sum(int((a.view(torch.uint8) != b.view(torch.uint8)).sum())
-                         for a, b in zip(bufs[0], bufs[1]) if a is not None)
-            r.row("correct", f"rope_write {str(act)[6:]} q, cache {name}", f"{diffs} bytes differ",
-                  "TorchOps (apply_rope, write_kv_ref)", "PASS" if diffs == 0 else "FAIL")
+            q_dev = TorchOps.rope_write(qkv, cos, sin, positions, *bufs[1][:2], slots, *bufs[1][2:], hq)
+            q_cpu = TorchOps.rope_write(qkv.cpu(), cos.cpu(), sin.cpu(), positions.cpu(), *bufs[2][:2], slots.cpu(),
+                                        *bufs[2][2:], hq)
+            got = [q_got.contiguous(), *bufs[0]]
+            cpu = byte_diffs(got, [q_cpu.contiguous(), *bufs[2]])
+            here = byte_diffs(got, [q_dev.contiguous(), *bufs[1]])
+            where = first_diff(got, [q_cpu.contiguous(), *bufs[2]], ("q", "k cache", "v cache", "k scales", "v scales"))
+            r.row("correct", f"rope_write {str(act)[6:]} q, cache {name}", f"{cpu} bytes differ{where}",
+                  f"TorchOps on CPU; on {dev.type}: {here}", "PASS" if cpu == 0 else "FAIL")
 
 
 def check_graph_decoder(r: Report, s: Setup, case: str, fused: bool) -> None:

@@ -41,10 +41,19 @@ def engine_decode_ms(s: Setup, engine, ctx: int, fused: bool = True, batch: int 
         if dec.fused != fused and dec.fallback is None:
             cuda_graph._DECODERS[engine.model] = cuda_graph.GraphDecoder(engine.model, engine.pool, fused=fused)
     prompts = [torch.randint(0, s.geom.vocab_size, (ctx,)).tolist() for _ in range(batch)]
+    # the prompts are prefilled a step's token budget at a time, one after another: each asks for
+    # enough tokens to still be decoding when the last is in (as kvchat bench --batch does)
+    stagger = sum(-(-len(p) // engine.scheduler.token_budget) for p in prompts[1:])
     with kernels_on_cpu(s):
-        _, steps = engine.generate(prompts, SamplingParams(max_tokens=s.decode_steps + 4), ignore_eos=True)
+        _, steps = engine.generate(prompts, SamplingParams(max_tokens=s.decode_steps + 4 + stagger), ignore_eos=True)
     times = sorted(st.step_ms for st in steps if st.decode_rows == batch and not st.prefill_tokens)[:-3 or None]
+    if not times:
+        raise RuntimeError(f"no step had all {batch} sequences decoding")
     return times[len(times) // 2]
+
+
+def batches(s: Setup) -> tuple[int, ...]:
+    return (1, 4, 16, 64) if not s.dry else (1, 3)
 
 
 def check_batched(r: Report, s: Setup, engine) -> None:
@@ -52,7 +61,7 @@ def check_batched(r: Report, s: Setup, engine) -> None:
     read once per step for all B sequences, so the step time grows far slower than B."""
     ctx = s.e2e_contexts[0]
     one = None
-    for b in (1, 4, 16) if not s.dry else (1, 3):
+    for b in batches(s):
         with r.guard("e2e", f"engine batch {b} at {ctx}"):
             # batch 1 is the fused decode measured above at this context (the same call)
             ms = r.facts.get("engine_ms", {}).get(ctx) if b == 1 else None
@@ -163,7 +172,9 @@ def check_end_to_end(r: Report, s: Setup) -> None:
     ms_engine: dict[int, float] = {}
     with r.guard("e2e", "engine set-up"):
         t0 = time.perf_counter()
-        engine = make_engine(s, max(s.e2e_contexts) + 4 * K)
+        # room for the longest context, and for the largest batch at the first without preemption
+        engine = make_engine(s, max(max(s.e2e_contexts) + 4 * K,
+                                    max(batches(s)) * (s.e2e_contexts[0] + 2 * s.decode_steps + 160)))
         model = engine.model
         r.facts["weight_bytes"] = model.weight_bytes
         read = model.weight_bytes - (model.embed.nbytes if model.lm_head is not model.embed else 0)

@@ -3,7 +3,8 @@
 # README: one short prepared script, a few minutes of device time in all).
 #
 #   bash benchmarks/gpu_run.sh prepare     # here, with the package registry: fills .gpu/ (ignored)
-#   bash benchmarks/gpu_run.sh run DIR     # there: every step under its own time limit, logs in DIR
+#   bash benchmarks/gpu_run.sh run DIR [STEP ...]   # there: the steps (default all), each under its own
+#                                                   # time limit, logs in DIR
 #
 # prepare writes .gpu/llama-3.1-8b/ (Llama 3.1 8B's config.json, written from the engine's
 # geometry, beside the bundled model's tokenizer: --random-weights needs no weights, and the
@@ -15,9 +16,12 @@
 #      decode kernel's bandwidth, prefill, end to end beside transformers, batched decode);
 #   3. the app itself, driven by Textual's Pilot on the real engine (benchmarks/gpu_app.py);
 #   4. kvchat bench on the 8B geometry at 1k, 8k and 32k (TTFT of a reused prefix, peers);
-#   5. kvchat bench --batch 1,8,32,64 at 1k and 8k;
+#   5. kvchat bench --batch 1,8,32,64 at 1k and 4k;
 #   6. the same bench with the CUDA graph set aside (KVCHAT_CUDA_GRAPH=0);
-#   7. kvchat ask --json.
+#   7. kvchat ask --json;
+#   8. a new turn's TTFT after 1k and 8k of history, profiled on the host (gpu_ttft.py);
+#   9. a decode step's kernels at 1k, from torch's profiler (gpu_profile.py).
+# Steps by name: env check app bench batch eager ask ttft profile.
 # DIR gets summary.txt (every step's output), the JSON and PNG files, and the app's screen.
 set -u
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -76,19 +80,27 @@ run() {
         local rc=${PIPESTATUS[0]}
         echo "==== $name: exit $rc after $((SECONDS - t0)) s" | tee -a "$sum"
     }
-    step env 20 bash -c 'nvidia-smi; nproc; free -g | head -2; command -v tmux || echo "no tmux";
-        python3 -c "import sys, torch, triton, transformers, textual; print(sys.version.split()[0], torch.__version__,
-        triton.__version__, transformers.__version__, textual.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else \"no CUDA\")"'
-    step gpu_check 250 python3 benchmarks/gpu_check.py --quick --json "$out/gpu_check.json"
-    step app 60 python3 benchmarks/gpu_app.py --out "$out" -- --model "$model" --random-weights --max-tokens 32
-    step bench 80 python3 -m kvchat bench --model "$model" --random-weights --contexts 1024,8192,32768 --runs 2 --kv-budget 24GiB \
-        --new-tokens 16 --no-llama-cpp --json "$out/bench.json" --plot "$out/bench.png"
-    step batch 70 python3 -m kvchat bench --model "$model" --random-weights --batch 1,8,32,64 --contexts 1024,8192 \
-        --runs 1 --new-tokens 16 --no-peers --json "$out/batch.json" --plot "$out/batch.png"
-    step eager 35 env KVCHAT_CUDA_GRAPH=0 python3 -m kvchat bench --model "$model" --random-weights \
-        --contexts 1024,8192 --runs 1 --new-tokens 16 --no-peers
-    step ask 30 python3 -m kvchat ask --model "$model" --random-weights --json --max-tokens 32 \
-        "What does a KV cache hold?"
+    local steps=${*:-env check app bench batch eager ask ttft profile}
+    for name in $steps; do
+        case $name in
+        env) step env 20 bash -c 'nvidia-smi; nproc; free -g | head -2; command -v tmux || echo "no tmux";
+            python3 -c "import sys, torch, triton, transformers, textual; print(sys.version.split()[0], torch.__version__,
+            triton.__version__, transformers.__version__, textual.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else \"no CUDA\")"' ;;
+        check) step gpu_check 250 python3 benchmarks/gpu_check.py --quick --sweep --json "$out/gpu_check.json" ;;
+        app) step app 60 python3 benchmarks/gpu_app.py --out "$out" -- --model "$model" --random-weights --max-tokens 32 ;;
+        bench) step bench 80 python3 -m kvchat bench --model "$model" --random-weights --contexts 1024,8192,32768 \
+            --runs 2 --kv-budget 24GiB --new-tokens 16 --no-llama-cpp --json "$out/bench.json" --plot "$out/bench.png" ;;
+        batch) step batch 90 python3 -m kvchat bench --model "$model" --random-weights --batch 1,8,32,64 \
+            --contexts 1024,4096 --runs 1 --new-tokens 16 --no-peers --json "$out/batch.json" --plot "$out/batch.png" ;;
+        eager) step eager 45 env KVCHAT_CUDA_GRAPH=0 python3 -m kvchat bench --model "$model" --random-weights \
+            --contexts 1024,8192 --runs 1 --new-tokens 16 --no-peers ;;
+        ask) step ask 30 python3 -m kvchat ask --model "$model" --random-weights --json --max-tokens 32 \
+            "What does a KV cache hold?" ;;
+        ttft) step ttft 60 python3 benchmarks/gpu_ttft.py --model "$model" --random-weights --contexts 1024,8192 ;;
+        profile) step profile 45 python3 benchmarks/gpu_profile.py --model "$model" --random-weights --context 1024 ;;
+        *) echo "unknown step $name" | tee -a "$sum" ;;
+        esac
+    done
     echo "==== verdicts" | tee -a "$sum"
     grep -E "^(PASS|FAIL)|passed, .* failed|FAIL|ERROR|Traceback" "$sum" | grep -v "^==== " | tail -60
 }

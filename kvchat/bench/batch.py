@@ -158,10 +158,12 @@ class BatchBench:
                      f"{report.med(ms):.1f} ms/step")
 
 
-def budget_for(engine_cfg, geometry, batches, contexts, steps) -> int:
-    """Pool bytes for the largest batch at the longest context in the widest KV dtype."""
+def budget_for(engine_cfg, geometry, batches, contexts, steps, kv_dtype: str) -> int:
+    """Pool bytes for the largest batch at the longest context in the wider of the run's KV
+    dtypes (its own and fp8, which keeps the bytes and so must hold the tokens in them too)."""
     tokens = max(batches) * (max(contexts) + steps + MARGIN + engine_cfg.block_size)   # + each user's last block
-    return tokens * geometry.kv_bytes_per_token("fp32")
+    return tokens * max(geometry.kv_bytes_per_token(kv) + geometry.kv_scale_bytes_per_token(kv)
+                        for kv in (kv_dtype, "fp8"))
 
 
 def run_batch(args) -> int:
@@ -175,7 +177,7 @@ def run_batch(args) -> int:
     contexts = parse_contexts(args.contexts)
     cfg = engine_config(args)
     checked = preflight(cfg)
-    need = budget_for(cfg, checked.source.geometry, batches, contexts, args.new_tokens)
+    need = budget_for(cfg, checked.source.geometry, batches, contexts, args.new_tokens, checked.kv_dtype)
     if cfg.kv_budget is not None and cfg.kv_budget < need:
         raise KvchatError(f"--kv-budget {cfg.kv_budget:,} B cannot hold {max(batches)} users of "
                           f"{max(contexts):,} tokens; give at least {need:,} B or leave --kv-budget out")
