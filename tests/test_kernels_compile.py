@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def variants():
-    """(name, kernel, argument types, constexprs, num_warps, num_stages) for each launch."""
+    """(name, kernel, argument types, constexprs, num_warps, num_stages[, other options]) for each launch."""
     from kvchat.engine.kernels import cache_write, decode, fused
 
     def ptr(t: str) -> str:
@@ -61,7 +61,7 @@ def variants():
                      v_scale_ptr=ptr("fp32" if fp8 else cache), slots_ptr="*i64", stride_qkv="i32",
                      stride_qo_t="i32", stride_pos="i32", stride_slot="i32")
         out.append((f"rope_write bf16 -> {cache}", fused._rope_write_kernel, types,
-                    dict(HQ=32, HK=8, D=128, FP8=fp8), 1, 1))
+                    dict(HQ=32, HK=8, D=128, FP8=fp8), 1, 1, dict(enable_fp_fusion=False)))
     return out
 
 
@@ -72,14 +72,14 @@ def compile_all() -> int:
     from triton.compiler import ASTSource
     target = GPUTarget("cuda", 90, 32)
     failed = 0
-    for name, kernel, types, consts, warps, stages in variants():
+    for name, kernel, types, consts, warps, stages, *more in variants():
         signature = {arg: types.get(arg, "constexpr") for arg in kernel.arg_names}
         # pointers and strides 16-aligned, as the JIT specialises them at a real launch
         attrs = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(kernel.arg_names)
                  if types.get(arg, "").startswith("*") or arg.startswith("stride")}
         try:
             triton_compile(ASTSource(kernel, signature, consts, attrs), target=target,
-                           options=dict(num_warps=warps, num_stages=stages))
+                           options=dict(num_warps=warps, num_stages=stages, **(more[0] if more else {})))
             print(f"ok   {name}")
         except Exception as err:  # noqa: BLE001  (report every kernel, then fail)
             failed += 1
