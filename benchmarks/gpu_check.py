@@ -254,9 +254,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", metavar="PATH", help="also write the rows as JSON")
     ap.add_argument("--cpu-dry-run", action="store_true", help="exercise the script on CPU (tiny model)")
     ap.add_argument("--sweep", action="store_true", help="with --quick: the decode kernel's launch-parameter sweep too")
+    ap.add_argument("--only", metavar="NAME,...", help=f"these sections alone ({', '.join(SECTIONS)})")
     ap.add_argument("--section", choices=list(SECTIONS), help=argparse.SUPPRESS)  # internal: one child's part
     ap.add_argument("--state", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    only = args.only.split(",") if args.only else list(SECTIONS)
+    if set(only) - set(SECTIONS):
+        ap.error(f"--only: unknown section(s) {', '.join(sorted(set(only) - set(SECTIONS)))}; "
+                 f"accepted: {', '.join(SECTIONS)}")
     if args.cpu_dry_run:
         os.environ.setdefault("TRITON_INTERPRET", "1")  # before engine.kernels is imported
     import torch
@@ -279,6 +284,8 @@ def main(argv: list[str] | None = None) -> int:
         flags = [f for f, on in (("--quick", args.quick), ("--cpu-dry-run", args.cpu_dry_run), ("--sweep", args.sweep))
                  if on]
         for name, (_, limit) in SECTIONS.items():
+            if name not in only:
+                continue
             before = state.read_text()
             cmd = [sys.executable, str(Path(__file__).resolve()), "--section", name, "--state", str(state), *flags]
             try:

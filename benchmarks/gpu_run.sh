@@ -21,7 +21,8 @@
 #   7. kvchat ask --json;
 #   8. a new turn's TTFT after 1k and 8k of history, profiled on the host (gpu_ttft.py);
 #   9. a decode step's kernels at 1k, from torch's profiler (gpu_profile.py).
-# Steps by name: env check app bench batch eager ask ttft profile.
+# Steps by name: env check app bench batch eager ask ttft profile (and correct: gpu_check's
+# correctness section alone).
 # DIR gets summary.txt (every step's output), the JSON and PNG files, and the app's screen.
 set -u
 here=$(cd "$(dirname "$0")/.." && pwd)
@@ -65,6 +66,7 @@ EOF
 
 run() {
     local out=${1:?run needs the output folder}
+    shift
     mkdir -p "$out"
     local sum="$out/summary.txt"
     export PYTHONUNBUFFERED=1
@@ -86,6 +88,7 @@ run() {
         env) step env 20 bash -c 'nvidia-smi; nproc; free -g | head -2; command -v tmux || echo "no tmux";
             python3 -c "import sys, torch, triton, transformers, textual; print(sys.version.split()[0], torch.__version__,
             triton.__version__, transformers.__version__, textual.__version__, torch.cuda.get_device_name() if torch.cuda.is_available() else \"no CUDA\")"' ;;
+        correct) step gpu_check 90 python3 benchmarks/gpu_check.py --only env,correctness ;;
         check) step gpu_check 250 python3 benchmarks/gpu_check.py --quick --sweep --json "$out/gpu_check.json" ;;
         app) step app 60 python3 benchmarks/gpu_app.py --out "$out" -- --model "$model" --random-weights --max-tokens 32 ;;
         bench) step bench 80 python3 -m kvchat bench --model "$model" --random-weights --contexts 1024,8192,32768 \
