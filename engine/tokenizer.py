@@ -29,6 +29,8 @@ post-processor's tokens. No file here runs code: auto_map (custom tokenizer code
 from __future__ import annotations
 
 import json
+import re
+import threading
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Iterable
@@ -205,6 +207,7 @@ class Tokenizer:
         self.bos_token_id = self._id(self.bos_token)
         self.eos_token_id = self._id(self.eos_token)
         self.pad_token_id = self._id(self.pad_token)
+        self._pieces = Pieces(backend)
 
     @classmethod
     def from_dir(cls, directory: Path) -> Tokenizer:
@@ -278,6 +281,8 @@ class Tokenizer:
         return self._id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not add_special_tokens and self._pieces.usable(text):
+            return self._pieces.encode(text)
         return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: int | Iterable[int], skip_special_tokens: bool = False) -> str:
@@ -307,6 +312,75 @@ class Tokenizer:
         text = self._compiled.render(messages=chat, tools=None, documents=None,
                                      add_generation_prompt=add_generation_prompt, **self.special_tokens_map)
         return self.encode(text, add_special_tokens=False) if tokenize else text
+
+
+class Pieces:
+    """A rendered conversation's ids, a piece at a time: the text is cut before each special
+    token (the chat template's turn markers), each piece encoded once and remembered. A new
+    turn then encodes only its new pieces, not the whole history again (8k tokens took 16 ms on
+    a 2-core EPYC, 32k about 40 ms on the H200's host: most of a turn's time to first token
+    there once the history's cache is reused).
+
+    The tokenizer splits its input at added tokens before anything else, so a piece encodes as
+    in the whole text: each piece starts with its special token, which is what the text after it
+    follows in the whole (a "first split" rule, like Metaspace's, sees the same). Only tokens
+    that take no whitespace around them are cut at, and the cut is checked at load on probe
+    texts: a tokenizer whose pieces disagree with its whole encoding is never cut."""
+
+    MIN_CHARS = 2048            # shorter texts: one call costs less than the cutting
+    MAX_IDS = 1 << 20           # ids remembered in all (about 40 MB at most), the oldest pieces forgotten first
+
+    def __init__(self, backend: Backend) -> None:
+        self._backend = backend
+        self._memo: dict[str, list[int]] = {}
+        self._held = 0
+        self._lock = threading.Lock()   # the crowd's users render on threads of their own
+        tokens = [t.content for t in backend.get_added_tokens_decoder().values()
+                  if t.special and not (t.lstrip or t.rstrip or t.single_word or t.normalized) and t.content]
+        self._cut = re.compile("(?=" + "|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)) + ")"
+                               ) if tokens else None
+        self.on = self._cut is not None and all(self._whole(t) == self._joined(t) for t in self._probes(tokens))
+
+    @staticmethod
+    def _probes(tokens: list[str]) -> list[str]:
+        words = ["Hello, world.", " leading space", "\n\nnew lines\n", "été 東京 🙂", "end."]
+        a, b = tokens[0], tokens[-1]
+        return [f"{a}user\n{words[0]}{b}\n{a}assistant\n{words[1]}{b}", f"{words[2]}{a}{words[3]}{b}{words[4]}",
+                f"{a}{a}{b} {words[1]}{b}{b}\n"]
+
+    def usable(self, text: str) -> bool:
+        return self.on and len(text) >= self.MIN_CHARS
+
+    def _whole(self, text: str) -> list[int]:
+        return self._backend.encode(text, add_special_tokens=False).ids
+
+    def _joined(self, text: str) -> list[int]:
+        ids: list[int] = []
+        for piece in self._cut.split(text) if self._cut is not None else [text]:
+            if piece:
+                ids += self._whole(piece)
+        return ids
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = []
+        assert self._cut is not None
+        for piece in self._cut.split(text):
+            if not piece:
+                continue
+            with self._lock:
+                got = self._memo.pop(piece, None)   # popped and put back: the newest last
+                if got is not None:
+                    self._memo[piece] = got
+            if got is None:
+                got = self._whole(piece)
+                with self._lock:
+                    if piece not in self._memo and len(got) <= self.MAX_IDS:
+                        while self._memo and self._held + len(got) > self.MAX_IDS:
+                            self._held -= len(self._memo.pop(next(iter(self._memo))))
+                        self._memo[piece] = got
+                        self._held += len(got)
+            ids += got
+        return ids
 
 
 def _fields(token: AddedToken) -> tuple:
