@@ -87,6 +87,9 @@ def check_correctness(r: Report, s: Setup) -> None:
         case = f"graph decode step ({'fused' if fused else 'Llama.forward'}) vs torch reference"
         with r.guard("correct", case):
             check_graph_decoder(r, s, case, fused)
+    case = "graph decode, a 23-token chunk as rows of one sequence vs eager prefill"
+    with r.guard("correct", case):
+        check_graph_chunk(r, s, case)
     for b in (3, 5) if not s.dry else (3,):      # the dry run: one padded bucket shows the path
         case = f"graph decode, batch {b} (padded to its bucket) vs each alone"
         with r.guard("correct", case):
@@ -309,3 +312,53 @@ def check_graph_batch(r: Report, s: Setup, case: str, b: int) -> None:
     ok = err <= 5e-2 * max(1.0, scale) and stray == 0
     r.row("correct", case, f"max abs err {err:.2e}, {stray} stray writes",
           f"{steps} steps of {b} rows, bucket {decoder.bucket(b)}", "PASS" if ok else "FAIL")
+
+
+def check_graph_chunk(r: Report, s: Setup, case: str) -> None:
+    """A new turn's 23 tokens after a 100-token prefix as 23 rows of one sequence through the
+    graph decoder (how the runner sends short prompt chunks on CUDA), then two decode steps
+    over what those rows wrote: logits against the eager torch prefill and decode."""
+    import torch
+    from dataclasses import replace
+    from kvchat.engine.cuda_graph import GraphDecoder
+    from kvchat.engine.kv_cache import KVPool, plan_pool
+    from kvchat.engine.model import Step
+    from kvchat.engine.weights import random_model
+    geom = replace(s.geom, n_layers=2)
+    dtype, kv = (torch.float32, "fp32") if s.dry else (torch.bfloat16, "bf16")
+    model = random_model(geom, s.device, dtype, seed=1)
+    bs, prompt, n = 16, 100, 23
+    spec = plan_pool(geom, kv, 64 * bs * geom.kv_bytes_per_token(kv), bs)
+    order = torch.randperm(spec.num_blocks, generator=torch.Generator().manual_seed(4))[:16].tolist()
+    table = torch.tensor(order + [0] * (spec.num_blocks - 16), dtype=torch.int32, device=s.device)
+    gen = torch.Generator().manual_seed(5)
+    ids = torch.randint(0, geom.vocab_size, (prompt + n + 2,), generator=gen).tolist()
+
+    def slots(a: int, b: int):
+        return torch.tensor([order[p // bs] * bs + p % bs for p in range(a, b)], device=s.device)
+
+    def step(pool, a: int, b: int, decode: bool):
+        return model.forward(torch.tensor(ids[a:b], device=s.device), torch.arange(a, b, device=s.device),
+                             Step(table, slots(a, b), a, decode=decode), pool)[0].float()
+
+    results = []
+    for graphed in (False, True):
+        pool = KVPool(geom, spec, s.device, layout="tokens")
+        step(pool, 0, prompt, False)
+        if not graphed:
+            with torch_reference_path():
+                out = [step(pool, prompt, prompt + n, False)] + [step(pool, p, p + 1, True)
+                                                                 for p in (prompt + n, prompt + n + 1)]
+        else:
+            dec = GraphDecoder(model, pool, use_graph=not s.dry)
+            pos = list(range(prompt, prompt + n))
+            with kernels_on_cpu(s):
+                rows = dec.decode(ids[prompt:prompt + n], pos, slots(prompt, prompt + n).tolist(),
+                                  [table[:(prompt + n) // bs + 1]] * n, [p + 1 for p in pos])
+                out = [rows[-1].float()] + [dec(ids[p], p, int(slots(p, p + 1)[0]), table, p // bs + 1).float()
+                                            for p in (prompt + n, prompt + n + 1)]
+        results.append(out)
+    err = max((a - b).abs().max().item() for a, b in zip(*results))
+    scale = max(a.abs().max().item() for a in results[0])
+    r.row("correct", case, f"max abs err {err:.2e}", f"chunk's last row + 2 steps, logits up to {scale:.2f}",
+          "PASS" if err <= 5e-2 * max(1.0, scale) else "FAIL")

@@ -2,9 +2,10 @@
 
 It turns the scheduler's Plan into one `Batch` (each decode row's token, position, slot,
 block table and context length; each prompt chunk's rows) and runs `Llama.forward` over it,
-so every weight is read once for all the rows. On CUDA a step of decode rows alone replays a
-CUDA graph captured for the next batch-size bucket (cuda_graph.py); a step with prompt
-chunks runs eagerly, as nano-vllm's prefill steps do. Cache-off conversations recompute
+so every weight is read once for all the rows. On CUDA a step of at most 64 rows (decode
+rows, and short prompt chunks as one row per token) replays a CUDA graph captured for the next
+batch-size bucket (cuda_graph.py); a step with longer prompt chunks runs eagerly, as
+nano-vllm's prefill steps do. Cache-off conversations recompute
 their whole text with `forward_dense`, one pass each. Sink-window re-rotations the
 scheduler planned run first, before any row reads or writes those blocks.
 """
@@ -51,10 +52,10 @@ class Runner:
             positions.append(pos)
             slots.append(seq.slot(pos))
             lens.append(pos + 1)
-        if self.device.type == "cuda" and decode and not chunks and graphs_enabled():
+        if self.device.type == "cuda" and graphs_enabled():
             dec = decoder_for(self.model, self.pool)
-            if len(decode) <= dec.max_batch:
-                return self._graphed(dec, decode, ids, positions, slots, lens), sum(lens)
+            if len(decode) + sum(n for _, _, n in chunks) <= dec.max_batch:
+                return self._graphed(dec, decode, chunks, ids, positions, slots, lens)
         parts, context = [], sum(lens)
         for req, start, n in chunks:
             seq = req.seq
@@ -80,7 +81,27 @@ class Runner:
                                     self.pool)
         return logits, context
 
-    def _graphed(self, dec: GraphDecoder, decode: list[Request], ids, positions, slots, lens) -> torch.Tensor:
-        width = -(-max(lens) // decode[0].seq.block_size)
-        tables = [r.seq.table[:width] for r in decode]
-        return dec.decode(ids, positions, slots, tables, lens)
+    def _graphed(self, dec: GraphDecoder, decode: list[Request], chunks: list[tuple[Request, int, int]],
+                 ids: list[int], positions: list[int], slots: list[int], lens: list[int]) -> tuple[torch.Tensor, int]:
+        """The decode rows and short prompt chunks through the decode graph: a chunk's n tokens
+        as n rows of its sequence, row i attending to the chunk's rows up to itself (each layer
+        writes every row's K/V before any row reads). A new turn's few tokens after a long
+        history thus cost one replay, not an eager prefill's ~650 launches (50 ms on the H200).
+        Logits: a row per decode request, then each chunk's last row, as the eager path's."""
+        seqs = [r.seq for r in decode]
+        context, last = sum(lens), []
+        for req, start, n in chunks:
+            seq, p0 = req.seq, len(req.seq)
+            ids.extend(req.tokens[start:start + n])
+            positions.extend(range(p0, p0 + n))
+            slots.extend(seq.slots(p0, p0 + n))
+            lens.extend(range(p0 + 1, p0 + n + 1))
+            seqs.extend([seq] * n)
+            context += p0 + n
+            last.append(len(ids) - 1)
+        width = -(-max(lens) // seqs[0].block_size)
+        logits = dec.decode(ids, positions, slots, [s.table[:width] for s in seqs], lens)
+        if not chunks:
+            return logits, context
+        keep = torch.tensor(list(range(len(decode))) + last, device=logits.device)
+        return logits.index_select(0, keep), context

@@ -180,3 +180,34 @@ def test_decoder_for_keeps_one_decoder_per_model_and_pool(table):
     assert decoder_for(model, first.pool) is dec
     rebuilt = Run(model, "fp32", table)
     assert decoder_for(model, rebuilt.pool) is not dec
+
+
+def test_graph_decoder_runs_a_prompt_chunk_as_rows_of_one_sequence(table, ids):
+    """A short prompt chunk through the decode step, one row per token of one sequence (how the
+    runner sends a new turn's few tokens on CUDA): each row attends to the rows before it in the
+    same step, so the last row's logits are the chunk prefill's, and the K/V it wrote serve the
+    decode steps after it."""
+    model = model_for("fp32")
+    want = conversation(Run(model, "fp32", table), ids)
+    run = Run(model, "fp32", table)
+    decoder = GraphDecoder(model, run.pool, use_graph=DEVICE.type == "cuda")
+    n = FOLLOW_UP
+
+    def step(token: int, pos: int) -> torch.Tensor:
+        slot = run.table_list[pos // BLOCK] * BLOCK + pos % BLOCK
+        return decoder(token, pos, slot, run.table, pos // BLOCK + 1)
+
+    with force_triton():
+        got = [run.prefill(ids[:PROMPT], 0)]
+        pos = list(range(PROMPT, PROMPT + n))
+        width = (PROMPT + n) // BLOCK + 1
+        rows = decoder.decode(ids[PROMPT:], pos, run.slots(PROMPT, PROMPT + n).tolist(), [run.table[:width]] * n,
+                              [p + 1 for p in pos])
+        assert rows.shape[0] == n
+        got.append(rows[-1])
+        p = PROMPT + n
+        for _ in range(DECODE_STEPS):
+            got.append(step(int(got[-1].argmax()), p))
+            p += 1
+    for s, (g, w) in enumerate(zip(got, want)):
+        torch.testing.assert_close(g, w, **TOL["fp32"], msg=lambda m, s=s: f"step {s}: {m}")
