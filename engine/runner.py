@@ -21,6 +21,9 @@ from .scheduler import Plan
 from .streaming import rerotate_keys
 
 
+CHUNK_READS = 12   # a prompt chunk goes through the decode graph while its rows read at most this many weights' bytes
+
+
 class Runner:
     def __init__(self, model: Llama, pool: KVPool) -> None:
         self.model, self.pool = model, pool
@@ -54,7 +57,7 @@ class Runner:
             lens.append(pos + 1)
         if self.device.type == "cuda" and graphs_enabled():
             dec = decoder_for(self.model, self.pool)
-            if len(decode) + sum(n for _, _, n in chunks) <= dec.max_batch:
+            if len(decode) + sum(n for _, _, n in chunks) <= dec.max_batch and self._rows_pay(chunks):
                 return self._graphed(dec, decode, chunks, ids, positions, slots, lens)
         parts, context = [], sum(lens)
         for req, start, n in chunks:
@@ -80,6 +83,16 @@ class Runner:
         logits = self.model.forward(torch.tensor(ids, device=dev), torch.tensor(positions, device=dev), batch,
                                     self.pool)
         return logits, context
+
+    def _rows_pay(self, chunks: list[tuple[Request, int, int]]) -> bool:
+        """Whether the chunks' rows are cheaper as decode rows: each row reads its sequence's
+        whole cache, so their reads grow as rows x context, while the eager prefill reads it
+        once but costs ~50 ms of launches (H200). Within CHUNK_READS x the weights' bytes: on
+        the H200, 40 rows after 32k tokens (172 GB read, just within that bound) took 60 ms as rows,
+        23 after 8k 11 ms, against 49-116 ms eagerly."""
+        per_token = self.pool.spec.stored_bytes_per_token
+        reads = sum(n * len(req.seq) + n * (n + 1) // 2 for req, _, n in chunks) * per_token
+        return reads <= CHUNK_READS * self.model.step_weight_bytes
 
     def _graphed(self, dec: GraphDecoder, decode: list[Request], chunks: list[tuple[Request, int, int]],
                  ids: list[int], positions: list[int], slots: list[int], lens: list[int]) -> tuple[torch.Tensor, int]:
