@@ -119,7 +119,8 @@ class KvChatApp(App[int], inherit_bindings=False):
         """SIGINT, SIGTERM, SIGHUP, or the terminal gone (SIGHUP), in the signals' thread: quit
         as ctrl+q does, the reply in progress stopped and saved, within SIGNAL_GRACE_S; a second
         signal exits at once. The exit status is the shell's for a signal, 128 + its number. The
-        backstop starts here, so it runs when the loop never gets to the quit."""
+        reply is stopped and the backstop started here, so both happen when the loop never gets
+        to the quit; its worker saves the reply without the loop."""
         again = self.signalled is not None
         self.signalled = sig
         try:
@@ -127,6 +128,9 @@ class KvChatApp(App[int], inherit_bindings=False):
                 loop.call_soon_threadsafe(self.exit, None, 128 + sig)
                 return
             turn = self.chat_screen.jobs.replying
+            if turn is not None:    # stopped from here: a loop blocked on a dead terminal never runs the quit,
+                turn.quitting = True    # and the reply would stream on, unsaved, until the backstop
+                turn.cancel.set()
             threading.Thread(target=_last_resort, args=(turn.saved if turn is not None else None, 128 + sig),
                              daemon=True, name="kvchat-signal").start()
             loop.call_soon_threadsafe(self.call_later, self.action_quit, SIGNAL_GRACE_S)

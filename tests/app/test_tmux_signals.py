@@ -40,11 +40,11 @@ def kvchat_env(tmp_path: Path) -> str:
     return f"PYTHONPATH={REPO} KVCHAT_DATA_DIR={tmp_path / 'data'} KVCHAT_CONFIG_DIR={tmp_path / 'config'}"
 
 
-def start(tmp_path: Path, name: str) -> tuple[Tmux, Path, Path]:
+def start(tmp_path: Path, name: str, max_tokens: int = 400) -> tuple[Tmux, Path, Path]:
     """kvchat in a tmux pane, its pid and exit status written to files; a reply streaming."""
     pid_file, exit_file = tmp_path / "pid", tmp_path / "exit-status"
     command = (f"cd {tmp_path} && sh -c 'echo $$ > {pid_file}; exec env {kvchat_env(tmp_path)} {sys.executable} "
-               f"-m kvchat --max-tokens 400'; echo $? > {exit_file}; sleep 60")
+               f"-m kvchat --max-tokens {max_tokens}'; echo $? > {exit_file}; sleep 60")
     tmux = Tmux(name)
     tmux.run("new-session", "-d", "-s", tmux.session, "-x", "140", "-y", "45", command)
     tmux.wait_for(lambda t: "F1 shows the keys" in t, timeout=240, what="loaded model")
@@ -166,8 +166,11 @@ def main_thread_blocked(pid: int) -> bool:
 def test_a_signal_ends_kvchat_while_its_event_loop_is_blocked_on_the_terminal(tmp_path):
     """The tmux server stopped mid-reply: the terminal's buffer fills, Textual's writer thread
     waits in write(), and the loop then waits on the writer's full queue. SIGTERM must still
-    end kvchat, with the status for it."""
-    tmux, pid_file, exit_file = start(tmp_path, "blocked")
+    end kvchat, with the status for it, and the reply streamed so far saved: the loop that would
+    stop the reply never runs, so the signal's thread stops it."""
+    # a reply long enough (1,500 tokens, greedy: no end of turn before) to outlast the terminal's
+    # buffer filling up; 400 sometimes ended first, so there was no reply left to stop
+    tmux, pid_file, exit_file = start(tmp_path, "blocked", max_tokens=1500)
     pid = int(pid_file.read_text())
     server = int(tmux.run("display", "-p", "-t", tmux.session, "#{pid}").stdout)
     os.kill(server, signal.SIGSTOP)
@@ -178,6 +181,7 @@ def test_a_signal_ends_kvchat_while_its_event_loop_is_blocked_on_the_terminal(tm
         os.kill(pid, signal.SIGTERM)
         wait_gone(pid, "SIGTERM with its loop blocked")
         assert exit_status(exit_file) == str(128 + signal.SIGTERM)
+        assert_partial_reply_saved(tmp_path / "data")
     finally:
         os.kill(server, signal.SIGCONT)
         tmux.run("kill-server", check=False)
