@@ -112,3 +112,27 @@ def test_a_pre_tokenizer_that_marks_the_first_split_alone_gets_the_whole_texts_i
     # the control: the same text cut with each special token a piece of its own differs
     naive = [i for part in re.split("(<s>|</s>)", text) if part for i in backend.encode(part, add_special_tokens=False).ids]
     assert naive != ids
+
+
+@pytest.fixture(scope="module")
+def transformers_tokenizer():
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(str(bundled_dir()), trust_remote_code=False)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_long_chats_render_to_transformers_ids_turn_after_turn(bundled, transformers_tokenizer, seed):
+    """The chat template's ids for long conversations (past Pieces.MIN_CHARS, so cut into pieces
+    and remembered), growing a turn at a time as a chat does, against transformers' own
+    tokenizer on the same directory: an independent reference for the whole path."""
+    ours, ref = bundled, transformers_tokenizer
+    rng = random.Random(seed)
+    chat = [{"role": "system", "content": "".join(rng.choice(PIECES) for _ in range(300))}]
+    for turn in range(6):
+        chat.append({"role": "user" if turn % 2 == 0 else "assistant",
+                     "content": "".join(rng.choice(PIECES) for _ in range(rng.randint(20, 600)))})
+        got = ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        want = ref.apply_chat_template(chat, add_generation_prompt=True, tokenize=True)
+        want = list(want["input_ids"] if hasattr(want, "keys") else want)
+        assert got == want, (seed, turn)
+    assert len(ours.apply_chat_template(chat, add_generation_prompt=True, tokenize=False)) >= Pieces.MIN_CHARS
