@@ -104,10 +104,11 @@ def _bad(tmp: Path, d: dict | str) -> str:
 @pytest.mark.parametrize("change, fragment", [
     (lambda d: d.pop("bandwidth"), "lacks the batched bench's bandwidth probe"),
     (lambda d: d.pop("rows"), "not a `kvchat bench --json` or"),
-    (lambda d: d["model"].update(device="cuda:0"), "measured on 'cuda:0'"),
+    (lambda d: d["model"].update(device="cuda:0"), "measured on a GPU; say which with --gpu"),
+    (lambda d: d["model"].update(device="mps"), "measured on 'mps'; accepted: cpu or cuda records"),
     (lambda d: d.update(rows=d["rows"][:2]), "found 2 measured points"),
     (lambda d: d["model"].update(model="llama-9"), "not in kvchat's table"),
-], ids=["no-bandwidth", "no-rows", "gpu-record", "too-few-rows", "unknown-model"])
+], ids=["no-bandwidth", "no-rows", "gpu-record", "other-device", "too-few-rows", "unknown-model"])
 def test_a_bad_batched_record_is_one_line_and_status_2(tmp_path, capsys, change, fragment):
     d = json.loads(TINY.read_text())
     change(d)

@@ -32,7 +32,7 @@ from . import batch_report as report
 from . import floor as bench_floor
 from .flags import output_path, parse_contexts
 from .history import history
-from .machine import busy_note, checkout_commit, load_average
+from .machine import busy_note, checkout_commit, gpu_name, load_average
 
 if TYPE_CHECKING:      # the peers import transformers and torch: only when measured
     from .peers import HFPeer
@@ -222,7 +222,8 @@ def run_batch(args) -> int:
     meta = {
         "kind": "kvchat-batch-bench", "version": 1, "command": command(args), "model": engine.describe(),
         "threads": threads, "runs": args.runs, "new_tokens": args.new_tokens, "notes": notes,
-        "machine": {"load_average_before": load0, "load_average_after": load_average(), "kvchat_commit": checkout_commit()},
+        "machine": {"load_average_before": load0, "load_average_after": load_average(), "kvchat_commit": checkout_commit(),
+                    **gpu_name(engine.device)},
         "bandwidth": bw.to_dict(), "gemm_gflop_s": round(flops, 2), "weight_bytes": weights,
         "matmul_params": engine.model.step_weight_bytes // engine.model.embed.element_size(),
         "attention_flops_per_token": 4 * g.n_layers * g.n_heads * g.head_dim,

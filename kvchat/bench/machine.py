@@ -36,3 +36,10 @@ def checkout_commit() -> str | None:
     except (OSError, subprocess.SubprocessError):
         return None
     return head + ("+changes" if dirty else "")
+
+
+def gpu_name(device) -> dict[str, str]:
+    """{"gpu": the device's name} for a CUDA run (what `kvchat plan --calibrate` checks --gpu
+    against), else nothing."""
+    import torch
+    return {"gpu": torch.cuda.get_device_name(device)} if device.type == "cuda" else {}

@@ -36,7 +36,7 @@ from . import peers as bench_peers
 from . import report as bench_report
 from .flags import output_path, parse_contexts, parse_llama_cpp
 from .history import FOLLOW_UP, SYSTEM, history
-from .machine import busy_note, checkout_commit, load_average
+from .machine import busy_note, checkout_commit, gpu_name, load_average
 from .report import Series, Timing
 from ..cli.args import UsageError, add_model_args, int_at_least, positive_int
 
@@ -390,7 +390,7 @@ def run(args) -> int:
         "versions": {"python": platform.python_version(), "torch": torch.__version__, "transformers": _version(),
                      "kvchat_commit": checkout_commit()},
         "machine": {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
-                    "load_average_before": load0, "load_average_after": load_average()},
+                    "load_average_before": load0, "load_average_after": load_average(), **gpu_name(engine.device)},
         "floor": {"bandwidth": bw.to_dict(), "weight_bytes": weights,
                   "method": "bytes one decode step reads (every weight once, plus the cache at the mean length of the "
                             "timed steps) over the median of timed torch.sum calls over a buffer larger than them, "

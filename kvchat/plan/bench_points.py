@@ -1,8 +1,8 @@
 """Measured points for the calibration, read from `kvchat bench --json` records.
 
 From each context of a single-conversation bench (`kvchat bench`): the decode step (median
-ms per token, at the mean context of the timed steps), the first turn's prefill (its chunks
-on the CPU, each a step sampling one row), and the next turn's first token
+ms per token, at the mean context of the timed steps), the first turn's prefill (its chunks,
+each a step sampling one row), and the next turn's first token
 after the cached history; for the fp32 (the model's) cache and the fp8 cache. The bench's
 own bandwidth probe, taken in the same run, is the reference bandwidth. (The chunks are the
 engine's for a lone prompt, the record's model.prefill_chunk: 2,048 tokens for the bundled
@@ -14,6 +14,11 @@ row's decode-only steps, the cached tokens it read the row's own mean. Steps of 
 one sequence are what let the fit separate the per-sequence overhead from the per-step one;
 they hold no prefill, so the matrix products' rate and the request overhead come from a
 single bench given beside it: `--calibrate docs/bench.json,batch.json` fits both at once.
+
+Records of a GPU run calibrate that GPU's table row, named with --gpu (checked against the GPU's
+name the record keeps): `kvchat plan --calibrate docs/gpu_batch.json,docs/gpu_bench.json --gpu
+h200-sxm`. A new turn's few tokens run there as decode-graph rows, not the prefill chunk the
+fit models, so its next-turn points fit loosely.
 """
 from __future__ import annotations
 
@@ -67,7 +72,7 @@ def _median(d: dict, key: str) -> float | None:
 BENCH_KINDS = "a `kvchat bench --json` or `kvchat bench --batch 1,2,4 --json` record"
 
 
-def _read(path: str) -> dict:
+def _read(path: str, gpu: str | None = None) -> dict:
     from ..store.files import FileRefused, read_text
     where = f"--calibrate {path!r}"
     try:
@@ -81,10 +86,29 @@ def _read(path: str) -> dict:
     if not isinstance(model, dict) or not isinstance(d.get("rows" if batch else "contexts"), (list if batch else dict)):
         raise UsageError(f"{where}: not {BENCH_KINDS} (it needs \"model\" and \"contexts\", or "
                          "\"kind\": \"kvchat-batch-bench\" and \"rows\")")
-    if model.get("device") != "cpu":
-        raise UsageError(f"{where}: measured on {model.get('device')!r}; calibration reads CPU bench records "
-                         "(a GPU's comes from its own run: say which GPU it was)")
+    device = str(model.get("device"))
+    if device != "cpu":
+        check_gpu(where, device, (d.get("machine") or {}).get("gpu"), gpu)
     return d
+
+
+def check_gpu(where: str, device: str, recorded: object, gpu: str | None) -> str:
+    """The table key of the GPU a CUDA record was measured on: --gpu, which must be given (the
+    constants hold for the hardware they were measured on), be a row of the table, and agree
+    with the GPU's name where the record keeps it ("NVIDIA H200" for h200-sxm)."""
+    from .hardware import TABLE, find
+    named = f" ({recorded})" if isinstance(recorded, str) else ""
+    if not device.startswith("cuda"):
+        raise UsageError(f"{where}: measured on {device!r}; accepted: cpu or cuda records")
+    if not gpu or gpu.strip().lower() == "cpu":
+        raise UsageError(f"{where}: measured on a GPU{named}; say which with --gpu (a row of kvchat plan "
+                         "--list-gpus, e.g. --gpu h200-sxm)")
+    hw = find(gpu)
+    family = hw.key.split("-")[0]
+    if isinstance(recorded, str) and family not in recorded.lower().replace(" ", ""):
+        raise UsageError(f"{where}: measured on {recorded}, not on {hw.name} (--gpu {gpu}); give the --gpu of "
+                         f"the GPU it ran on ({', '.join(k for k in TABLE if k.split('-')[0] in recorded.lower())})")
+    return hw.key
 
 
 def single_points(d: dict, where: str) -> tuple[list[Point], float]:
@@ -147,9 +171,10 @@ def batch_points(d: dict, where: str) -> tuple[list[Point], float]:
     return points, bw
 
 
-def from_bench_json(paths: str) -> Measurements:
+def from_bench_json(paths: str, gpu: str | None = None) -> Measurements:
     """`paths`: one bench record, or several separated by commas (the same model and dtype),
-    their points fitted together; the first record's bandwidth probe is the reference."""
+    their points fitted together; the first record's bandwidth probe is the reference. Records
+    of a CUDA run need `gpu`, the table key of the GPU they ran on (the calibration's hardware)."""
     names = [p.strip() for p in paths.split(",") if p.strip()]
     if not names:
         raise UsageError(f"--calibrate {paths!r}: give {BENCH_KINDS}, or several separated by commas")
@@ -157,9 +182,11 @@ def from_bench_json(paths: str) -> Measurements:
     models: list[tuple[str, str]] = []
     cmds: list[str] = []
     bws: list[float] = []
+    devices: set[str] = set()
     for path in names:
         where = f"--calibrate {path!r}"
-        d = _read(path)
+        d = _read(path, gpu)
+        devices.add("cpu" if d["model"].get("device") == "cpu" else "cuda")
         batch = d.get("kind") == "kvchat-batch-bench"
         got, bw = batch_points(d, where) if batch else single_points(d, where)
         points += got
@@ -176,8 +203,11 @@ def from_bench_json(paths: str) -> Measurements:
     if name not in KNOWN:
         raise UsageError(f"{where}: the measured model {name!r} is not in kvchat's table ({', '.join(sorted(KNOWN))}); "
                          "its geometry is needed to know what each step read")
+    if len(devices) > 1:
+        raise UsageError(f"{where}: the records were measured on a CPU and on a GPU; calibrate on one machine's runs")
+    hardware = "cpu" if devices == {"cpu"} else check_gpu(where, "cuda", None, gpu)
     bw = bws[0]
     others = "" if len(bws) == 1 else "; the others' probes: " + ", ".join(f"{b / 1e9:.1f}" for b in bws[1:]) + " GB/s"
-    return Measurements(KNOWN[name], dtype, "cpu", bw,
+    return Measurements(KNOWN[name], dtype, hardware, bw,
                         f"measured: the bench's own probe in the same run ({bw / 1e9:.1f} GB/s, {names[0]}{others})",
                         " and ".join(cmds), points, kv_scales=True)

@@ -29,7 +29,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="weights (default bf16; fp32 on the cpu row, as kvchat's engine runs there)")
     m.add_argument("--kv-dtype", default="auto", choices=("auto", "bf16", "fp16", "fp8", "fp32"),
                    help="KV cache (default: the weights' dtype; bf16 under fp8 weights)")
-    m.add_argument("--gpu", metavar="NAME", default="h100-sxm", help="a row of the hardware table (--list-gpus), or cpu (this "
+    m.add_argument("--gpu", metavar="NAME", default=None, help="a row of the hardware table (--list-gpus), or cpu (this "
                                                      "machine, measured); default h100-sxm")
     m.add_argument("--tp", metavar="N", type=positive_int("--tp", 64), default=1, help="tensor-parallel GPUs (default 1)")
     m.add_argument("--list-gpus", action="store_true", help="print the hardware table with its sources and stop")
@@ -165,7 +165,7 @@ def run_calibrate(args, out_path) -> int:
     from .step_time import DEFAULT_BW_EFF, DEFAULT_OVERHEAD_MS
     if args.calibrate:
         from .bench_points import from_bench_json
-        data = from_bench_json(args.calibrate)
+        data = from_bench_json(args.calibrate, args.gpu)
     elif args.server:
         from .server_probe import from_server
         data = from_server(args)

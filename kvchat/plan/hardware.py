@@ -85,6 +85,12 @@ TABLE: dict[str, Hardware] = {h.key: h for h in (
              "5.3 TB/s, dense BF16 1,307.4 and FP8 2,614.9 TFLOPS, Infinity Fabric 896 GB/s over 7 links"),
 )}
 CPU = "cpu"
+DEFAULT_GPU = "h100-sxm"     # --gpu when it is not given
+
+
+def gpu_key(args) -> str:
+    """--gpu as given, or the default."""
+    return args.gpu if getattr(args, "gpu", None) else DEFAULT_GPU
 
 
 def names() -> str:

@@ -39,7 +39,7 @@ def workload(args, long: int | None = None):
 def plan_config(args: argparse.Namespace, **changes: Any) -> PlanConfig:
     from kvchat.engine.units import parse_bytes
 
-    from .hardware import CPU, TABLE, cpu_calibrated, find
+    from .hardware import CPU, TABLE, cpu_calibrated, find, gpu_key
     from .metrics import parse_slo
     from .planner import PlanConfig, model_geometry
     from .request import POLICIES
@@ -48,8 +48,8 @@ def plan_config(args: argparse.Namespace, **changes: Any) -> PlanConfig:
     geom = model_geometry(args.model, args.geometry)
     if args.policy not in POLICIES:
         raise UsageError(f"unknown cap policy {args.policy!r}; accepted: {', '.join(POLICIES)}")
-    key = args.gpu.strip().lower().replace(" ", "-").replace("_", "-")
-    hw = changes.get("hardware") or (None if args.calibration and (key == CPU or key in TABLE) else find(args.gpu))
+    key = gpu_key(args).strip().lower().replace(" ", "-").replace("_", "-")
+    hw = changes.get("hardware") or (None if args.calibration and (key == CPU or key in TABLE) else find(gpu_key(args)))
     cpu = hw.measured if hw is not None else key == CPU
     dtype = args.dtype or ("fp32" if cpu else "bf16")          # kvchat's engine runs fp32 on a CPU
     kv = args.kv_dtype if args.kv_dtype != "auto" else ("bf16" if dtype == "fp8" else dtype)

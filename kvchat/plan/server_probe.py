@@ -130,9 +130,9 @@ def from_server(args) -> Measurements:
     """Probe the server at --server; the hardware it runs on is --gpu (cpu: this machine, whose
     bandwidth is measured here as the reference)."""
     from ..backends.vllm import VllmBackend
-    from .hardware import find
+    from .hardware import find, gpu_key
     from .options import vllm_defaults
-    hw = find(args.gpu)
+    hw = find(gpu_key(args))
     backend = VllmBackend(args.server, geometry=args.geometry, model_config=args.model)
     try:
         if backend.geometry is None:

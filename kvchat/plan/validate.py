@@ -164,7 +164,7 @@ def run_validate(args, json_path) -> int:
     from .hardware import measure_cpu
     from .options import plan_config
     from .trace_runner import run_trace
-    if args.gpu.strip().lower() != "cpu":
+    if (args.gpu or "").strip().lower() != "cpu":
         raise UsageError("--validate runs the users for real on this machine: use --gpu cpu")
     for k, v in DEFAULTS.items():
         if getattr(args, k, None) is None:
