@@ -21,6 +21,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
 
+import contextlib
+
 import torch
 import torch.nn.functional as F
 
@@ -293,7 +295,6 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_l
     if prefix_len == 0:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, **kw)[0]
     mask = torch.ones(t, s, dtype=torch.bool, device=q.device).tril(diagonal=prefix_len)  # (T, S)
-    if q.device.type == "cuda" and t < CUDNN_MIN_ROWS and _NOT_CUDNN is not None:
-        with sdpa_kernel(_NOT_CUDNN):
-            return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, **kw)[0]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, **kw)[0]
+    short_cuda = q.device.type == "cuda" and t < CUDNN_MIN_ROWS and _NOT_CUDNN is not None
+    with sdpa_kernel(_NOT_CUDNN) if short_cuda else contextlib.nullcontext():
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, **kw)[0]

@@ -28,6 +28,7 @@ class Runner:
     def __init__(self, model: Llama, pool: KVPool) -> None:
         self.model, self.pool = model, pool
         self.device = model.device
+        self.graphs = self.device.type == "cuda" and graphs_enabled()   # KVCHAT_CUDA_GRAPH, read once a pool
 
     @torch.inference_mode()
     def run(self, plan: Plan) -> tuple[torch.Tensor, int, int]:
@@ -55,9 +56,9 @@ class Runner:
             positions.append(pos)
             slots.append(seq.slot(pos))
             lens.append(pos + 1)
-        if self.device.type == "cuda" and graphs_enabled():
+        if self.graphs:
             dec = decoder_for(self.model, self.pool)
-            if len(decode) + sum(n for _, _, n in chunks) <= dec.max_batch and self._rows_pay(chunks):
+            if len(decode) + sum(n for _, _, n in chunks) <= dec.max_batch and (not chunks or self._rows_pay(chunks)):
                 return self._graphed(dec, decode, chunks, ids, positions, slots, lens)
         parts, context = [], sum(lens)
         for req, start, n in chunks:

@@ -339,7 +339,7 @@ class Pieces:
                   if t.special and not (t.lstrip or t.rstrip or t.single_word or t.normalized) and t.content]
         self._cut = re.compile("(?=" + "|".join(re.escape(t) for t in sorted(tokens, key=len, reverse=True)) + ")"
                                ) if tokens else None
-        self.on = self._cut is not None and all(self._whole(t) == self._joined(t) for t in self._probes(tokens))
+        self.on = self._cut is not None and all(self._whole(t) == self.encode(t) for t in self._probes(tokens))
 
     @staticmethod
     def _probes(tokens: list[str]) -> list[str]:
@@ -353,13 +353,6 @@ class Pieces:
 
     def _whole(self, text: str) -> list[int]:
         return self._backend.encode(text, add_special_tokens=False).ids
-
-    def _joined(self, text: str) -> list[int]:
-        ids: list[int] = []
-        for piece in self._cut.split(text) if self._cut is not None else [text]:
-            if piece:
-                ids += self._whole(piece)
-        return ids
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = []

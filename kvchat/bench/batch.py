@@ -74,7 +74,7 @@ def gemm_gflops(seconds: float = 0.5, device=None, dtype=None) -> float:
     m = 8192 if cuda else 1024                    # a GPU needs a large product to fill its units
     a = torch.randn(m, 2 * m, device=device, dtype=dtype if cuda and dtype else torch.float32)
     b = torch.randn(2 * m, m, device=device, dtype=a.dtype)
-    sync = torch.cuda.synchronize if cuda else (lambda: None)
+    sync = bench_floor.device_sync(device)
     a @ b
     sync()
     n, t0 = 0, time.perf_counter()

@@ -50,6 +50,15 @@ class Bandwidth:
                 "samples_ms": [round(x, 3) for x in self.samples_ms]}
 
 
+def device_sync(device):
+    """What makes a host clock read after a device's queued work: the GPU's synchronize, or
+    nothing on a CPU."""
+    import torch
+    if device.type == "cuda":
+        return lambda: torch.cuda.synchronize(device)
+    return lambda: None
+
+
 class BandwidthProbe:
     """A float32 buffer of about buffer_bytes (at least MIN_BUFFER), summed on demand: the
     bench samples it between contexts so that the floor follows the run's conditions. On a
@@ -64,8 +73,7 @@ class BandwidthProbe:
         self.samples: list[float] = []
 
     def sample(self, repeats: int = 3) -> None:
-        import torch
-        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync = device_sync(self.device)
         for _ in range(repeats):
             sync()
             t0 = time.perf_counter()

@@ -203,9 +203,10 @@ def from_bench_json(paths: str, gpu: str | None = None) -> Measurements:
     if name not in KNOWN:
         raise UsageError(f"{where}: the measured model {name!r} is not in kvchat's table ({', '.join(sorted(KNOWN))}); "
                          "its geometry is needed to know what each step read")
+    from .hardware import find
     if len(devices) > 1:
         raise UsageError(f"{where}: the records were measured on a CPU and on a GPU; calibrate on one machine's runs")
-    hardware = "cpu" if devices == {"cpu"} else check_gpu(where, "cuda", None, gpu)
+    hardware = "cpu" if devices == {"cpu"} else find(str(gpu)).key     # given and checked by _read
     bw = bws[0]
     others = "" if len(bws) == 1 else "; the others' probes: " + ", ".join(f"{b / 1e9:.1f}" for b in bws[1:]) + " GB/s"
     return Measurements(KNOWN[name], dtype, hardware, bw,

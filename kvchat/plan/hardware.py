@@ -88,9 +88,14 @@ CPU = "cpu"
 DEFAULT_GPU = "h100-sxm"     # --gpu when it is not given
 
 
+def normal_key(key: str) -> str:
+    """A table key as typed, case, spaces and underscores forgiven."""
+    return key.strip().lower().replace(" ", "-").replace("_", "-")
+
+
 def gpu_key(args) -> str:
-    """--gpu as given, or the default."""
-    return args.gpu if getattr(args, "gpu", None) else DEFAULT_GPU
+    """--gpu as given (normalized), or the default."""
+    return normal_key(args.gpu) if getattr(args, "gpu", None) else DEFAULT_GPU
 
 
 def names() -> str:
@@ -99,7 +104,7 @@ def names() -> str:
 
 def find(key: str) -> Hardware:
     """A table row by its key (case and spaces forgiven), or `cpu`, measured now."""
-    k = key.strip().lower().replace(" ", "-").replace("_", "-")
+    k = normal_key(key)
     if k == CPU:
         return measure_cpu()
     if k in TABLE:

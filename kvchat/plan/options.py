@@ -48,8 +48,8 @@ def plan_config(args: argparse.Namespace, **changes: Any) -> PlanConfig:
     geom = model_geometry(args.model, args.geometry)
     if args.policy not in POLICIES:
         raise UsageError(f"unknown cap policy {args.policy!r}; accepted: {', '.join(POLICIES)}")
-    key = gpu_key(args).strip().lower().replace(" ", "-").replace("_", "-")
-    hw = changes.get("hardware") or (None if args.calibration and (key == CPU or key in TABLE) else find(gpu_key(args)))
+    key = gpu_key(args)
+    hw = changes.get("hardware") or (None if args.calibration and (key == CPU or key in TABLE) else find(key))
     cpu = hw.measured if hw is not None else key == CPU
     dtype = args.dtype or ("fp32" if cpu else "bf16")          # kvchat's engine runs fp32 on a CPU
     kv = args.kv_dtype if args.kv_dtype != "auto" else ("bf16" if dtype == "fp8" else dtype)

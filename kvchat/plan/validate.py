@@ -161,10 +161,10 @@ def run_validate(args, json_path) -> int:
     from ..backends.local import LocalBackend
     from .diagnose import diagnose, every_step
     from .drift import probe_ms
-    from .hardware import measure_cpu
+    from .hardware import CPU, gpu_key, measure_cpu
     from .options import plan_config
     from .trace_runner import run_trace
-    if (args.gpu or "").strip().lower() != "cpu":
+    if gpu_key(args) != CPU:
         raise UsageError("--validate runs the users for real on this machine: use --gpu cpu")
     for k, v in DEFAULTS.items():
         if getattr(args, k, None) is None:
