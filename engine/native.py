@@ -110,7 +110,7 @@ def _scale_strides(s: torch.Tensor | None) -> tuple[int, int, int]:
 
 
 # ---- the calls -----------------------------------------------------------------------------
-GEMV_MAX_ROWS = 32   # rows up to which the C product beat MKL's GEMM (4-row tiles: an AVX-512 Xeon, one thread;
+GEMV_MAX_ROWS = 32   # rows up to which the C product beat MKL's GEMM (AVX-512: 4-row tiles on a Xeon, one thread;
                      # benchmarks/cpu_gemv_ab.py)
 NARROW_MAX_ROWS = 16  # the same with 2-row tiles (AVX2, SSE, aarch64): on an AVX2 AMD EPYC, 2 cores, the
                       # bundled model's products with weights from memory (benchmarks/cpu_gemv_ab.py), C

@@ -30,7 +30,8 @@ SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536), (13, 33), (7, 100), 
 def test_gemv_of_b_rows_is_each_rows_own_product(n, k):
     gen = torch.Generator().manual_seed(n * 31 + k)
     w = torch.randn(n, k, generator=gen)
-    for b in (1, 2, 3, 4, 5, 16, 17, native.GEMV_MAX_ROWS):  # one row, two (their own tile), tiles of 4, tails
+    # one row, two (their own tile), then whole tiles (8 rows on AVX-512, 2 elsewhere) and every tail
+    for b in (1, 2, 3, 4, 5, 6, 7, 8, 15, 16, 17, native.GEMV_MAX_ROWS):
         x = torch.randn(b, k, generator=gen) * 3
         got = native.gemv(x, w)
         assert_within(got, *gemv_reference(x, w), what=f"B={b}")
@@ -60,19 +61,19 @@ def test_gemv_serves_a_decode_steps_rows_and_leaves_a_prefills_to_mkl():
 
 
 def test_the_row_limit_follows_the_builds_tile():
-    """4-row tiles (AVX-512, aarch64) take up to 32 rows; 2-row tiles (AVX2, SSE, where the C
-    time grows with the rows and MKL's hardly does) up to 6. The tile is the build's, read from
-    the library: the native build of a CPU with AVX-512F has 4-row tiles, one without has 2."""
+    """8-row fp32 tiles (AVX-512) take up to 32 rows; 2-row tiles (AVX2, SSE, aarch64, where the
+    C time grows with the rows and MKL's hardly does) up to 16. The tile is the build's, read
+    from the library: the native build of a CPU with AVX-512F has 8-row tiles, one without 2."""
     import os
 
     from kvchat.engine.native_build import cpu_flags
     if native.lib() is None:
         pytest.skip(f"C kernels off: {native.status()}")
     tile = native.lib().kv_gemv_tile()
-    assert native.max_rows() == {4: native.GEMV_MAX_ROWS, 2: native.NARROW_MAX_ROWS}[tile]
+    assert native.max_rows() == {8: native.GEMV_MAX_ROWS, 2: native.NARROW_MAX_ROWS}[tile]
     level = os.environ.get("KVCHAT_NATIVE_LEVEL") or "native"
     if level == "native" and os.uname().machine == "x86_64" and cpu_flags():
-        assert tile == (4 if "avx512f" in cpu_flags() else 2)
+        assert tile == (8 if "avx512f" in cpu_flags() else 2)
     w = torch.randn(8, 16)
     assert native.gemv_serves(torch.randn(native.max_rows(), 16), w)
     assert not native.gemv_serves(torch.randn(native.max_rows() + 1, 16), w)

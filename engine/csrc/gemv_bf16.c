@@ -22,6 +22,14 @@
 #define STEP LANES
 #endif
 #define SMALL 32768    /* the tile shapes: vec.h */
+/* Where the next weight rows are fetched (`far`): into L2, as gemv.c's, for a batch of one or
+ * two rows of x, and of more where the bf16 pairs multiply as they are (or widen in 16 lanes);
+ * into L1 for batches of 3 or more widened in 8 lanes (AVX2). The bundled model's products on 2 Zen 4 cores, weights from
+ * memory, ms a step (two builds taking turns in one process), L1 -> L2:
+ *   vdpbf16ps:       1 row 14.4-14.5 -> 9.9-11.6; 8 rows 21.7 -> 14.4
+ *   widened, AVX2:   1 row 16.6 -> 8.5; 2 rows 19.1 -> 13.0; 8 rows 27.3-27.6 -> 31.6-32.3
+ *   widened, AVX-512F: 1 row 15.8 -> 11.7; 8 rows 47.6-48.1 either way */
+#define MANY_L2 (DPBF16 || VLANES == 16)
 
 
 #if DPBF16
@@ -40,15 +48,18 @@ static inline float acc_sum(const acc_t *a) { return hsum_subs(a); }
  * the DPBF16 loop, stride k) into y (stride n). */
 static inline __attribute__((always_inline)) void tile(const float *x, const uint16_t *xb, const uint16_t *w,
                                                        float *y, int64_t n, int64_t k, const int R, const int X,
-                                                       const uint16_t *next, const int p0, const int p1) {
+                                                       const uint16_t *next, const int p0, const int p1,
+                                                       const int far) {
     const int64_t kv = k / STEP * STEP;
     acc_t acc[XS_MANY][TILE_ROWS][PARTS];
     for (int b = 0; b < X; b++)
         for (int r = 0; r < R; r++)
             for (int s = 0; s < PARTS; s++) acc[b][r][s] = acc_zero();
     for (int64_t j = 0; j < kv; j += STEP) {
-        if (next != NULL)
-            for (int r = p0; r < p1; r++) __builtin_prefetch(next + r * k + j);
+        if (next != NULL && far)
+            for (int r = p0; r < p1; r++) __builtin_prefetch(next + r * k + j, 0, 2);
+        else if (next != NULL)
+            for (int r = p0; r < p1; r++) __builtin_prefetch(next + r * k + j, 0, 3);
 #if DPBF16
         __m512bh wv[TILE_ROWS];
         for (int r = 0; r < R; r++) wv[r] = (__m512bh)_mm512_loadu_si512(w + r * k + j);
@@ -82,20 +93,20 @@ static inline __attribute__((always_inline)) void tile(const float *x, const uin
 static inline __attribute__((always_inline)) void column(const float *x, const uint16_t *xb, const uint16_t *w,
                                                          float *y, int64_t b, int64_t n, int64_t k, const int R,
                                                          const uint16_t *next) {
-    const int T = (int)((b + XS_MANY - 1) / XS_MANY);
+    const int T = (int)((b + XS_MANY - 1) / XS_MANY), far = b <= 2 || MANY_L2;
     int64_t x0 = 0;
     int t = 0;
     for (; x0 + XS_MANY <= b; x0 += XS_MANY, t++)
-        tile(x + x0 * k, xb + x0 * k, w, y + x0 * n, n, k, R, XS_MANY, next, t * R / T, (t + 1) * R / T);
+        tile(x + x0 * k, xb + x0 * k, w, y + x0 * n, n, k, R, XS_MANY, next, t * R / T, (t + 1) * R / T, far);
     const int p0 = t * R / T, p1 = (t + 1) * R / T;
     switch (b - x0) {
 #if XS_MANY > 3
-    case 3: tile(x + x0 * k, xb + x0 * k, w, y + x0 * n, n, k, R, 3, next, p0, p1); break;
+    case 3: tile(x + x0 * k, xb + x0 * k, w, y + x0 * n, n, k, R, 3, next, p0, p1, far); break;
 #endif
 #if XS_MANY > 2
-    case 2: tile(x + x0 * k, xb + x0 * k, w, y + x0 * n, n, k, R, 2, next, p0, p1); break;
+    case 2: tile(x + x0 * k, xb + x0 * k, w, y + x0 * n, n, k, R, 2, next, p0, p1, far); break;
 #endif
-    case 1: tile(x + x0 * k, xb + x0 * k, w, y + x0 * n, n, k, R, 1, next, p0, p1); break;
+    case 1: tile(x + x0 * k, xb + x0 * k, w, y + x0 * n, n, k, R, 1, next, p0, p1, far); break;
     default: break;
     }
 }
@@ -125,7 +136,7 @@ int kv_gemv_bf16(const float *x, const uint16_t *w, float *y, int64_t b, int64_t
         for (int64_t gi = 0; gi < groups; gi++) {
             if (b == 1)
                 tile(x, xb, w + gi * rows * k, y + gi * rows, n, k, ROWS_ONE, 1,
-                     gi + 1 < groups ? w + (gi + 1) * rows * k : NULL, 0, ROWS_ONE);
+                     gi + 1 < groups ? w + (gi + 1) * rows * k : NULL, 0, ROWS_ONE, 1);
             else if (b == 2)
                 column(x, xb, w + gi * rows * k, y + gi * rows, b, n, k, ROWS_TWO,
                        gi + 1 < groups ? w + (gi + 1) * rows * k : NULL);

@@ -111,6 +111,20 @@ static inline float hsum(f16v v) {
 #else
 #define ROWS_TWO ROWS_MANY
 #endif
+/* F32_ROWS x F32_XS: gemv.c's fp32 tile for 3 or more rows of x. On AVX-512 a 3 x 8 tile: 24
+ * accumulators + 3 weights + x, where the 4 x 4 loaded a weight or x vector for every two
+ * multiply-adds. On 2 Zen 4 cores, 8 rows of x through the bundled model's products with weights
+ * from memory (a decode step's 538 MB): 19.6-21.7 ms against the 4 x 4's 25.9-29.6, the same
+ * bits (two builds taking turns in one process); a 2 x 8 tile was as fast, a 4 x 6 no faster
+ * than the 4 x 4. The bf16 tile gained nothing from it (within noise) and keeps ROWS_MANY x
+ * XS_MANY. Narrower builds keep theirs: the registers would not hold more. */
+#if VLANES == 16
+#define F32_ROWS 3
+#define F32_XS 8
+#else
+#define F32_ROWS ROWS_MANY
+#define F32_XS XS_MANY
+#endif
 #define SUBS (LANES / VLANES)
 #define TILE_ROWS (ROWS_ONE > ROWS_MANY ? ROWS_ONE : ROWS_MANY)
 
