@@ -223,6 +223,7 @@ class Engine:
         self.scheduler.blocks = self.blocks     # the scheduler outlives a rebuild: its queues and counts stay
         self.scheduler.cache_bytes_per_token = spec.bytes_per_token + spec.scale_bytes_per_token
         self.runner = Runner(self.model, self.pool)
+        self.runner.capture()   # CUDA: the decode graphs now, while loading, not in a reply
 
     @property
     def spec(self) -> PoolSpec:

@@ -31,6 +31,12 @@ class Runner:
         self.graphs = self.device.type == "cuda" and graphs_enabled()   # KVCHAT_CUDA_GRAPH, read once a pool
 
     @torch.inference_mode()
+    def capture(self) -> int:
+        """On CUDA with graphs: every batch-size bucket's graph captured now (the engine's load
+        and pool rebuilds), not at a step. Returns the graphs captured (0 elsewhere)."""
+        return decoder_for(self.model, self.pool).capture_all() if self.graphs else 0
+
+    @torch.inference_mode()
     def run(self, plan: Plan) -> tuple[torch.Tensor, int, int]:
         """Logits (R, vocab) fp32 in the plan's row order (decode rows, one per chunk, one per
         cache-off request), the cached tokens attention read, and the forward passes run."""

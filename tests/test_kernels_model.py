@@ -211,3 +211,35 @@ def test_graph_decoder_runs_a_prompt_chunk_as_rows_of_one_sequence(table, ids):
             p += 1
     for s, (g, w) in enumerate(zip(got, want)):
         torch.testing.assert_close(g, w, **TOL["fp32"], msg=lambda m, s=s: f"step {s}: {m}")
+
+
+def test_capture_all_takes_each_bucket_once_on_padding_that_writes_nothing(table, monkeypatch):
+    """The engine captures every bucket's graph when it builds a pool (GraphDecoder.capture_all),
+    not in a reply. Each capture runs the step once first (a warm-up), on rows that are all
+    padding: slot -1, length 1. Here that step runs eagerly on the real kernels (interpreted),
+    and the pool holds the same bytes after it; a capture itself needs a GPU, so it is replaced
+    by the warm-up alone, and gpu_check's graph rows check the captured steps there."""
+    from types import SimpleNamespace
+
+    model = model_for("fp32")
+    run = Run(model, "fp32", table)
+    decoder = GraphDecoder(model, run.pool, use_graph=False, pad=True, max_batch=8)
+    assert decoder.capture_all() == 0                  # eager: nothing to capture
+    decoder.use_graph = True
+    run.pool.data.normal_()                            # a pool a conversation has written
+    before = run.pool.data.clone()
+    seen = []
+
+    def warm_up(m, p, size):
+        seen.append((size, decoder.inputs[:, :size].tolist()))
+        with force_triton():
+            logits = decoder._forward(m, p, size)
+        return SimpleNamespace(replay=lambda: None), logits
+
+    monkeypatch.setattr(decoder, "_capture", warm_up)
+    assert decoder.capture_all() == 4
+    assert [size for size, _ in seen] == [1, 2, 4, 8]
+    for size, (ids, positions, slots, lens) in seen:
+        assert slots == [-1] * size and lens == [1] * size and ids == positions == [0] * size
+    assert torch.equal(run.pool.data, before), "a padded row wrote K/V"
+    assert decoder.capture_all() == 0                  # every bucket there already
