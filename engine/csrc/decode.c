@@ -6,9 +6,10 @@
  * max, sum and output (online softmax, Milakov & Gimelshein 2018), merged at the end by
  * log-sum-exp (flash-decoding, Dao et al. 2023). A sequence's stretches depend on its own
  * length and the thread count only, so a sequence gets the same bits batched or alone; the
- * threads take items as they come (short sequences beside long ones balance). fp8 and 16-bit
- * rows are widened a tile at a time into a buffer the core keeps in L1: no fp32 copy of the
- * cache is ever written.
+ * threads take items as they come (short sequences beside long ones balance). K rows of fp8
+ * and 16-bit caches, and fp8's V rows, are widened a tile at a time into a buffer the core
+ * keeps in L1; a 16-bit cache's V rows are widened in registers as p V loads them (pv()). No
+ * fp32 copy of the cache is ever written.
  */
 #include "kvchat.h"
 #include "vec.h"
@@ -134,13 +135,29 @@ static inline int64_t length_of(const DecodeArgs *a, int64_t s) { return a->lens
 #define PV_REGS (VLANES == 16 ? 24 : 12)
 #define MAX_Q 16
 
+/* V row r of a tile at vt (elements `ld` apart) from c: fp32 as it is, a 16-bit row widened in
+ * registers (exact: the same values widen_rows() would have stored) */
+static inline __attribute__((always_inline)) fnv v_at(const void *vt, int64_t ld, int r, int c, const int half) {
+    if (half == 0)
+        return loadn((const float *)vt + r * ld + c * VLANES);
+    const uint16_t *h = (const uint16_t *)vt + r * ld + c * VLANES;
+    return half == KV_BF16 ? widen_bf16(h) : widen_fp16(h);
+}
+
 /* queries j0 .. j0 + Q - 1 of an item's chunk: acc[j] += sum over the chunk's rows of p V. Each
- * output sums its rows in order, whatever Q is. `pf`, when not NULL: the next chunk's V rows,
- * fetched meanwhile (nrows of each tile). */
-static inline __attribute__((always_inline)) void pv(float *acc, float (*sc)[CHUNK], const float *const *vt,
+ * output sums its rows in order, whatever Q is. V rows: fp32 (the cache's, or fp8's widened into
+ * the item's buffer), or a 16-bit cache's own rows (half), widened here as they are loaded: each
+ * V row is read once for the Q queries, so widening it first into a buffer only added a store
+ * and a load per vector (a bf16 cache on 2 Zen 4 cores, ms a layer, buffer -> registers: one
+ * sequence at 4,096 tokens 0.24-0.26 -> 0.15-0.17, eight 1.69-1.72 -> 1.09-1.62). K rows stay
+ * in the buffer: scores() reads each once per query, and widening them there per query took
+ * eight sequences 1.33-1.42 ms against 1.09-1.16. `pf`, when not NULL: the next chunk's V
+ * rows, fetched meanwhile (nrows of each tile), a 64-byte line at a time. */
+static inline __attribute__((always_inline)) void pv(float *acc, float (*sc)[CHUNK], const void *const *vt,
                                                      const int64_t *ld, const int *rows, int nt, int j0, const int Q,
-                                                     const int nn, const int dim, const float *const *pf,
-                                                     const int *nrows) {
+                                                     const int nn, const int dim, const void *const *pf,
+                                                     const int *nrows, const int half) {
+    const int line = (half ? 32 : 16) / VLANES;    /* vectors of a row per 64-byte line */
     fnv o[MAX_Q][MAX_DIM / VLANES];
     for (int j = 0; j < Q; j++)
         for (int c = 0; c < nn; c++) o[j][c] = loadn(acc + (j0 + j) * dim + c * VLANES);
@@ -149,14 +166,27 @@ static inline __attribute__((always_inline)) void pv(float *acc, float (*sc)[CHU
             fnv p[MAX_Q];
             for (int j = 0; j < Q; j++) p[j] = splatn(sc[j0 + j][t * TILE + r]);
             for (int c = 0; c < nn; c++) {
-                const fnv v = loadn(vt[t] + r * ld[t] + c * VLANES);
+                const fnv v = v_at(vt[t], ld[t], r, c, half);
                 for (int j = 0; j < Q; j++) o[j][c] += p[j] * v;
             }
             if (pf != NULL && r < nrows[t])
-                for (int c = 0; c < nn; c += 16 / VLANES) __builtin_prefetch(pf[t] + r * ld[t] + c * VLANES, 0, 2);
+                for (int c = 0; c < nn; c += line)
+                    __builtin_prefetch((const char *)pf[t] + (r * ld[t] + c * VLANES) * (half ? 2 : 4), 0, 2);
         }
     for (int j = 0; j < Q; j++)
         for (int c = 0; c < nn; c++) memcpy(acc + (j0 + j) * dim + c * VLANES, &o[j][c], sizeof o[j][c]);
+}
+
+/* p V for the item's G queries, Q at a time (pv()), for the kind of V rows (a constant in each call) */
+static inline __attribute__((always_inline)) void pv_all(float *acc, float (*sc)[CHUNK], const void *const *vt,
+                                                         const int64_t *ld, const int *rows, int nt, const int G,
+                                                         const int nn, const int dim, const void *const *pf,
+                                                         const int *nrows, const int half) {
+    const int QG = G * nn <= PV_REGS ? G : (PV_REGS / nn > 0 ? PV_REGS / nn : 1);
+    for (int j0 = 0; j0 + QG <= G; j0 += QG)
+        pv(acc, sc, vt, ld, rows, nt, j0, QG, nn, dim, j0 == 0 ? pf : NULL, nrows, half);
+    if (G % QG)
+        pv(acc, sc, vt, ld, rows, nt, G - G % QG, G % QG, nn, dim, NULL, nrows, half);
 }
 
 /* one work item: KV head h of one sequence (its table and length) over blocks [b0, b1);
@@ -175,8 +205,9 @@ static inline __attribute__((always_inline)) void item(
     float kbuf[CHUNK_TILES * TILE * MAX_DIM] __attribute__((aligned(64)));
     float vbuf[CHUNK_TILES * TILE * MAX_DIM] __attribute__((aligned(64)));
     float kf[CHUNK] __attribute__((aligned(64))), vf[CHUNK] __attribute__((aligned(64)));
-    const float *kt[CHUNK_TILES], *vt[CHUNK_TILES];
-    int64_t ld[CHUNK_TILES];
+    const float *kt[CHUNK_TILES];
+    const void *vt[CHUNK_TILES];
+    int64_t ld[CHUNK_TILES], vld[CHUNK_TILES];
     int rows[CHUNK_TILES];
     const int fp8 = a->ks != NULL, half = fp8 ? 0 : (int)a->half;
     const float *qh = q + h * G * dim;
@@ -200,19 +231,26 @@ static inline __attribute__((always_inline)) void item(
             chunk(a, a->tables + then->seq * a->table_stride, length_of(a, then->seq), then->head, &tb, &tr,
                   then->b1, next_off, next_soff, nrows);
         }
-        const float *next_k[CHUNK_TILES] = {0}, *next_v[CHUNK_TILES] = {0};
+        const float *next_k[CHUNK_TILES] = {0};
+        const void *next_v[CHUNK_TILES] = {0};
         for (int t = 0; t < nt; t++) {
             if (fp8 || half) {                         /* half is 0 for fp8: widen_rows' kind */
                 const int n = nrows[t];
                 widen_rows(a->k, off[t], next_off[t], a->row_stride, rows[t], n, dim, kbuf + t * TILE * dim, half);
-                widen_rows(a->v, off[t], next_off[t], a->row_stride, rows[t], n, dim, vbuf + t * TILE * dim, half);
-                kt[t] = kbuf + t * TILE * dim, vt[t] = vbuf + t * TILE * dim, ld[t] = dim;
+                kt[t] = kbuf + t * TILE * dim, ld[t] = dim;
             } else {
                 kt[t] = (const float *)a->k + off[t];
-                vt[t] = (const float *)a->v + off[t];
                 ld[t] = a->row_stride;
                 if (nrows[t])
-                    next_k[t] = (const float *)a->k + next_off[t], next_v[t] = (const float *)a->v + next_off[t];
+                    next_k[t] = (const float *)a->k + next_off[t];
+            }
+            if (fp8) {                                 /* fp8 V widened too; fp32 and 16-bit V read in place */
+                widen_rows(a->v, off[t], next_off[t], a->row_stride, rows[t], nrows[t], dim, vbuf + t * TILE * dim, 0);
+                vt[t] = vbuf + t * TILE * dim, vld[t] = dim;
+            } else {
+                vt[t] = (const char *)a->v + off[t] * (half ? 2 : 4), vld[t] = a->row_stride;
+                if (nrows[t])
+                    next_v[t] = (const char *)a->v + next_off[t] * (half ? 2 : 4);
             }
             if (fp8) {                                 /* the scales, and the next chunk's */
                 for (int r = 0; r < rows[t]; r++) {
@@ -265,11 +303,12 @@ static inline __attribute__((always_inline)) void item(
         /* p V, Q queries at a time, their outputs in registers: each V row loaded once for the
          * Q of them, and Q x nn chains of multiply-adds side by side (one query at a time, the
          * nn chains waited on the multiply-add's latency at every row) */
-        const int QG = G * nn <= PV_REGS ? G : (PV_REGS / nn > 0 ? PV_REGS / nn : 1);
-        for (int j0 = 0; j0 + QG <= G; j0 += QG)
-            pv(acc, sc, vt, ld, rows, nt, j0, QG, nn, dim, j0 == 0 ? next_v : NULL, nrows);
-        if (G % QG)
-            pv(acc, sc, vt, ld, rows, nt, G - G % QG, G % QG, nn, dim, NULL, nrows);
+        if (half == KV_BF16)
+            pv_all(acc, sc, vt, vld, rows, nt, G, nn, dim, next_v, nrows, KV_BF16);
+        else if (half == KV_FP16)
+            pv_all(acc, sc, vt, vld, rows, nt, G, nn, dim, next_v, nrows, KV_FP16);
+        else
+            pv_all(acc, sc, vt, vld, rows, nt, G, nn, dim, next_v, nrows, 0);
     }
 }
 
