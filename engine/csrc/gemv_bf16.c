@@ -24,8 +24,8 @@
 #define SMALL 32768    /* the tile shapes: vec.h */
 /* Where the next weight rows are fetched (`far`): into L2, as gemv.c's, for a batch of one or
  * two rows of x, and of more where the bf16 pairs multiply as they are (or widen in 16 lanes);
- * into L1 for batches of 3 or more widened in 8 lanes (AVX2). The bundled model's products on 2 Zen 4 cores, weights from
- * memory, ms a step (two builds taking turns in one process), L1 -> L2:
+ * into L1 for batches of 3 or more widened in 8 lanes (AVX2). The bundled model's products on
+ * 2 Zen 4 cores, weights from memory, ms a step (two builds taking turns in one process), L1 -> L2:
  *   vdpbf16ps:       1 row 14.4-14.5 -> 9.9-11.6; 8 rows 21.7 -> 14.4
  *   widened, AVX2:   1 row 16.6 -> 8.5; 2 rows 19.1 -> 13.0; 8 rows 27.3-27.6 -> 31.6-32.3
  *   widened, AVX-512F: 1 row 15.8 -> 11.7; 8 rows 47.6-48.1 either way */
