@@ -95,8 +95,9 @@ class Runner:
         """Whether the chunks' rows are cheaper as decode rows: each row reads its sequence's
         whole cache, so their reads grow as rows x context, while the eager prefill reads it
         once but costs ~50 ms of launches (H200). Within CHUNK_READS x the weights' bytes: on
-        the H200, 40 rows after 32k tokens (172 GB read, just within that bound) took 60 ms as rows,
-        23 after 8k 11 ms, against 49-116 ms eagerly."""
+        the H200, 40 rows after 32k tokens (172 GB read, just within that bound) took 60 ms as rows
+        when that included a graph's capture, 24 ms once the graphs were captured at load; 23
+        after 8k 11 ms; against 49-116 ms eagerly."""
         per_token = self.pool.spec.stored_bytes_per_token
         reads = sum(n * len(req.seq) + n * (n + 1) // 2 for req, _, n in chunks) * per_token
         return reads <= CHUNK_READS * self.model.step_weight_bytes

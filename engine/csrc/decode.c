@@ -163,9 +163,8 @@ static inline __attribute__((always_inline)) fnv v_at(const void *vt, int64_t ld
 }
 
 /* queries j0 .. j0 + Q - 1 of an item's chunk: acc[j] += sum over the chunk's rows of p V. Each
- * output sums its rows in order, whatever Q is. V rows: fp32 (the cache's, or fp8's widened into
- * the item's buffer), or a 16-bit cache's own rows (half), widened here as they are loaded: each
- * V row is read once for the Q queries, so widening it first into a buffer only added a store
+ * output sums its rows in order, whatever Q is. V rows of any `kind` (above), widened here as
+ * they are loaded where they are not fp32: each V row is read once for the Q queries, so widening it first into a buffer only added a store
  * and a load per vector (a bf16 cache on 2 Zen 4 cores, ms a layer, buffer -> registers: one
  * sequence at 4,096 tokens 0.24-0.26 -> 0.15-0.17, eight 1.69-1.72 -> 1.09-1.62). K rows stay
  * in the buffer: scores() reads each once per query, and widening them there per query took
@@ -221,7 +220,7 @@ static inline __attribute__((always_inline)) void item(
     const int dim = NV * LANES, nn = dim / VLANES;
     float sc[MAX_GROUP][CHUNK] __attribute__((aligned(64)));
     float kbuf[CHUNK_TILES * TILE * MAX_DIM] __attribute__((aligned(64)));
-    float vbuf[CHUNK_TILES * TILE * MAX_DIM] __attribute__((aligned(64)));
+    float vbuf[CHUNK_TILES * TILE * MAX_DIM] __attribute__((aligned(64)));   /* fp8's V where not in place */
     float kf[CHUNK] __attribute__((aligned(64))), vf[CHUNK] __attribute__((aligned(64)));
     const float *kt[CHUNK_TILES];
     const void *vt[CHUNK_TILES];
@@ -263,7 +262,7 @@ static inline __attribute__((always_inline)) void item(
                 if (nrows[t])
                     next_k[t] = (const float *)a->k + next_off[t];
             }
-            if (fp8 && !V_IN_PLACE_E4M3) {             /* fp8 V widened into the buffer too */
+            if (vkind == 0 && fp8) {                   /* fp8 V widened into the buffer too */
                 widen_rows(a->v, off[t], next_off[t], a->row_stride, rows[t], nrows[t], dim, vbuf + t * TILE * dim, 0);
                 vt[t] = vbuf + t * TILE * dim, vld[t] = dim;
             } else {                                   /* V read in place, widened as pv() loads it */
@@ -322,14 +321,12 @@ static inline __attribute__((always_inline)) void item(
         /* p V, Q queries at a time, their outputs in registers: each V row loaded once for the
          * Q of them, and Q x nn chains of multiply-adds side by side (one query at a time, the
          * nn chains waited on the multiply-add's latency at every row) */
-        if (vkind == V_E4M3)
-            pv_all(acc, sc, vt, vld, rows, nt, G, nn, dim, next_v, nrows, V_E4M3);
-        else if (half == KV_BF16)
-            pv_all(acc, sc, vt, vld, rows, nt, G, nn, dim, next_v, nrows, KV_BF16);
-        else if (half == KV_FP16)
-            pv_all(acc, sc, vt, vld, rows, nt, G, nn, dim, next_v, nrows, KV_FP16);
-        else
-            pv_all(acc, sc, vt, vld, rows, nt, G, nn, dim, next_v, nrows, 0);
+        switch (vkind) {                               /* each kind a constant in its own call */
+        case V_E4M3: pv_all(acc, sc, vt, vld, rows, nt, G, nn, dim, next_v, nrows, V_E4M3); break;
+        case KV_BF16: pv_all(acc, sc, vt, vld, rows, nt, G, nn, dim, next_v, nrows, KV_BF16); break;
+        case KV_FP16: pv_all(acc, sc, vt, vld, rows, nt, G, nn, dim, next_v, nrows, KV_FP16); break;
+        default: pv_all(acc, sc, vt, vld, rows, nt, G, nn, dim, next_v, nrows, 0); break;
+        }
     }
 }
 
