@@ -7,6 +7,7 @@ import glob
 
 import torch
 
+from .arena import Arena, footprint
 from .errors import ModelLoadError
 from .geometry import Geometry, weight_shapes
 from .model import Layer, Llama
@@ -39,21 +40,52 @@ def load_model(src: ModelSource, device: torch.device, dtype: torch.dtype, seed:
                                  f"tensor of shape {list(shapes[key])}")
         return t.to(device=device, dtype=dtype)
 
-    return assemble(src.geometry, take)
+    return assemble(src.geometry, take, _arena(src.geometry, device, dtype))
 
 
-def assemble(geom: Geometry, take) -> Llama:
-    """Build a Llama from a `take(hf_name) -> tensor` function, fusing qkv and gate/up."""
+def matrices(geom: Geometry) -> list[tuple[int, int]]:
+    """The shapes of the Llama's weight matrices as assemble() leaves them (qkv and gate/up
+    fused; lm_head only where it is not the embedding)."""
+    s = weight_shapes(geom)
+    out = []
+    for i in range(geom.n_layers):
+        p = f"model.layers.{i}."
+        out += [(sum(s[p + f"self_attn.{x}_proj.weight"][0] for x in "qkv"), geom.hidden),
+                s[p + "self_attn.o_proj.weight"],
+                (s[p + "mlp.gate_proj.weight"][0] + s[p + "mlp.up_proj.weight"][0], geom.hidden),
+                s[p + "mlp.down_proj.weight"]]
+    out.append(s["model.embed_tokens.weight"])
+    if not geom.tie_embeddings:
+        out.append(s["lm_head.weight"])
+    return out
+
+
+def _arena(geom: Geometry, device: torch.device, dtype: torch.dtype) -> Arena | None:
+    """Where assemble() keeps the weight matrices: on the CPU, one Arena (aligned, in huge pages
+    where the kernel grants them: see arena.py); elsewhere None (each tensor as it is)."""
+    return Arena(footprint(matrices(geom), dtype)) if device.type == "cpu" else None
+
+
+def assemble(geom: Geometry, take, arena: Arena | None = None) -> Llama:
+    """Build a Llama from a `take(hf_name) -> tensor` function, fusing qkv and gate/up. arena:
+    where each weight matrix is copied as it is made (the originals then dropped one by one)."""
+    def keep(*parts: torch.Tensor) -> torch.Tensor:
+        if arena is None:
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+        out = arena.take((sum(t.shape[0] for t in parts), *parts[0].shape[1:]), parts[0].dtype)
+        return torch.cat(parts, out=out)
+
     layers = []
     for i in range(geom.n_layers):
         p = f"model.layers.{i}."
-        wqkv = torch.cat([take(p + "self_attn.q_proj.weight"), take(p + "self_attn.k_proj.weight"),
-                          take(p + "self_attn.v_proj.weight")])
-        w_gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-        layers.append(Layer(wqkv, take(p + "self_attn.o_proj.weight"), w_gate_up, take(p + "mlp.down_proj.weight"),
+        wqkv = keep(take(p + "self_attn.q_proj.weight"), take(p + "self_attn.k_proj.weight"),
+                    take(p + "self_attn.v_proj.weight"))
+        w_gate_up = keep(take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight"))
+        layers.append(Layer(wqkv, keep(take(p + "self_attn.o_proj.weight")), w_gate_up,
+                            keep(take(p + "mlp.down_proj.weight")),
                             take(p + "input_layernorm.weight"), take(p + "post_attention_layernorm.weight")))
-    embed = take("model.embed_tokens.weight")
-    lm_head = embed if geom.tie_embeddings else take("lm_head.weight")
+    embed = keep(take("model.embed_tokens.weight"))
+    lm_head = embed if geom.tie_embeddings else keep(take("lm_head.weight"))
     return Llama(geom, embed, layers, take("model.norm.weight"), lm_head)
 
 
@@ -69,4 +101,4 @@ def random_model(geom: Geometry, device: torch.device, dtype: torch.dtype, seed:
         w = torch.empty(shape, device=device, dtype=dtype)
         return w.normal_(0.0, 0.02, generator=gen)
 
-    return assemble(geom, take)
+    return assemble(geom, take, _arena(geom, device, dtype))
