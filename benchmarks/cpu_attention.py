@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     bw = probe.result()
     print(f"C decode attention, {'one pool hot' if args.hot else 'pools from memory'}, blocks "
           f"{'shuffled' if args.shuffled else 'in order'}, geometry {args.geometry}, {threads.count()} thread(s); "
-          f"read bandwidth {bw.gb_s:.1f} GB/s (timed sums over {bw.buffer_bytes >> 20} MiB)")
+          f"read bandwidth {bw.gb_s:.1f} GB/s (timed sums over {bw.buffer_bytes >> 20} MiB: {bw.reader})")
     print("| KV | B | context | median ms/layer | fastest | MB read | GB/s | of the sums' bandwidth |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for r in rows:

@@ -195,6 +195,14 @@ def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
     return y
 
 
+def read_sum(x: torch.Tensor) -> float | None:
+    """The sum of a contiguous fp32 CPU tensor by the C kernels' streaming read (kv_read_sum),
+    on the products' threads: the bench's read probe. None where the kernels do not serve."""
+    if lib() is None or x.dtype != torch.float32 or x.device.type != "cpu" or not x.is_contiguous():
+        return None
+    return lib().kv_read_sum(x.data_ptr(), x.numel(), threads.count())
+
+
 FP8 = getattr(torch, "float8_e4m3fn", None)
 CACHE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, FP8)    # the caches the C kernels read and write
 HALF = {torch.bfloat16: 1, torch.float16: 2}            # kvchat.h's KV_BF16, KV_FP16

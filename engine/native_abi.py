@@ -64,6 +64,8 @@ def bind(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.kv_amx_use.restype = ctypes.c_int
     lib.kv_gemv_tile.argtypes = []
     lib.kv_gemv_tile.restype = ctypes.c_int
+    lib.kv_read_sum.argtypes = [ptr, i64, ctypes.c_int]
+    lib.kv_read_sum.restype = ctypes.c_double
     lib.kv_rms_norm.argtypes = [ptr] * 3 + [i64, i64, ctypes.c_float]
     lib.kv_rms_norm.restype = None
     lib.kv_decode.argtypes = [ctypes.POINTER(DecodeArgs), ptr, ptr, ctypes.c_int, ctypes.c_int]

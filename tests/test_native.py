@@ -37,6 +37,25 @@ def test_gemv_is_the_matmul(n, k):
     assert_within(got, *gemv_reference(x, w))
 
 
+@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("n", [1, 63, 64, 1000, 3 * 64 * 1024 + 17])
+def test_the_read_probe_sums_every_float_once(n, threads):
+    """kv_read_sum, the bench's bandwidth probe (kvchat/bench/floor.py): each thread's share
+    and the tail counted once, none twice. Small integers, so that every partial sum is exact
+    in fp32 and the total must be exactly the count."""
+    x = torch.randint(0, 8, (n,), generator=torch.Generator().manual_seed(n)).float()
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = native.read_sum(x)
+    finally:
+        torch.set_num_threads(before)
+    assert got == x.double().sum().item()
+    assert native.read_sum(x.double()) is None
+    if n > 2:
+        assert native.read_sum(x[::2]) is None
+
+
 def test_gemv_declines_what_it_does_not_serve():
     w, x = torch.randn(8, 16), torch.randn(1, 16)
     assert native.gemv_serves(x, w)

@@ -72,8 +72,10 @@ int kv_gemv_amx(const float *x, const uint16_t *w, float *y, int64_t b, int64_t 
 int kv_amx(void);
 /* 0 sets the tiles aside (vdpbf16ps serves), 1 allows them; returns the previous setting */
 int kv_amx_use(int on);
-/* rows of x per tile in kv_gemv: 4 with AVX-512, else 2 (vec.h: the tile shapes) */
+/* rows of x per tile in kv_gemv: 8 with AVX-512, else 2 (vec.h: the tile shapes) */
 int kv_gemv_tile(void);
+/* the sum of x's n floats, threads over contiguous shares: the bench's read probe (gemv.c) */
+double kv_read_sum(const float *x, int64_t n, int threads);
 /* x, y: (b, k); w: (k,): y = x / sqrt(mean(x^2) + eps) * w (gemv.c) */
 void kv_rms_norm(const float *x, const float *w, float *y, int64_t b, int64_t k, float eps);
 /* q, out: (batch, heads, dim); 0, or -1 when declined (decode.c) */

@@ -296,7 +296,7 @@ def floor_table(results: dict[int, dict[str, Series]], meta: dict[str, Any], sum
     per_token = meta["model"]["kv_bytes_per_token"]
     lines = ["", f"The memory floor: one decode step reads every weight and the whole cache once; at the read "
              f"bandwidth measured in this run ({bw['gb_s']:.1f} GB/s, the median of {len(bw['samples_ms'])} "
-             f"sums over a {bw['buffer_bytes'] / 2**20:,.0f} MiB buffer taken before, between and after the "
+             f"sums ({bw.get('reader', 'torch.sum')}) over a {bw['buffer_bytes'] / 2**20:,.0f} MiB buffer taken before, between and after the "
              f"contexts; fastest {bw['fastest_gb_s']:.1f}, slowest {bw['slowest_gb_s']:.1f} GB/s) "
              f"that takes at least the floor. The cache read equals the weight read at "
              f"{floor['weight_bytes'] / per_token:,.0f} tokens ({meta['model']['kv_dtype']}).", "",

@@ -393,7 +393,7 @@ def run(args) -> int:
                     "load_average_before": load0, "load_average_after": load_average(), **gpu_name(engine.device)},
         "floor": {"bandwidth": bw.to_dict(), "weight_bytes": weights,
                   "method": "bytes one decode step reads (every weight once, plus the cache at the mean length of the "
-                            "timed steps) over the median of timed torch.sum calls over a buffer larger than them, "
+                            "timed steps) over the median of timed sums (" + bw.reader + ") over a buffer larger than them, "
                             "taken before, between and after the contexts of this run"},
     }
     summary = bench_report.summarise(results, {"gb_s": bw.gb_s, "weight_bytes": weights, "new_tokens": cfg.new_tokens},

@@ -132,7 +132,7 @@ def measure_cpu() -> Hardware:
     from kvchat.engine.engine import available_memory
     probe = BandwidthProbe(0)
     probe.sample(repeats=7)
-    bw = probe.result().gb_s * G
+    bw, reader = probe.result().gb_s * G, probe.reader
     n = 1024
     a, b = torch.randn(n, n), torch.randn(n, n)
     a @ b                                       # warm: threads started
@@ -147,7 +147,7 @@ def measure_cpu() -> Hardware:
     mem = available_memory(torch.device("cpu"))
     return Hardware(CPU, f"this CPU ({threads} threads)", mem, bw, flops, None, None,
                     f"this machine, now, {threads} torch threads",
-                    f"median of 7 timed sums over 512 MiB: {bw / G:.1f} GB/s; best of 5 fp32 {n}x{n} products: "
+                    f"median of 7 timed sums ({reader}) over 512 MiB: {bw / G:.1f} GB/s; best of 5 fp32 {n}x{n} products: "
                     f"{flops / T:.3f} TFLOP/s; MemAvailable {mem / GiB:.1f} GiB", measured=True)
 
 
