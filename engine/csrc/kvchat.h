@@ -117,6 +117,8 @@ void kv_sizes(int64_t *sizes);
 int kv_decode_check(const DecodeArgs *a, int splits);
 void kv_rope_write_rows(const WriteArgs *a, const float *qkv, int64_t qkv_stride, int64_t heads, const float *cos,
                         const float *sin, const int64_t *pos, const int64_t *slots, float *q_out, int64_t n,
-                        int threads);
+                        int threads, int64_t rows);
+/* the cache lines of n rows' slots fetched for writing (write.c) */
+void kv_prefetch_slots(const WriteArgs *a, const int64_t *slots, int64_t n);
 
 #endif

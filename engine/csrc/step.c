@@ -140,6 +140,22 @@ void kv_silu_mul_rows(const void *gate_up, void *out, int64_t b, int64_t n, int6
 }
 
 /* ---- the whole step -------------------------------------------------------------------------- */
+/* The step's norms and SiLU over its b rows, threads over the rows from two rows up: between
+ * the step's products its threads are awake, and the rows were written by both (each thread
+ * its share of the product's columns), so one thread alone fetched half of them from the other
+ * core. B = 8 at 256 tokens on 2 Zen 4 cores spent 1.5-1.9 ms a step in these and the RoPE
+ * write, against 0.2 for B = 1. A row's bits do not depend on the thread that computes it. */
+static void norm_rows(float *x, const float *r, const float *w, float *y, int64_t b, int64_t k, float eps,
+                      int threads) {
+    #pragma omp parallel for num_threads(b >= 2 ? threads : 1) schedule(static)
+    for (int64_t i = 0; i < b; i++) add_norm_row(x + i * k, r != NULL ? r + i * k : NULL, NULL, w, y + i * k, NULL, k, eps);
+}
+
+static void silu_rows(const float *gate_up, float *out, int64_t b, int64_t n, int threads) {
+    #pragma omp parallel for num_threads(b >= 2 ? threads : 1) schedule(static)
+    for (int64_t i = 0; i < b; i++) silu_mul_row(gate_up + i * 2 * n, gate_up + i * 2 * n + n, out + i * n, n);
+}
+
 static int product(const StepArgs *s, const float *x, const void *w, float *y, int64_t b, int64_t n, int64_t k,
                    int threads) {
     if (s->bf16)
@@ -163,24 +179,25 @@ int kv_decode_step(const StepArgs *s, float *x, float *work, float *logits, int 
     const float *res = NULL;      /* the last block's output, added to x before the next norm */
     for (int64_t i = 0; i < s->n_layers; i++) {
         const LayerArgs *l = s->layers + i;
-        kv_add_rms_norm(x, res, l->attn_norm, h, b, hid, s->eps);
-        if (product(s, h, l->wqkv, qkv, b, nqkv, hid, threads) != 0)
-            return -2;
         WriteArgs w = s->write;
         w.k = l->k, w.v = l->v, w.ks = l->ks, w.vs = l->vs;
-        kv_rope_write_rows(&w, qkv, nqkv, hq, s->cos, s->sin, s->pos, s->slots, q, b, threads);
+        kv_prefetch_slots(&w, s->slots, b);   /* the slots' lines on their way while the products run */
+        norm_rows(x, res, l->attn_norm, h, b, hid, s->eps, threads);
+        if (product(s, h, l->wqkv, qkv, b, nqkv, hid, threads) != 0)
+            return -2;
+        kv_rope_write_rows(&w, qkv, nqkv, hq, s->cos, s->sin, s->pos, s->slots, q, b, threads, 2);
         DecodeArgs at = *a;
         at.k = l->k, at.v = l->v, at.ks = l->ks, at.vs = l->vs;
         if (kv_decode(&at, q, o, splits, threads) != 0 || product(s, o, l->wo, att, b, hid, hq * d, threads) != 0)
             return -2;
-        kv_add_rms_norm(x, att, l->mlp_norm, h, b, hid, s->eps);
+        norm_rows(x, att, l->mlp_norm, h, b, hid, s->eps, threads);
         if (product(s, h, l->w_gate_up, gu, b, 2 * inter, hid, threads) != 0)
             return -2;
-        kv_silu_mul(gu, act, b, inter);
+        silu_rows(gu, act, b, inter, threads);
         if (product(s, act, l->w_down, att, b, hid, inter, threads) != 0)
             return -2;
         res = att;
     }
-    kv_add_rms_norm(x, res, s->final_norm, h, b, hid, s->eps);
+    norm_rows(x, res, s->final_norm, h, b, hid, s->eps, threads);
     return product(s, h, s->lm_head, logits, b, s->vocab, hid, threads);
 }

@@ -85,6 +85,28 @@ static inline void put(const WriteArgs *a, int64_t slot, int64_t h, int side, co
     (side ? a->vs : a->ks)[blk * a->sblock_stride + off * a->srow_stride + h * a->shead_stride] = scale;
 }
 
+/* the cache lines rows t = 0 .. n-1 will be written to (kv_rope_write_rows), fetched for writing
+ * ahead of time: kv_decode_step asks before a layer's products, so that the writes after them
+ * do not wait on memory one slot at a time */
+void kv_prefetch_slots(const WriteArgs *a, const int64_t *slots, int64_t n) {
+    const int64_t size = a->ks != NULL ? 1 : a->half ? 2 : 4, bytes = a->dim * size;
+    for (int64_t t = 0; t < n; t++) {
+        const int64_t blk = slots[t] / a->block_size, off = slots[t] % a->block_size;
+        for (int64_t h = 0; h < a->kv_heads; h++) {
+            const int64_t dst = (blk * a->block_stride + off * a->row_stride + h * a->head_stride) * size;
+            for (int64_t c = 0; c < bytes; c += 64) {
+                __builtin_prefetch((char *)a->k + dst + c, 1, 3);
+                __builtin_prefetch((char *)a->v + dst + c, 1, 3);
+            }
+            if (a->ks != NULL) {
+                const int64_t at = blk * a->sblock_stride + off * a->srow_stride + h * a->shead_stride;
+                __builtin_prefetch(a->ks + at, 1, 3);
+                __builtin_prefetch(a->vs + at, 1, 3);
+            }
+        }
+    }
+}
+
 static int slots_in_pool(const WriteArgs *a, const int64_t *slots, int64_t n) {
     if (a->half < 0 || a->half > KV_FP16)
         return 0;
@@ -119,11 +141,14 @@ static inline void rope_head(const float *x, const float *c, const float *s, flo
     }
 }
 
+/* threads: as many as serve; 1 below PARALLEL_FLOATS values, unless `rows` rows or more (a decode
+ * step's rows, kv_decode_step: its threads are already awake) */
 void kv_rope_write_rows(const WriteArgs *a, const float *qkv, int64_t qkv_stride, int64_t heads, const float *cos,
                         const float *sin, const int64_t *pos, const int64_t *slots, float *q_out, int64_t n,
-                        int threads) {
+                        int threads, int64_t rows) {
     const int64_t d = a->dim, hk = a->kv_heads;
-    #pragma omp parallel for num_threads(n * (heads + 2 * hk) * d > PARALLEL_FLOATS ? threads : 1) schedule(static)
+    #pragma omp parallel for num_threads(n * (heads + 2 * hk) * d > PARALLEL_FLOATS || n >= rows ? threads : 1) \
+        schedule(static)
     for (int64_t t = 0; t < n; t++) {
         const float *row = qkv + t * qkv_stride, *c = cos + pos[t] * d, *s = sin + pos[t] * d;
         float k[1024];     /* one rotated K head: dim is at most 1024 (kv_rope_write checks; the step 256) */
@@ -144,7 +169,7 @@ int kv_rope_write(const WriteArgs *a, const float *qkv, int64_t qkv_stride, int6
     for (int64_t t = 0; t < n; t++)
         if (pos[t] < 0 || pos[t] >= n_pos)
             return -1;
-    kv_rope_write_rows(a, qkv, qkv_stride, heads, cos, sin, pos, slots, q_out, n, threads);
+    kv_rope_write_rows(a, qkv, qkv_stride, heads, cos, sin, pos, slots, q_out, n, threads, INT64_MAX);
     return 0;
 }
 
