@@ -34,7 +34,7 @@ from pathlib import Path
 from .native_abi import bind
 
 CSRC = Path(__file__).with_name("csrc")
-SOURCES = tuple(CSRC / name for name in ("gemv.c", "gemv_bf16.c", "gemv_amx.c", "decode.c", "write.c", "step.c"))
+SOURCES = tuple(CSRC / name for name in ("gemv.c", "gemv_bf16.c", "gemv_amx.c", "decode.c", "merge.c", "write.c", "step.c"))
 HEADERS = (CSRC / "kvchat.h", CSRC / "vec.h")
 # -ffp-contract=fast: a * b + c as one fused multiply-add wherever the target has one (GCC's
 # default in GNU C but not in ISO C; clang's `on` would not contract across statements)

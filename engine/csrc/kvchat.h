@@ -101,7 +101,7 @@ int kv_rope_write(const WriteArgs *a, const float *qkv, int64_t qkv_stride, int6
                   int threads);
 /* a prompt chunk's attention to the cached prefix (o1, l1) and to itself (o2, l2) merged by
  * log-sum-exp into out (t, heads, d), fp32 or bf16 as the inputs; st: the inputs' element
- * strides (decode.c) */
+ * strides (merge.c) */
 void kv_merge_two(const void *o1, const float *l1, const void *o2, const float *l2, const int64_t *st, void *out,
                   int64_t t, int64_t heads, int64_t group, int64_t d, int64_t bf16, int threads);
 /* x: (batch, hidden) the rows' embeddings, left holding the residual stream; work: (batch,
