@@ -63,7 +63,12 @@ def matrices(geom: Geometry) -> list[tuple[int, int]]:
 def _arena(geom: Geometry, device: torch.device, dtype: torch.dtype) -> Arena | None:
     """Where assemble() keeps the weight matrices: on the CPU, one Arena (aligned, in huge pages
     where the kernel grants them: see arena.py); elsewhere None (each tensor as it is)."""
-    return Arena(footprint(matrices(geom), dtype)) if device.type == "cpu" else None
+    if device.type != "cpu":
+        return None
+    try:
+        return Arena(footprint(matrices(geom), dtype))
+    except (OSError, ValueError, TypeError, AttributeError):   # no anonymous mmap here (not Linux or macOS)
+        return None
 
 
 def assemble(geom: Geometry, take, arena: Arena | None = None) -> Llama:
