@@ -43,7 +43,7 @@ def load_model(src: ModelSource, device: torch.device, dtype: torch.dtype, seed:
     return assemble(src.geometry, take, _arena(src.geometry, device, dtype))
 
 
-def matrices(geom: Geometry) -> list[tuple[int, int]]:
+def matrices(geom: Geometry) -> list[tuple[int, ...]]:
     """The shapes of the Llama's weight matrices as assemble() leaves them (qkv and gate/up
     fused; lm_head only where it is not the embedding)."""
     s = weight_shapes(geom)
