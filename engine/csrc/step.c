@@ -116,18 +116,20 @@ void kv_silu_mul(const float *gate_up, float *out, int64_t b, int64_t n) {
  * the casts to and from a bf16 prefill's product rows folded in. torch ran the norm as eight
  * ops and a cast, each a pass over the chunk: a 4,096-token bf16 prefill of the bundled model
  * on a 2-core Xeon spent 100 ms in its norms, 52 here. A row gets the bits it gets in a
- * decode step. */
-void kv_add_rms_norm_rows(float *x, const void *r, int64_t r_bf16, const float *w, void *y, int64_t y_bf16,
-                          int64_t b, int64_t k, float eps, int threads) {
-    #pragma omp parallel for num_threads(b * k >= PARALLEL_FLOATS ? threads : 1) schedule(static)
+ * decode step. Threads over the rows where the call has PARALLEL_FLOATS values, or `from`
+ * rows or more (a decode step's, from 2: see kv_decode_step). */
+static void add_norm_rows(float *x, const void *r, int64_t r_bf16, const float *w, void *y, int64_t y_bf16,
+                          int64_t b, int64_t k, float eps, int threads, int64_t from) {
+    #pragma omp parallel for num_threads(b * k >= PARALLEL_FLOATS || b >= from ? threads : 1) schedule(static)
     for (int64_t i = 0; i < b; i++)
         add_norm_row(x + i * k, r != NULL && !r_bf16 ? (const float *)r + i * k : NULL,
                      r != NULL && r_bf16 ? (const uint16_t *)r + i * k : NULL, w,
                      y_bf16 ? NULL : (float *)y + i * k, y_bf16 ? (uint16_t *)y + i * k : NULL, k, eps);
 }
 
-void kv_silu_mul_rows(const void *gate_up, void *out, int64_t b, int64_t n, int64_t bf16, int threads) {
-    #pragma omp parallel for num_threads(b * n >= PARALLEL_FLOATS ? threads : 1) schedule(static)
+static void silu_mul_rows(const void *gate_up, void *out, int64_t b, int64_t n, int64_t bf16, int threads,
+                          int64_t from) {
+    #pragma omp parallel for num_threads(b * n >= PARALLEL_FLOATS || b >= from ? threads : 1) schedule(static)
     for (int64_t i = 0; i < b; i++) {
         if (bf16) {
             const uint16_t *g = (const uint16_t *)gate_up + i * 2 * n;
@@ -139,23 +141,16 @@ void kv_silu_mul_rows(const void *gate_up, void *out, int64_t b, int64_t n, int6
     }
 }
 
+void kv_add_rms_norm_rows(float *x, const void *r, int64_t r_bf16, const float *w, void *y, int64_t y_bf16,
+                          int64_t b, int64_t k, float eps, int threads) {
+    add_norm_rows(x, r, r_bf16, w, y, y_bf16, b, k, eps, threads, INT64_MAX);
+}
+
+void kv_silu_mul_rows(const void *gate_up, void *out, int64_t b, int64_t n, int64_t bf16, int threads) {
+    silu_mul_rows(gate_up, out, b, n, bf16, threads, INT64_MAX);
+}
+
 /* ---- the whole step -------------------------------------------------------------------------- */
-/* The step's norms and SiLU over its b rows, threads over the rows from two rows up: between
- * the step's products its threads are awake, and the rows were written by both (each thread
- * its share of the product's columns), so one thread alone fetched half of them from the other
- * core. B = 8 at 256 tokens on 2 Zen 4 cores spent 1.5-1.9 ms a step in these and the RoPE
- * write, against 0.2 for B = 1. A row's bits do not depend on the thread that computes it. */
-static void norm_rows(float *x, const float *r, const float *w, float *y, int64_t b, int64_t k, float eps,
-                      int threads) {
-    #pragma omp parallel for num_threads(b >= 2 ? threads : 1) schedule(static)
-    for (int64_t i = 0; i < b; i++) add_norm_row(x + i * k, r != NULL ? r + i * k : NULL, NULL, w, y + i * k, NULL, k, eps);
-}
-
-static void silu_rows(const float *gate_up, float *out, int64_t b, int64_t n, int threads) {
-    #pragma omp parallel for num_threads(b >= 2 ? threads : 1) schedule(static)
-    for (int64_t i = 0; i < b; i++) silu_mul_row(gate_up + i * 2 * n, gate_up + i * 2 * n + n, out + i * n, n);
-}
-
 static int product(const StepArgs *s, const float *x, const void *w, float *y, int64_t b, int64_t n, int64_t k,
                    int threads) {
     if (s->bf16)
@@ -164,6 +159,11 @@ static int product(const StepArgs *s, const float *x, const void *w, float *y, i
     return 0;
 }
 
+/* The norms, SiLU and RoPE write run on the step's threads from two rows up: between the
+ * products the threads are awake, and each row was written by both (each thread its share of
+ * the product's columns), so one thread alone fetched half of it from the other core. B = 8 at
+ * 256 tokens on 2 Zen 4 cores spent 1.5-1.9 ms a step in these, against 0.2 for B = 1. A row's
+ * bits do not depend on the thread that computes it. */
 int kv_decode_step(const StepArgs *s, float *x, float *work, float *logits, int splits, int threads) {
     const DecodeArgs *a = &s->attn;
     const int64_t b = a->batch, hid = s->hidden, hq = s->heads, hk = a->kv_heads, d = a->dim, inter = s->inter;
@@ -182,7 +182,7 @@ int kv_decode_step(const StepArgs *s, float *x, float *work, float *logits, int 
         WriteArgs w = s->write;
         w.k = l->k, w.v = l->v, w.ks = l->ks, w.vs = l->vs;
         kv_prefetch_slots(&w, s->slots, b);   /* the slots' lines on their way while the products run */
-        norm_rows(x, res, l->attn_norm, h, b, hid, s->eps, threads);
+        add_norm_rows(x, res, 0, l->attn_norm, h, 0, b, hid, s->eps, threads, 2);
         if (product(s, h, l->wqkv, qkv, b, nqkv, hid, threads) != 0)
             return -2;
         kv_rope_write_rows(&w, qkv, nqkv, hq, s->cos, s->sin, s->pos, s->slots, q, b, threads, 2);
@@ -190,14 +190,14 @@ int kv_decode_step(const StepArgs *s, float *x, float *work, float *logits, int 
         at.k = l->k, at.v = l->v, at.ks = l->ks, at.vs = l->vs;
         if (kv_decode(&at, q, o, splits, threads) != 0 || product(s, o, l->wo, att, b, hid, hq * d, threads) != 0)
             return -2;
-        norm_rows(x, att, l->mlp_norm, h, b, hid, s->eps, threads);
+        add_norm_rows(x, att, 0, l->mlp_norm, h, 0, b, hid, s->eps, threads, 2);
         if (product(s, h, l->w_gate_up, gu, b, 2 * inter, hid, threads) != 0)
             return -2;
-        silu_rows(gu, act, b, inter, threads);
+        silu_mul_rows(gu, act, b, inter, 0, threads, 2);
         if (product(s, act, l->w_down, att, b, hid, inter, threads) != 0)
             return -2;
         res = att;
     }
-    norm_rows(x, res, s->final_norm, h, b, hid, s->eps, threads);
+    add_norm_rows(x, res, 0, s->final_norm, h, 0, b, hid, s->eps, threads, 2);
     return product(s, h, s->lm_head, logits, b, s->vocab, hid, threads);
 }
