@@ -37,7 +37,7 @@ from ..commands import BEFORE_LOAD
 from ..screens.help_screen import HelpScreen
 from ..store import settings as settings_mod
 from ..store.settings import Settings
-from . import theming
+from . import heap, theming
 from .palette import KvchatCommands
 from .signals import SignalWatch, terminal_fds
 from .startup import AppOptions
@@ -269,6 +269,8 @@ class KvChatApp(App[int], inherit_bindings=False):
     def on_backend_ready(self, msg: BackendReady) -> None:
         self._load_timer.stop()
         self.backend = msg.backend
+        if not self.is_headless:      # the model's objects out of the collector's walks (app/heap.py)
+            heap.settle()
 
     def on_backend_failed(self, msg: BackendFailed) -> None:
         self.failure = msg.error
