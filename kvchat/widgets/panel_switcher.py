@@ -68,9 +68,11 @@ class PanelTabs(Widget):
             self.refresh()
 
     def render(self) -> Text:
-        """' cache │ cap │ blocks │ latency ' and the key; without the spaces where that is too wide."""
+        """' cache │ cap │ blocks │ latency ' and the key; without the spaces where they and the key
+        do not fit (the key matters more)."""
         width = self.content_size.width or 80
-        spaced = sum(len(n) + 2 for n in self.names) + len(self.names) - 1 <= width
+        key = 2 + cell_len(self.hint) if self.hint else 0
+        spaced = sum(len(n) + 2 for n in self.names) + len(self.names) - 1 + key <= width
         out = Text(no_wrap=True, overflow="crop")
         self._spans = []
         for name in self.names:
@@ -104,13 +106,19 @@ class PanelScroll(VerticalScroll):
 class PanelSwitcher(Vertical):
     """The column (id "panels"): the tabs, then the panels in two stacks (KV cache and cap,
     blocks and latency), which the columns layout puts side by side and the others one
-    under the other. Widths per layout are in its CSS; the thresholds in kvchat/widgets/layout.py."""
+    under the other. Widths per layout are in its CSS; the thresholds in kvchat/widgets/layout.py.
+
+    The scroll keeps its scrollbar's column whether or not the panels overflow it (scrollbar-
+    gutter: stable; the widths one column more for it): the panels' heights depend on their
+    width, so a bar that took a column only while they overflowed could change whether they
+    overflow, and it came and went: every panel redrawn about 18 times a second while the chat
+    sat idle (tests/app/test_layout_steady.py)."""
 
     DEFAULT_CSS = """
-    PanelSwitcher { width: 45%; min-width: 45; max-width: 72; padding: 0 0 0 1; }
-    PanelSwitcher.-columns { width: 55%; min-width: 90; max-width: 126; }
-    PanelSwitcher.-compact, PanelSwitcher.-chat { width: 40%; min-width: 28; max-width: 40; }
-    PanelSwitcher > PanelScroll { height: 1fr; scrollbar-size-vertical: 1; }
+    PanelSwitcher { width: 45%; min-width: 46; max-width: 73; padding: 0 0 0 1; }
+    PanelSwitcher.-columns { width: 55%; min-width: 91; max-width: 127; }
+    PanelSwitcher.-compact, PanelSwitcher.-chat { width: 42%; min-width: 29; max-width: 41; }
+    PanelSwitcher > PanelScroll { height: 1fr; scrollbar-size-vertical: 1; scrollbar-gutter: stable; }
     PanelSwitcher.-columns > PanelScroll { layout: horizontal; }
     PanelSwitcher .panel-stack { height: auto; }
     PanelSwitcher.-columns .panel-stack { width: 1fr; }
