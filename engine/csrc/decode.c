@@ -313,7 +313,7 @@ static inline __attribute__((always_inline)) void item(
          * one A/B, 69.6 -> 69.4 in the next: the host's bandwidth moved more than this) */
         for (int j = 0; j < G; j++)
             for (int t = 0; t < nt; t++) {
-                const int lo = j * TILE / G, hi = (j + 1) * TILE / G < nrows[t] ? (j + 1) * TILE / G : nrows[t];
+                const int lo = j * TILE / G, end = (j + 1) * TILE / G, hi = end < nrows[t] ? end : nrows[t];
                 if (rows[t] == TILE && ld[t] == dim)   /* rows one after another: constant offsets */
                     scores(qh + j * dim, kt[t], dim, TILE, nn, sc[j] + t * TILE, next_k[t], lo, hi);
                 else if (rows[t] == TILE)
