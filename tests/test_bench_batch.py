@@ -17,12 +17,13 @@ from kvchat.bench.batch_report import markdown, record, targets
 from kvchat.cli.command import main
 
 # an fp32 cache beside fp8 on every CPU (auto would be bf16 where the CPU has bf16 arithmetic)
-TINY = ["bench", "--batch", "1,2", "--contexts", "48,64", "--new-tokens", "3", "--runs", "1", "--threads", "1",
+TINY = ["bench", "--batch", "1,2", "--contexts", "48,64", "--new-tokens", "3", "--runs", "2", "--threads", "1",
         "--kv-dtype", "fp32"]
 pytestmark = pytest.mark.xdist_group("bench-batch")   # the module's bench, once, on one worker (it ran on two: 2x 34 s)
 ROW_KEYS = {"kv_dtype", "context", "batch", "step_ms", "per_user_ms_per_token", "aggregate_tok_s", "gain",
             "weight_bytes", "cache_bytes_per_step", "context_tokens_per_step", "bytes_per_step", "measured_gb_s",
-            "roofline", "ours_over_roofline", "peers", "notes", "step_ms_samples"}
+            "roofline", "ours_over_roofline", "peers", "notes", "step_ms_samples", "run_step_ms", "gain_runs",
+            "step_ratio"}
 
 
 @pytest.fixture(scope="module")
@@ -63,6 +64,20 @@ def test_the_batch_bench_json_has_a_row_per_dtype_context_and_batch(batch_run):
         if r["kv_dtype"] == "fp32":
             assert r["peers"]["transformers"]["aggregate_tok_s"] > 0
     assert rec["cache_bytes_per_token"]["fp8"] == 2 * 30 * 3 * (64 + 4)      # one-byte elements plus fp32 scales
+    one = {(r["kv_dtype"], r["context"]): r for r in rec["rows"] if r["batch"] == 1}
+    for r in rec["rows"]:       # a gain per run, from that run's own pair of medians
+        assert len(r["run_step_ms"]) == 2 and all(r["run_step_ms"])
+        base = one[r["kv_dtype"], r["context"]]["run_step_ms"]
+        assert r["gain_runs"] == [pytest.approx(r["batch"] * a / b, abs=2e-3) for a, b in zip(base, r["run_step_ms"])]
+        assert r["gain"] == pytest.approx(sum(r["gain_runs"]) / 2, abs=2e-3)      # the median of two
+
+
+def test_the_batch_bench_alternates_the_order_of_batch_sizes_run_to_run(batch_run):
+    """ascending in the first run, descending in the second: a drift of the host's speed tilts
+    the two runs' ratios opposite ways"""
+    order = [line.split("batch ")[-1].split(":")[0] for line in batch_run["err"].splitlines()
+             if "fp32 context 48 batch" in line]
+    assert order == ["1", "2", "2", "1"]
 
 
 def test_a_bad_batch_list_is_one_line(capsys):
@@ -95,3 +110,20 @@ def test_the_roofline_is_the_weights_once_and_every_users_cache_over_the_bandwid
     assert checks["aggregate tokens/s >= 6.0x batch 1's"]["met"]            # 6.4x
     assert checks["step time <= 1.5x batch 1's"]["met"]                     # 1.25x
     assert "| fp32 | 256 | 8 | 2.5 |" in markdown(rec)
+
+
+def test_a_gain_is_the_median_of_each_runs_own_ratio():
+    """Session 27's run at 256 tokens: batch 1 took 14.1 ms a step in one pass and 17.8 in the
+    next, batch 8 22.4 in both. The ratio of the pooled medians (here 16 and 22.4) depends on
+    where the pooled median falls; each run's own ratio is 8 x 14.1 / 22.4 and 8 x 17.8 / 22.4."""
+    one, eight = point("fp32", 256, 1, 14.1), point("fp32", 256, 8, 22.4)
+    one.step_ms, one.run_ms = [14.1] * 3 + [17.8] * 3, [14.1, 17.8]
+    eight.run_ms = [22.4, 22.4]
+    row = record([one, eight], META)["rows"][1]
+    assert row["gain_runs"] == [pytest.approx(5.036, abs=1e-3), pytest.approx(6.357, abs=1e-3)]
+    assert row["gain"] == pytest.approx((5.036 + 6.357) / 2, abs=1e-3)
+    assert row["step_ratio"] == pytest.approx((22.4 / 14.1 + 22.4 / 17.8) / 2, abs=1e-3)
+    assert "| 5.70x (5.04-6.36) |" in markdown(record([one, eight], META))
+    eight.run_ms = [None, 22.4]        # a run with no step that held every user: left out of the pairs
+    row = record([one, eight], META)["rows"][1]
+    assert row["gain_runs"] == [pytest.approx(6.357, abs=1e-3)] and row["gain"] == pytest.approx(6.357, abs=1e-3)

@@ -6,6 +6,13 @@ are prefilled, then decode `--new-tokens` tokens together, every step one row pe
 (Engine.generate, EOS ignored). The figures are the steps with B decode rows and no prompt
 chunk: their median time (one user's ms/token), and B tokens over it (the aggregate).
 
+The gain of B over batch 1 is a ratio of two points measured a few seconds apart, on a host
+whose speed can move a quarter within a minute (one run of session 27: batch 1 at 256 tokens
+14.1 ms a step in its first pass, 17.8 in its second, batch 8 22.4 in both). So each run
+measures every batch size of a context back to back, in ascending order in even runs and
+descending in odd ones (a steady drift then tilts alternate runs' ratios both ways), and a
+gain is the median over runs of each run's own ratio (batch_report.py).
+
 Beside them, measured in the same run:
 - the roofline: a decode step must read every weight once and each user's cache once,
   (weights + B x (C + N/2) x bytes per token) over the read bandwidth sampled before,
@@ -48,6 +55,7 @@ class Point:
     context: int
     batch: int
     step_ms: list[float] = field(default_factory=list)      # decode-only steps with every user in them
+    run_ms: list[float | None] = field(default_factory=list)   # each run's median of them, in run order
     cache_bytes: list[int] = field(default_factory=list)    # what those steps' attention read
     context_tokens: list[int] = field(default_factory=list)
     peers: dict[str, list[float]] = field(default_factory=dict)   # peer -> its step times (ms)
@@ -114,6 +122,7 @@ class BatchBench:
         if len(full) < self.steps // 2:
             p.notes.append(f"only {len(full)} steps had all {p.batch} users decoding")
         p.step_ms += [r.step_ms for r in full]
+        p.run_ms.append(report.median([r.step_ms for r in full]))     # None when no step held them all
         p.cache_bytes += [r.cache_bytes for r in full]
         p.context_tokens += [r.context_tokens for r in full]
 
@@ -132,7 +141,7 @@ class BatchBench:
                     eng.set_kv_dtype(kv)
                 for ctx in self.contexts:
                     probe.sample()
-                    for b in self.batches:
+                    for b in (self.batches if run % 2 == 0 else self.batches[::-1]):
                         p = points[kv, ctx, b]
                         prompts = [self.histories[ctx, u] for u in range(b)]
                         self.ours(p, prompts)
