@@ -32,10 +32,9 @@
  * (FP8_HALF), not once an element. An e4m3 subnormal is a float32 subnormal here, and a
  * multiply that meets one takes a microcode assist on x86: a cache of unscaled N(0, 1) values
  * (1.2% e4m3 subnormals) decoded B = 8 at 4,096 tokens in 3.2 ms a layer against 1.0 without
- * them. Our
- * writes scale each row to 448, so a subnormal is under 1/28,672 of its row's largest value:
- * 0.23% of the 16-byte vectors of the bundled model's cache after 2,048 tokens hold one. An
- * assist-free widening (an integer add to the exponent, subnormals fixed up apart) cost more
+ * them. Our writes scale each row to 448, so a subnormal is under 1/28,672 of its row's
+ * largest value: 0.23% of the 16-byte vectors of the bundled model's cache after 2,048 tokens
+ * hold one. An assist-free widening (an integer add to the exponent, subnormals fixed up apart) cost more
  * than those assists on that cache: 1.19-1.28 ms a layer against 1.03 on rows scaled as ours.
  * The scales are applied to the scores and p (item()). */
 static inline void widen_rows(const void *src, int64_t off, int64_t next, int64_t stride, int rows, int pf_rows,
@@ -234,10 +233,11 @@ static inline __attribute__((always_inline)) void pv_all(float *acc, float (*sc)
  * split in halves of 2^60 put where they cost least: the item's queries and each row's K scale
  * (the scores come out as before), each row's V scale and, once at the item's end, its G
  * outputs. Powers of two: every product and sum is the old one times a power of two, the same
- * bits, unless one falls under 2^-66 (the old one under 2^-6 of the smallest normal float) or a
- * query or scale reaches 2^68. Multiplying every widened vector by 2^120 instead took, on 2
- * Zen 4 cores, ms a layer (two builds taking turns): eight sequences at 4,096 tokens 0.894
- * against 0.853, one 0.130 against 0.123, eight at 256 0.093 against 0.090. */
+ * bits, unless one is under 2^-66 (its scaled value then a subnormal float) or a query or
+ * scale reaches 2^68 (its scaled value then past the largest float). Multiplying every
+ * widened vector by 2^120 instead took, on 2 Zen 4 cores, ms a layer (two builds taking
+ * turns): eight sequences at 4,096 tokens 0.894 against 0.853, one 0.130 against 0.123, eight
+ * at 256 0.093 against 0.090. */
 #define FP8_HALF 0x1p60f
 
 /* one work item: KV head h of one sequence (its table and length) over blocks [b0, b1);
