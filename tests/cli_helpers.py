@@ -2,8 +2,11 @@
 from __future__ import annotations
 
 import os
+import socket
 import subprocess
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 from kvchat.cli.command import main
@@ -20,6 +23,17 @@ def fails_with(capsys, argv, *fragments):
     for f in fragments:
         assert f in err, err
     return err
+
+
+@contextmanager
+def refusing_port() -> Iterator[int]:
+    """A local port where a connection is refused, for as long as the block runs: bound here and
+    never listened on. (A port found free and let go could be taken by another test's server
+    before the connection: with the suite on several workers, one was, and a "nothing answers"
+    test got an answer.)"""
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        yield sock.getsockname()[1]
 
 
 ROOT = Path(__file__).resolve().parents[1]

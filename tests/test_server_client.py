@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import msgspec
 import pytest
 
-from cli_helpers import fails_with
+from cli_helpers import fails_with, refusing_port
 from kvchat.backends import metrics
 from kvchat.backends.kv_events import KvEventStore, KvEventSubscriber
 
@@ -314,7 +314,8 @@ def test_a_kv_events_port_where_nothing_publishes_is_named_in_the_panel_notes():
 def test_the_chat_app_with_no_server_there_is_one_line_before_the_ui(capsys, tmp_path, monkeypatch):
     monkeypatch.setenv("KVCHAT_DATA_DIR", str(tmp_path / "data"))
     monkeypatch.setenv("KVCHAT_CONFIG_DIR", str(tmp_path / "config"))
-    fails_with(capsys, ["--server", f"http://127.0.0.1:{free_port()}"], "nothing answers")
+    with refusing_port() as port:
+        fails_with(capsys, ["--server", f"http://127.0.0.1:{port}"], "nothing answers")
     with http_server({"/": (200, "<html>hello</html>")}) as url:
         fails_with(capsys, ["--server", url], "not an OpenAI-compatible server")
     fails_with(capsys, ["--geometry", "llama-3.1-8b"], "--geometry", "--server")

@@ -4,10 +4,10 @@ exact JSON. The servers are tests/hostile/fake_vllm.py: real HTTP on loopback.""
 from __future__ import annotations
 
 import json
-import socket
 
 import pytest
 
+from cli_helpers import refusing_port
 from kvchat.backends import vllm
 from kvchat.store.log import data_dir
 
@@ -132,10 +132,8 @@ def test_url_credentials_are_not_in_ask_errors_or_the_echoed_basic_header(capsys
 
 
 def test_url_credentials_are_not_in_the_nothing_listening_line(capsys):
-    with socket.socket() as sock:            # a port that was free a moment ago
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    code, out, err = cli(capsys, ["info", "--server", f"http://admin:{PASSWORD}@127.0.0.1:{port}"])
+    with refusing_port() as port:
+        code, out, err = cli(capsys, ["info", "--server", f"http://admin:{PASSWORD}@127.0.0.1:{port}"])
     one_line(code, err, "nothing answers", str(port))
     assert PASSWORD not in err
 
