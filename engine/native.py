@@ -156,7 +156,9 @@ def gemv(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def bf16_native() -> bool:
     """Whether the loaded kernels multiply bf16 weights with AVX512-BF16 (vdpbf16ps) rather
-    than widening them to fp32: the CPU has native bf16 arithmetic and this build uses it."""
+    than widening them to fp32: the CPU has native bf16 arithmetic and this build uses it. Then
+    decode attention over an fp8 cache takes its scores in bf16 too (its queries rounded:
+    tests/tolerance.py's paged_decode_reference(dot_bf16=True))."""
     return lib() is not None and bool(lib().kv_bf16_native())
 
 

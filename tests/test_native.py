@@ -108,7 +108,8 @@ def reference(q, clean, table, length, scale=None):
     """(float64 result, its bound), both (n_heads, head_dim), for one sequence of the pool."""
     k, v, ks, vs = clean
     scale = q.shape[-1] ** -0.5 if scale is None else scale
-    ref, bound = paged_decode_reference(q[None], k, v, table[None], [length], scale, ks, vs)
+    ref, bound = paged_decode_reference(q[None], k, v, table[None], [length], scale, ks, vs,
+                                        dot_bf16=native.bf16_native())
     return ref[0], bound[0]
 
 

@@ -171,7 +171,8 @@ def test_decode_of_b_sequences_matches_float64_and_each_alone(b, hk, g, d, head_
     assert native.decode_serves(q, k)
     got = native.decode_batch(q, k, v, tables, context_lens, scale, ks, vs)
     assert got is not None
-    assert_within(got, *paged_decode_reference(q, k, v, tables, lens, scale, ks, vs), what=f"lens {lens}")
+    assert_within(got, *paged_decode_reference(q, k, v, tables, lens, scale, ks, vs, dot_bf16=native.bf16_native()),
+                  what=f"lens {lens}")
     for i, n in enumerate(lens):
         alone = native.decode(q[i], k, v, tables[i], n, scale, ks, vs)
         assert torch.equal(got[i], alone), f"sequence {i} (length {n}): its bits depend on the batch"
@@ -202,8 +203,9 @@ def test_paged_decode_takes_the_batch_kernel_for_b_sequences_and_torch_without_i
     q = torch.randn(4, 9, 64, generator=gen)
     lens_t = torch.tensor(lens, dtype=torch.int32)
     ref = paged_decode_reference(q, k, v, tables, lens, 0.125, ks, vs)
+    ref_c = paged_decode_reference(q, k, v, tables, lens, 0.125, ks, vs, dot_bf16=native.bf16_native())
     calls = count_calls(monkeypatch, native, "decode_batch", "decode")
-    assert_within(A.paged_decode(q, k, v, tables, lens_t, 0.125, ks, vs), *ref, what="C kernel")
+    assert_within(A.paged_decode(q, k, v, tables, lens_t, 0.125, ks, vs), *ref_c, what="C kernel")
     assert calls == {"decode_batch": 1, "decode": 0}
     with native.disabled():
         got = A.paged_decode(q, k, v, tables, lens_t, 0.125, ks, vs)

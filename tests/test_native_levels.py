@@ -67,7 +67,8 @@ def test_each_level_decodes_a_batch(level, kv):
         q = torch.randn(len(lens), hk * g, d, generator=gen)
         got = native.decode_batch(q, k, v, tables, torch.tensor(lens, dtype=torch.int32), d ** -0.5, ks, vs)
         assert got is not None
-        assert_within(got, *paged_decode_reference(q, k, v, tables, lens, d ** -0.5, ks, vs),
+        assert_within(got, *paged_decode_reference(q, k, v, tables, lens, d ** -0.5, ks, vs,
+                                                   dot_bf16=native.bf16_native()),
                       what=f"{level} {hk}x{g}x{d}")
 
 

@@ -138,7 +138,8 @@ def test_the_attention_bound_catches_a_dropped_block():
 @pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
 def test_the_attention_bound_catches_a_wrong_scale(fp8):
     q, k, v, ks, vs, table = one_sequence(500, fp8, seed=1)
-    ref = decode_reference(q, paged_rows(k, ks, table, 500), paged_rows(v, vs, table, 500), 0.125)
+    ref = [x[0] for x in paged_decode_reference(q[None], k, v, table[None], [500], 0.125, ks, vs,
+                                                dot_bf16=native.bf16_native())]
     assert_within(native.decode(q, k, v, table, 500, 0.125, ks, vs), *ref)
     assert fails(native.decode(q, k, v, table, 500, 0.125 * 1.01, ks, vs), *ref), "the scale 1% off"
     assert fails(native.decode(q, k, v, table, 500, 1 / 64, ks, vs), *ref), "1/d instead of 1/sqrt(d)"
@@ -146,6 +147,29 @@ def test_the_attention_bound_catches_a_wrong_scale(fp8):
         ones = torch.ones_like(ks)
         assert fails(native.decode(q, k, v, table, 500, 0.125, ones, vs), *ref), "K's fp8 scales ignored"
         assert fails(native.decode(q, k, v, table, 500, 0.125, ks, ks), *ref), "K's scales used for V"
+
+
+def test_the_fp8_bf16_score_bound_tells_the_rounded_queries_from_exact_ones():
+    """decode.c's fp8 scores on AVX512-BF16 round the queries to bf16 and take e4m3 subnormals
+    for zero (vdpbf16ps): that build's output is within dot_bf16's bound and past the exact
+    queries' one, and the portable build's (float32 widening) the other way round. A row of
+    subnormals with a large scale (not what our writes make: they scale each row's largest
+    value to 448) moves the scores by far more than any bound, so the flush is modelled too."""
+    if not native.bf16_native():
+        pytest.skip("this build has no AVX512-BF16: its fp8 scores are float32's")
+    q, k, v, ks, vs, table = one_sequence(500, True, seed=3)
+    k.view(torch.uint8)[table[1], 5, 0] = 0x07                            # 7/8 x 2^-6 each, times 1000
+    ks[table[1], 5, 0] = 1000.0
+    args = (q[None], k, v, table[None], [500], 0.125, ks, vs)
+    exact = [x[0] for x in paged_decode_reference(*args)]
+    rounded = [x[0] for x in paged_decode_reference(*args, dot_bf16=True)]
+    got = native.decode(q, k, v, table, 500, 0.125, ks, vs)
+    assert_within(got, *rounded)
+    assert fails(got, *exact)
+    with native.using("portable"):
+        widened = native.decode(q, k, v, table, 500, 0.125, ks, vs)
+    assert_within(widened, *exact)
+    assert fails(widened, *rounded)
 
 
 def test_the_attention_bound_catches_a_softmax_without_the_running_max():

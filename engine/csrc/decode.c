@@ -7,7 +7,8 @@
  * log-sum-exp (flash-decoding, Dao et al. 2023). A sequence's stretches depend on its own
  * length and the thread count only, so a sequence gets the same bits batched or alone; the
  * threads take items as they come (short sequences beside long ones balance). K rows of fp8
- * and 16-bit caches are widened a tile at a time into a buffer the core keeps in L1; V rows
+ * and 16-bit caches are widened a tile at a time into a buffer the core keeps in L1 (fp8's to
+ * bf16 where the build has AVX512-BF16: scores_bf16()); V rows
  * are widened in registers as p V loads them (pv(); fp8's into the buffer too where vectors
  * are narrower than 16 lanes). No fp32 copy of the cache is ever written.
  */
@@ -59,6 +60,56 @@ static inline void widen_rows(const void *src, int64_t off, int64_t next, int64_
             for (int64_t c = 0; c < dim * size; c += 64) __builtin_prefetch(pf + r * stride * size + c, 0, 2);
     }
 }
+
+/* fp8 K on AVX512-BF16 (K_DOT): an e4m3 byte's sign placed at bit 15 and its exponent and
+ * mantissa at bits 4-10 of a bf16 give its value times 2^-120, as widen_rows()'s float32 does
+ * (a bf16 is a float32's top half), 32 values in three instructions and half the buffer; the
+ * item's queries, already times 2^60, are rounded to bf16 once (nearest even), and vdpbf16ps
+ * adds two exact products per lane: half the multiply-adds of scores() for the same K tile.
+ * So the scores differ from the float32 path's by the queries' rounding (a relative 2^-9 of
+ * each product) and by what vdpbf16ps treats as zero: its inputs and sums under 2^-126 (an
+ * e4m3 subnormal, below 1/28,672 of its row's largest value as our writes scale them, and
+ * products under 2^-66 of the unscaled ones): tests/tolerance.py's dot_bf16 bound. No
+ * subnormal reaches a multiply, so no microcode assist either. 2 Zen 4 cores, ms a layer (two
+ * builds taking turns, K_DOT against the float32 widening): eight sequences at 4,096 tokens
+ * 0.895 -> 0.825, one 0.126 -> 0.110, eight at 256 0.071 -> 0.068. */
+#if !defined(KVCHAT_PORTABLE) && defined(__AVX512BF16__) && VLANES == 16
+#define K_DOT 1
+static inline void widen_rows_bf16(const void *src, int64_t off, int64_t next, int64_t stride, int rows,
+                                   int pf_rows, int64_t dim, uint16_t *dst) {
+    const int8_t *base = (const int8_t *)src + off, *pf = (const int8_t *)src + next;
+    const __m512i keep = _mm512_set1_epi16((short)0x87F0);     /* sign, exponent and mantissa */
+    for (int r = 0; r < rows; r++) {
+        const int8_t *row = base + r * stride;
+        for (int64_t c = 0; c < dim; c += 32) {            /* each byte sign-extended to 16 bits, up 4 */
+            const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(row + c)));
+            _mm512_storeu_si512(dst + r * dim + c, _mm512_and_si512(_mm512_slli_epi16(w, 4), keep));
+        }
+        if (r < pf_rows)
+            for (int64_t c = 0; c < dim; c += 64) __builtin_prefetch(pf + r * stride + c, 0, 2);
+    }
+}
+
+/* scores()'s sums with bf16 queries qj and K rows kt (dim = 32 n32 apart): each row's lanes
+ * summed by the same transpose_sum */
+static inline __attribute__((always_inline)) void scores_bf16(const uint16_t *qj, const uint16_t *kt, int rows,
+                                                              const int n32, float *sc) {
+    __m512bh qv[MAX_DIM / 32];
+    for (int c = 0; c < n32; c++) qv[c] = (__m512bh)_mm512_loadu_si512(qj + c * 32);
+    fnv a[VLANES];
+    for (int i = 0; i < VLANES; i++) {
+        __m512 x = _mm512_setzero_ps();
+        if (i < rows)
+            for (int c = 0; c < n32; c++)
+                x = _mm512_dpbf16_ps(x, qv[c], (__m512bh)_mm512_loadu_si512(kt + (i * n32 + c) * 32));
+        a[i] = (fnv)x;
+    }
+    const fnv t = transpose_sum(a);
+    memcpy(sc, &t, sizeof t);
+}
+#else
+#define K_DOT 0
+#endif
 
 /* one query's scores against a tile's first `rows` rows (the rest of the TILE zero):
  * sc[r] = q . k_r, VLANES rows at a time, each row's sum one accumulator over the row's
@@ -268,6 +319,11 @@ static inline __attribute__((always_inline)) void item(
         for (int i = 0; i < G * dim; i++) qs[i] = qh[i] * FP8_HALF;
         qh = qs;
     }
+    const int kdot = K_DOT && fp8 && dim % 32 == 0;    /* fp8 K as bf16, scores_bf16() */
+    uint16_t qb[K_DOT ? MAX_GROUP * MAX_DIM : 1] __attribute__((aligned(64)));
+    const uint16_t *kb[CHUNK_TILES];
+    if (kdot)
+        for (int i = 0; i < G * dim; i++) qb[i] = bf16_from_float(qs[i]);
     for (int j = 0; j < G; j++) {
         for (int c = 0; c < dim; c++) acc[j * dim + c] = 0.0f;
         m[j] = -INFINITY;
@@ -293,6 +349,13 @@ static inline __attribute__((always_inline)) void item(
         for (int t = 0; t < nt; t++) {
             if (fp8 || half) {                         /* half is 0 for fp8: widen_rows' kind */
                 const int n = nrows[t];
+#if K_DOT
+                if (kdot) {
+                    uint16_t *kbt = (uint16_t *)kbuf + t * TILE * dim;
+                    widen_rows_bf16(a->k, off[t], next_off[t], a->row_stride, rows[t], n, dim, kbt);
+                    kb[t] = kbt;
+                } else
+#endif
                 widen_rows(a->k, off[t], next_off[t], a->row_stride, rows[t], n, dim, kbuf + t * TILE * dim, half);
                 kt[t] = kbuf + t * TILE * dim, ld[t] = dim;
             } else {
@@ -327,6 +390,14 @@ static inline __attribute__((always_inline)) void item(
          * taking turns, ms a layer: one sequence at 4,096 tokens 0.222 -> 0.209, eight at 1,024
          * 0.520 -> 0.509, at 4,096 2.06 -> 2.04 (a step of the engine at 4,096: 66.8 -> 60.8 in
          * one A/B, 69.6 -> 69.4 in the next: the host's bandwidth moved more than this) */
+#if K_DOT
+        if (kdot)
+            for (int j = 0; j < G; j++)
+                for (int t = 0; t < nt; t++)
+                    if (rows[t] == TILE) scores_bf16(qb + j * dim, kb[t], TILE, dim / 32, sc[j] + t * TILE);
+                    else scores_bf16(qb + j * dim, kb[t], rows[t], dim / 32, sc[j] + t * TILE);
+        else
+#endif
         for (int j = 0; j < G; j++)
             for (int t = 0; t < nt; t++) {
                 const int lo = j * TILE / G, end = (j + 1) * TILE / G, hi = end < nrows[t] ? end : nrows[t];

@@ -153,5 +153,6 @@ int kv_gemv_bf16(const float *x, const uint16_t *w, float *y, int64_t b, int64_t
     return 0;
 }
 
-/* 1 when this build multiplies with vdpbf16ps (x rounded to bf16), 0 when it widens. */
+/* 1 when this build multiplies with vdpbf16ps (x rounded to bf16, and an fp8 cache's scores in
+ * decode.c: the queries rounded), 0 when it widens. */
 int kv_bf16_native(void) { return DPBF16; }
