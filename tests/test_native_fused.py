@@ -318,7 +318,10 @@ def check_step(weights: str, kv: str, monkeypatch, what: str = "") -> None:
     with native.disabled():
         ref = model.forward(nxt, pos, batch, reference)
     err = float((got - ref).abs().max() / ref.abs().max())
-    assert err < 1e-3 if weights == "fp32" else err < 5e-2, f"{what}: {err:.2e} from the torch path"
+    # an fp8 cache on AVX512-BF16: q and p rounded to bf16 in the attention (2^-8 a value, where
+    # e4m3's own rounding is 2^-4): 1.3e-3 measured on fp32 weights
+    tol = 5e-2 if weights != "fp32" else 5e-3 if kv == "fp8" and native.bf16_native() else 1e-3
+    assert err < tol, f"{what}: {err:.2e} from the torch path"
 
 
 @pytest.mark.parametrize("kv", ["fp32", "bf16", "fp16", "fp8"])

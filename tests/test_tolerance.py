@@ -141,7 +141,9 @@ def test_the_attention_bound_catches_a_wrong_scale(fp8):
     ref = [x[0] for x in paged_decode_reference(q[None], k, v, table[None], [500], 0.125, ks, vs,
                                                 dot_bf16=native.bf16_native())]
     assert_within(native.decode(q, k, v, table, 500, 0.125, ks, vs), *ref)
-    assert fails(native.decode(q, k, v, table, 500, 0.125 * 1.01, ks, vs), *ref), "the scale 1% off"
+    # p rounded to bf16 (fp8 on AVX512-BF16) widens the bound by 2^-8 of sum p |v|: 2% is seen there
+    off = 1.02 if fp8 and native.bf16_native() else 1.01
+    assert fails(native.decode(q, k, v, table, 500, 0.125 * off, ks, vs), *ref), f"the scale {off - 1:.0%} off"
     assert fails(native.decode(q, k, v, table, 500, 1 / 64, ks, vs), *ref), "1/d instead of 1/sqrt(d)"
     if fp8:
         ones = torch.ones_like(ks)
@@ -150,9 +152,9 @@ def test_the_attention_bound_catches_a_wrong_scale(fp8):
 
 
 def test_the_fp8_bf16_score_bound_tells_the_rounded_queries_from_exact_ones():
-    """decode.c's fp8 scores on AVX512-BF16 round the queries to bf16 and take e4m3 subnormals
-    for zero (vdpbf16ps): that build's output is within dot_bf16's bound and past the exact
-    queries' one, and the portable build's (float32 widening) the other way round. A row of
+    """decode.c's fp8 attention on AVX512-BF16 rounds the queries and p to bf16 and takes e4m3
+    subnormals for zero (vdpbf16ps): that build's output is within dot_bf16's bound and past the
+    exact one, and the portable build's (float32 widening) the other way round. A K row of
     subnormals with a large scale (not what our writes make: they scale each row's largest
     value to 448) moves the scores by far more than any bound, so the flush is modelled too."""
     if not native.bf16_native():

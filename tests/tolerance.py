@@ -140,8 +140,8 @@ def rope_reference(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> tup
 # ---- attention ----------------------------------------------------------------------------
 def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                         mask: torch.Tensor | None = None, p_dtype: torch.dtype = torch.float32,
-                        out_dtype: torch.dtype = torch.float32, score_abs: float = 0.0
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+                        out_dtype: torch.dtype = torch.float32, score_abs: float = 0.0,
+                        out_abs_per_key: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """softmax(scale q k^T) v in float64 and its bound. q: (H, Tq, d); k, v: (Hk, S, d), the
     values the kernel reads (fp8 already times its scale, exactly, in float64); mask: (Tq, S)
     bool, True where a query sees a key, or None. Returns (ref, bound), both (H, Tq, d).
@@ -170,7 +170,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
       Roundings that follow one another compound: the weights' error is taken (1 + u_p)
       times, and the whole error (1 + u_out) times before the output's own rounding is added.
     - score_abs: an absolute error a kernel's scores may have beyond gamma_(d+3) a_i (what its
-      arithmetic flushes to zero: paged_decode_reference's dot_bf16), added to every tau_i.
+      arithmetic flushes to zero: paged_decode_reference's dot_bf16), added to every tau_i;
+      out_abs_per_key: the same for the output, per key seen (added before its rounding).
     So the bound grows with the largest scores (through a_i and |s_i - m|) and the length
     (through the updates and gamma_T); it is computed in float64 from the inputs alone."""
     h, tq, d = q.shape
@@ -198,7 +199,8 @@ def attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale
     u_out = U[out_dtype] if out_dtype != torch.float32 else 0.0
     sums = (t + 2) * u / (1 - (t + 2) * u)                                # gamma_(T+2), per query
     # the output's own rounding applies to the computed output: (its error)(1 + u_out) + u_out |o|
-    inside = first * (1 + u_p) + sums * (absv + o.abs()) + u_p * absv + ETA[p_dtype] * (seen.double() @ vd.abs())
+    inside = (first * (1 + u_p) + sums * (absv + o.abs()) + u_p * absv + ETA[p_dtype] * (seen.double() @ vd.abs())
+              + out_abs_per_key * t)
     bound = inside * (1 + u_out) + u_out * o.abs() + ETA[out_dtype] + d * TINY
     return o.reshape(h, tq, d), bound.reshape(h, tq, d)
 
@@ -230,10 +232,10 @@ def lse_reference(q: torch.Tensor, k: torch.Tensor, scale: float, mask: torch.Te
 
 def decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
                      p_dtype: torch.dtype = torch.float32, out_dtype: torch.dtype = torch.float32,
-                     score_abs: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
+                     score_abs: float = 0.0, out_abs_per_key: float = 0.0) -> tuple[torch.Tensor, torch.Tensor]:
     """One query per head. q: (H, d); k, v: (T, Hk, d) -> (ref, bound), both (H, d)."""
     ref, bound = attention_reference(q[:, None], k.transpose(0, 1), v.transpose(0, 1), scale, None, p_dtype,
-                                     out_dtype, score_abs)
+                                     out_dtype, score_abs, out_abs_per_key)
     return ref[:, 0], bound[:, 0]
 
 
@@ -254,16 +256,21 @@ def paged_rows(cache: torch.Tensor, scale: torch.Tensor | None, table: torch.Ten
 
 
 def bf16_dot_inputs(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the C kernel's fp8 scores on AVX512-BF16 (decode.c's K_DOT) multiply: the queries
+    """What the C kernel's fp8 attention on AVX512-BF16 (decode.c's K_DOT) multiplies: the queries
     rounded to bf16 (nearest even), and the e4m3 K values, both as vdpbf16ps sees them, which
     takes an input under 2^-126 for zero: the kernel's K bytes hold the value times 2^-120, so
     an e4m3 subnormal (exponent bits 0) is one, and its queries are times 2^60, so a query
     under 2^-186 is one."""
     qb = q.bfloat16().float()
     qb = torch.where(qb.abs() < 2.0 ** -186, torch.zeros_like(qb), qb)
-    raw = k_cache.view(torch.uint8)
+    return qb, e4m3_normal(k_cache)
+
+
+def e4m3_normal(cache: torch.Tensor) -> torch.Tensor:
+    """An fp8 cache with its subnormal values (exponent bits 0, mantissa not) made zero."""
+    raw = cache.view(torch.uint8)
     subnormal = ((raw & 0x78) == 0) & ((raw & 0x07) != 0)
-    return qb, torch.where(subnormal, torch.zeros_like(raw), raw).view(k_cache.dtype)
+    return torch.where(subnormal, torch.zeros_like(raw), raw).view(cache.dtype)
 
 
 def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
@@ -273,14 +280,19 @@ def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
                            ) -> tuple[torch.Tensor, torch.Tensor]:
     """decode_reference for each of B sequences read through its block table.
     q: (B, H, d); tables: (B, max_blocks); lens: B ints -> (ref, bound), both (B, H, d).
-    dot_bf16: an fp8 cache's scores taken as the C kernel takes them with AVX512-BF16
-    (native.bf16_native()): on bf16_dot_inputs(), and each score off by what vdpbf16ps flushes
-    to zero besides: each of a lane's products and sums under 2^-126, 4 a pair of dims in 16
+    dot_bf16: an fp8 cache's attention as the C kernel computes it with AVX512-BF16
+    (native.bf16_native()): scores on bf16_dot_inputs(), each off by what vdpbf16ps flushes to
+    zero besides: each of a lane's products and sums under 2^-126, 4 a pair of dims in 16
     lanes, so 2 d 2^-126 in the kernel's units, which its K scale (times 2^60) and the softmax
-    scale carry to the score: 2 d 2^-66 |scale| times the row's K scale (their largest)."""
+    scale carry to the score: 2 d 2^-66 |scale| times the row's K scale (their largest). Then
+    p (times its V scale and 2^60) rounded to bf16 (p_dtype), V's subnormals zero as K's, and
+    in p V two products and two sums a pair of keys, each under 2^-126 flushed, the 2^60 taken
+    off at the end: 2 T 2^-66; a p flushed as an input (p V under 2^-186 x 448 a key) adds
+    less: 4 T 2^-66 in all."""
     fp8 = dot_bf16 and k_scale is not None
     if fp8:
         q, k_cache = bf16_dot_inputs(q, k_cache)
+        v_cache = e4m3_normal(v_cache)
     refs, bounds = [], []
     for b, n in enumerate(int(x) for x in lens):
         k = paged_rows(k_cache, k_scale, tables[b], n)
@@ -290,7 +302,8 @@ def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
             blocks = tables[b].long().cpu()[:-(-n // k_cache.shape[1])]
             ks = k_scale.cpu()[blocks].flatten(0, 1)[:n]
             flushed = 2 * q.shape[-1] * 2.0 ** -66 * abs(scale) * float(ks.abs().max())
-        r, e = decode_reference(q[b].cpu(), k, v, scale, p_dtype, out_dtype, flushed)
+        r, e = decode_reference(q[b].cpu(), k, v, scale, torch.bfloat16 if fp8 else p_dtype, out_dtype, flushed,
+                                4 * 2.0 ** -66 if fp8 else 0.0)
         refs.append(r)
         bounds.append(e)
     return torch.stack(refs), torch.stack(bounds)

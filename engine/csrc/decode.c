@@ -8,7 +8,7 @@
  * length and the thread count only, so a sequence gets the same bits batched or alone; the
  * threads take items as they come (short sequences beside long ones balance). K rows of fp8
  * and 16-bit caches are widened a tile at a time into a buffer the core keeps in L1 (fp8's to
- * bf16 where the build has AVX512-BF16: scores_bf16()); V rows
+ * bf16 where the build has AVX512-BF16: scores_bf16(), and p V in bf16 too: pv_bf16()); V rows
  * are widened in registers as p V loads them (pv(); fp8's into the buffer too where vectors
  * are narrower than 16 lanes). No fp32 copy of the cache is ever written.
  */
@@ -72,7 +72,8 @@ static inline void widen_rows(const void *src, int64_t off, int64_t next, int64_
  * products under 2^-66 of the unscaled ones): tests/tolerance.py's dot_bf16 bound. No
  * subnormal reaches a multiply, so no microcode assist either. 2 Zen 4 cores, ms a layer (two
  * builds taking turns, K_DOT against the float32 widening): eight sequences at 4,096 tokens
- * 0.895 -> 0.825, one 0.126 -> 0.110, eight at 256 0.071 -> 0.068. */
+ * 0.858 -> 0.796, one 0.113 -> 0.101, eight at 256 0.068 -> 0.064; with pv_bf16() as well
+ * (against K_DOT's scores alone) 0.804 -> 0.692, 0.105 -> 0.091, 0.067 -> 0.060. */
 #if !defined(KVCHAT_PORTABLE) && defined(__AVX512BF16__) && VLANES == 16
 #define K_DOT 1
 static inline void widen_rows_bf16(const void *src, int64_t off, int64_t next, int64_t stride, int rows,
@@ -280,6 +281,77 @@ static inline __attribute__((always_inline)) void pv_all(float *acc, float (*sc)
         pv(acc, sc, vt, ld, rows, nt, G - G % QG, G % QG, nn, dim, NULL, nrows, kind);
 }
 
+#if K_DOT
+/* p V over an fp8 cache on AVX512-BF16: two rows at a time, each row's bytes made bf16 as
+ * widen_rows_bf16() makes them, the two rows' values of a dimension side by side in one lane
+ * (vpunpck{l,h}wd), against the two rows' p (rounded to bf16 by the softmax update: pb) in
+ * every lane: one vdpbf16ps adds both rows to 16 outputs. The unpacks work within 128-bit
+ * lanes, so the item's outputs are kept in that order (lane 4k + i of vector 2g is dimension
+ * 32g + 8k + i, of vector 2g + 1 dimension 32g + 8k + 4 + i) and put back at its end
+ * (unpermute()). A tile's odd last row goes with a row of zeros, never read from the cache. */
+static inline __attribute__((always_inline)) void pv_bf16(float *acc, const uint16_t (*pb)[CHUNK],
+                                                          const void *const *vt, const int64_t *ld, const int *rows,
+                                                          int nt, int j0, const int Q, const int n32,
+                                                          const void *const *pf, const int *nrows) {
+    static const int8_t ZERO[MAX_DIM] __attribute__((aligned(64))) = {0};
+    const __m512i keep = _mm512_set1_epi16((short)0x87F0);
+    __m512 o[MAX_Q][MAX_DIM / 16];
+    for (int j = 0; j < Q; j++)
+        for (int c = 0; c < 2 * n32; c++) o[j][c] = _mm512_loadu_ps(acc + (j0 + j) * n32 * 32 + c * 16);
+    for (int t = 0; t < nt; t++)
+        for (int r = 0; r < rows[t]; r += 2) {
+            const int8_t *x = (const int8_t *)vt[t] + r * ld[t], *y = r + 1 < rows[t] ? x + ld[t] : ZERO;
+            __m512bh p[MAX_Q];
+            for (int j = 0; j < Q; j++) {
+                uint32_t two;
+                memcpy(&two, &pb[j0 + j][t * TILE + r], 4);       /* rows r and r + 1 (0 past the tile) */
+                p[j] = (__m512bh)_mm512_set1_epi32((int)two);
+            }
+            for (int g = 0; g < n32; g++) {
+                const __m512i wx = _mm512_and_si512(
+                    _mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(x + 32 * g))), 4), keep);
+                const __m512i wy = _mm512_and_si512(
+                    _mm512_slli_epi16(_mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)(y + 32 * g))), 4), keep);
+                const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(wx, wy), hi = (__m512bh)_mm512_unpackhi_epi16(wx, wy);
+                for (int j = 0; j < Q; j++) {
+                    o[j][2 * g] = _mm512_dpbf16_ps(o[j][2 * g], p[j], lo);
+                    o[j][2 * g + 1] = _mm512_dpbf16_ps(o[j][2 * g + 1], p[j], hi);
+                }
+            }
+            if (pf != NULL)
+                for (int i = r; i < r + 2 && i < nrows[t]; i++)
+                    for (int c = 0; c < 32 * n32; c += 64)
+                        __builtin_prefetch((const char *)pf[t] + i * ld[t] + c, 0, 2);
+        }
+    for (int j = 0; j < Q; j++)
+        for (int c = 0; c < 2 * n32; c++) _mm512_storeu_ps(acc + (j0 + j) * n32 * 32 + c * 16, o[j][c]);
+}
+
+/* pv_all() for pv_bf16() */
+static inline __attribute__((always_inline)) void pv_all_bf16(float *acc, const uint16_t (*pb)[CHUNK],
+                                                              const void *const *vt, const int64_t *ld,
+                                                              const int *rows, int nt, const int G, const int n32,
+                                                              const void *const *pf, const int *nrows) {
+    const int nn = 2 * n32, QG = G * nn <= PV_REGS ? G : (PV_REGS / nn > 0 ? PV_REGS / nn : 1);
+    for (int j0 = 0; j0 + QG <= G; j0 += QG)
+        pv_bf16(acc, pb, vt, ld, rows, nt, j0, QG, n32, j0 == 0 ? pf : NULL, nrows);
+    if (G % QG)
+        pv_bf16(acc, pb, vt, ld, rows, nt, G - G % QG, G % QG, n32, NULL, nrows);
+}
+
+/* an output row of pv_bf16()'s order put back in dimension order */
+static inline void unpermute(float *row, int dim) {
+    float tmp[MAX_DIM];
+    for (int g = 0; g < dim / 32; g++)
+        for (int k = 0; k < 4; k++)
+            for (int i = 0; i < 4; i++) {
+                tmp[32 * g + 8 * k + i] = row[32 * g + 4 * k + i];
+                tmp[32 * g + 8 * k + 4 + i] = row[32 * g + 16 + 4 * k + i];
+            }
+    memcpy(row, tmp, sizeof(float) * dim);
+}
+#endif
+
 /* An fp8 cache's rows are widened to their values times 2^-120 (widen_rows()). The 2^120 is
  * split in halves of 2^60 put where they cost least: the item's queries and each row's K scale
  * (the scores come out as before), each row's V scale and, once at the item's end, its G
@@ -304,6 +376,9 @@ static inline __attribute__((always_inline)) void item(
         int64_t b0, int64_t b1, float *m, float *l, float *acc, const Item *then, const int G, const int NV) {
     const int dim = NV * LANES, nn = dim / VLANES;
     float sc[MAX_GROUP][CHUNK] __attribute__((aligned(64)));
+#if K_DOT
+    uint16_t pbf[MAX_GROUP][CHUNK] __attribute__((aligned(64)));  /* p in bf16 for pv_bf16() */
+#endif
     float kbuf[CHUNK_TILES * TILE * MAX_DIM] __attribute__((aligned(64)));
     float vbuf[CHUNK_TILES * TILE * MAX_DIM] __attribute__((aligned(64)));   /* fp8's V where not in place */
     float kf[CHUNK] __attribute__((aligned(64))), vf[CHUNK] __attribute__((aligned(64)));
@@ -425,6 +500,14 @@ static inline __attribute__((always_inline)) void item(
                 f16v p = vselect(live[t], vexp(s[t] - mx), splat(0.0f));
                 sum += hsum(p);
                 if (fp8) p *= load(vf + t * TILE);
+#if K_DOT
+                if (kdot) {
+                    __m512 pv16;
+                    memcpy(&pv16, &p, sizeof p);
+                    _mm256_storeu_si256((__m256i *)(pbf[j] + t * TILE), (__m256i)_mm512_cvtneps_pbh(pv16));
+                    continue;
+                }
+#endif
                 store(sc[j] + t * TILE, p);
             }
             l[j] = l[j] * alpha + sum;
@@ -438,6 +521,12 @@ static inline __attribute__((always_inline)) void item(
         /* p V, Q queries at a time, their outputs in registers: each V row loaded once for the
          * Q of them, and Q x nn chains of multiply-adds side by side (one query at a time, the
          * nn chains waited on the multiply-add's latency at every row) */
+#if K_DOT
+        if (kdot) {
+            pv_all_bf16(acc, pbf, vt, vld, rows, nt, G, dim / 32, next_v, nrows);
+            continue;
+        }
+#endif
         switch (vkind) {                               /* each kind a constant in its own call */
         case V_E4M3: pv_all(acc, sc, vt, vld, rows, nt, G, nn, dim, next_v, nrows, V_E4M3); break;
         case KV_BF16: pv_all(acc, sc, vt, vld, rows, nt, G, nn, dim, next_v, nrows, KV_BF16); break;
@@ -447,6 +536,10 @@ static inline __attribute__((always_inline)) void item(
     }
     if (fp8)                                           /* the outputs' other 2^60 */
         for (int i = 0; i < G * dim; i++) acc[i] *= FP8_HALF;
+#if K_DOT
+    if (kdot)
+        for (int j = 0; j < G; j++) unpermute(acc + j * dim, dim);
+#endif
 }
 
 typedef void (*item_fn)(const DecodeArgs *, const int32_t *, int64_t, const float *, int64_t, int64_t, int64_t,
