@@ -3,6 +3,7 @@ Markdown keeps the text as written, and the stats line reads long times in secon
 from __future__ import annotations
 
 from textual.app import App, ComposeResult
+from textual.widgets._markdown import MarkdownBlock
 
 from kvchat.store.history import History
 from kvchat.store.export import export
@@ -76,3 +77,25 @@ async def test_the_reply_shows_the_ttft_in_seconds():
         await app.query_one(Transcript).mount(Reply(POEM, summary()))
         await pilot.pause()
         assert any("TTFT 212.2 s" in line for line in lines(app))
+
+
+async def test_a_batch_of_a_reply_is_parsed_and_mounted_when_its_append_returns():
+    """The worker's next decode step waits for the screen to draw each batch: on_turn_progress
+    awaits Reply.append, then asks for a call after the next refresh (chat/worker.py). So the
+    batch's blocks must be mounted when append returns, or the refresh that ends the wait draws
+    the old text and the batch is drawn during the next step. Textual's MarkdownStream, which
+    the reply used, only queued a fragment in write() and appended it in a task of its own
+    (session 28: each decode step over 25 ms in a 512-token reply overlapped that late draw)."""
+    app = TranscriptHost()
+    async with app.run_test(size=(80, 30)) as pilot:
+        reply = Reply()
+        await app.query_one(Transcript).mount(reply)
+        await pilot.pause()
+        batches = ("First para", "graph, one.\n\nSecond ", "one, **bold**.\n\n- an item")
+        for batch, blocks in zip(batches, (1, 2, 3)):
+            await reply.append(batch)                      # no pause: what the next refresh draws
+            assert reply.markdown.source == reply.text
+            shown = [b for b in reply.markdown.children if isinstance(b, MarkdownBlock)]
+            assert len(shown) == blocks, (batch, shown)
+        await pilot.pause()
+        assert any("Second one, bold." in line for line in lines(app)), lines(app)
