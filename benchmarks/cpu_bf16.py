@@ -3,7 +3,7 @@ against fp32 on the bundled model, on a text no one tuned on (a licence from
 /usr/share/common-licenses, GPL-3 unless given).
 
     python benchmarks/cpu_bf16.py [--text FILE] [--tokens 2048] [--context 1024] [--steps 16] [--rounds 5]
-                                  [--decode-steps 128]
+                                  [--decode-steps 128] [--fp8-levels native,x86-64-v4]
 
 Quality, over `--tokens` tokens of the text (a chunked prefill through the paged cache, so every
 chunk attends to the stored cache): greedy agreement (argmax equal to fp32's), mean |logit
@@ -11,6 +11,9 @@ difference| against fp32, and perplexity of the text and its ratio to fp32's.
 Decode quality: `--decode-steps` teacher-forced decode steps after `--context` tokens, the
 one-row products the C GEMV takes (bf16 weights: vdpbf16ps where the CPU has AVX512-BF16),
 against fp32: greedy agreement, logit differences, the next-token NLL's difference.
+`--fp8-levels` adds decode rows of fp32 weights over an fp8 cache, one per C build level named
+(engine/native_build.py): on a CPU with AVX512-BF16, `native` takes the fp8 attention in bf16
+(queries and p rounded), `x86-64-v4` in fp32 (every e4m3 value widened exactly).
 Speed: decode ms/token at `--context` tokens and the prefill of those tokens (one chunk) in
 tokens/s, every configuration in this one process, taken in turn round after round so that a
 changing load touches each alike; the median over rounds (of each round's median, for decode),
@@ -33,7 +36,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # this checkout's kvchat, not an installed one
 
-from kvchat.engine import Engine, EngineConfig, compute  # noqa: E402
+from kvchat.engine import Engine, EngineConfig, compute, native  # noqa: E402
 from kvchat.engine.kv_cache import KVPool, plan_pool  # noqa: E402
 from kvchat.engine.model import Step  # noqa: E402
 
@@ -134,6 +137,7 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--no-quality", action="store_true", help="only the speed section")
+    ap.add_argument("--fp8-levels", default="", help="decode rows over an fp8 cache, one per C build level named")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     load0 = os.getloadavg()[0]
@@ -157,6 +161,12 @@ def main() -> int:
         for w, kv in CONFIGS:
             with torch.inference_mode():
                 dec[w, kv] = decode_logits(engines[w].model, engines[w], ids, kv, args.context, args.decode_steps)
+        for level in filter(None, args.fp8_levels.split(",")):
+            with native.using(level) as why, torch.inference_mode():
+                if not why.startswith("on:"):
+                    raise SystemExit(f"--fp8-levels: {level}: {why}")
+                dec["fp32", f"fp8 ({level}{', bf16 attention' if native.bf16_native() else ''})"] = decode_logits(
+                    engines["fp32"].model, engines["fp32"], ids, "fp8", args.context, args.decode_steps)
         decode_quality(dec, ids, args.context)
 
     rounds: dict[tuple[str, str], list[float]] = {c: [] for c in CONFIGS}
