@@ -112,6 +112,24 @@ def test_the_roofline_is_the_weights_once_and_every_users_cache_over_the_bandwid
     assert "| fp32 | 256 | 8 | 2.5 |" in markdown(rec)
 
 
+def test_the_4096_targets_compare_our_gain_with_the_rooflines_and_fp8s_with_fp32s():
+    """At 4,096 tokens: fp32 batch 1 20 ms, batch 8 70 ms (gain 2.29x); fp8 18 and 40 (3.6x).
+    The roofline's fp32 gain (1 MB of weights, 100 B a token at 1 GB/s) is 8 x 1.4096 / 4.2768;
+    fp8's gain is 1.575x fp32's, and the line says it is a ratio of the two gains."""
+    rec = record([point("fp32", 4096, 1, 20.0), point("fp32", 4096, 8, 70.0), point("fp8", 4096, 1, 18.0),
+                  point("fp8", 4096, 8, 40.0)], META)
+    checks = {c["target"].split(":")[1].strip(): c for c in targets(rec)}
+    roof = checks["the roofline's gain over ours <= 1.2"]
+    assert roof["value"] == pytest.approx((8 * 1.4096 / 4.2768) / (8 * 20 / 70), rel=1e-3) and roof["met"]
+    fp8 = checks["the fp8 cache's gain >= 1.4x the fp32 cache's"]
+    # the gains are kept to 3 decimals
+    assert fp8["value"] == pytest.approx((8 * 18 / 40) / (8 * 20 / 70), rel=1e-3) and fp8["met"]
+    assert fp8["how"].startswith("the two gains' ratio")
+    slow = record([point("fp32", 4096, 1, 20.0), point("fp32", 4096, 8, 70.0), point("fp8", 4096, 1, 18.0),
+                   point("fp8", 4096, 8, 50.0)], META)
+    assert not next(c for c in targets(slow) if "fp8" in c["target"])["met"]       # 2.88 / 2.29 = 1.26
+
+
 def test_a_gain_is_the_median_of_each_runs_own_ratio():
     """Session 27's run at 256 tokens: batch 1 took 14.1 ms a step in one pass and 17.8 in the
     next, batch 8 22.4 in both. The ratio of the pooled medians (here 16 and 22.4) depends on
