@@ -66,7 +66,7 @@ static inline void widen_rows(const void *src, int64_t off, int64_t next, int64_
  * (a bf16 is a float32's top half), 32 values in three instructions and half the buffer; the
  * item's queries, already times 2^60, are rounded to bf16 once (nearest even), and vdpbf16ps
  * adds two exact products per lane: half the multiply-adds of scores() for the same K tile.
- * So the scores differ from the float32 path's by the queries' rounding (a relative 2^-9 of
+ * So the scores differ from the float32 path's by the queries' rounding (a relative 2^-8 of
  * each product) and by what vdpbf16ps treats as zero: its inputs and sums under 2^-126 (an
  * e4m3 subnormal, below 1/28,672 of its row's largest value as our writes scale them, and
  * products under 2^-66 of the unscaled ones): tests/tolerance.py's dot_bf16 bound. No
@@ -303,8 +303,8 @@ static inline __attribute__((always_inline)) void pv_bf16(float *acc, const uint
             const int8_t *x = (const int8_t *)vt[t] + r * ld[t], *y = r + 1 < rows[t] ? x + ld[t] : ZERO;
             __m512bh p[MAX_Q];
             for (int j = 0; j < Q; j++) {
-                uint32_t two;
-                memcpy(&two, &pb[j0 + j][t * TILE + r], 4);       /* rows r and r + 1 (0 past the tile) */
+                uint32_t two;                          /* rows r and r + 1 (0 past the tile) */
+                memcpy(&two, &pb[j0 + j][t * TILE + r], 4);
                 p[j] = (__m512bh)_mm512_set1_epi32((int)two);
             }
             for (int g = 0; g < n32; g++) {
@@ -394,9 +394,9 @@ static inline __attribute__((always_inline)) void item(
         for (int i = 0; i < G * dim; i++) qs[i] = qh[i] * FP8_HALF;
         qh = qs;
     }
-    const int kdot = K_DOT && fp8 && dim % 32 == 0;    /* fp8 K as bf16, scores_bf16() */
+    const int kdot = K_DOT && fp8 && dim % 32 == 0;    /* fp8 in bf16: scores_bf16(), pv_bf16() */
     uint16_t qb[K_DOT ? MAX_GROUP * MAX_DIM : 1] __attribute__((aligned(64)));
-    const uint16_t *kb[CHUNK_TILES];
+    const uint16_t *kb[CHUNK_TILES];                   /* each tile's K rows in bf16 (kbuf's first half) */
     if (kdot)
         for (int i = 0; i < G * dim; i++) qb[i] = bf16_from_float(qs[i]);
     for (int j = 0; j < G; j++) {
@@ -501,9 +501,11 @@ static inline __attribute__((always_inline)) void item(
                 sum += hsum(p);
                 if (fp8) p *= load(vf + t * TILE);
 #if K_DOT
-                if (kdot) {
+                if (kdot) {        /* pv_bf16() reads a short tile's next lane beside its odd last row:
+                                    * 0 there, not 0 times vf's unset lane (a NaN would poison the sums) */
+                    const f16v pz = vselect(live[t], p, splat(0.0f));
                     __m512 pv16;
-                    memcpy(&pv16, &p, sizeof p);
+                    memcpy(&pv16, &pz, sizeof pz);
                     _mm256_storeu_si256((__m256i *)(pbf[j] + t * TILE), (__m256i)_mm512_cvtneps_pbh(pv16));
                     continue;
                 }
