@@ -242,8 +242,7 @@ def decode_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: f
 def paged_rows(cache: torch.Tensor, scale: torch.Tensor | None, table: torch.Tensor, length: int) -> torch.Tensor:
     """A sequence's first `length` rows from a paged cache (num_blocks, block_size, Hk, d), in
     float64, fp8 values times their scale exactly: (length, Hk, d)."""
-    bs = cache.shape[1]
-    blocks = table.long().cpu()[:-(-length // bs)]
+    blocks = seq_blocks(table, length, cache.shape[1])
     raw = cache.cpu()
     if raw.dtype == FP8:           # CPU torch gathers float8 as bytes only
         raw = raw.view(torch.uint8)[blocks].view(FP8)
@@ -251,23 +250,31 @@ def paged_rows(cache: torch.Tensor, scale: torch.Tensor | None, table: torch.Ten
         raw = raw[blocks]
     rows = raw.flatten(0, 1)[:length].double()                            # (length, Hk, d)
     if scale is not None:
-        rows = rows * scale.cpu()[blocks].flatten(0, 1)[:length].double()[..., None]
+        rows = rows * paged_scales(scale, table, length, cache.shape[1]).double()[..., None]
     return rows
 
 
-def bf16_dot_inputs(q: torch.Tensor, k_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What the C kernel's fp8 attention on AVX512-BF16 (decode.c's K_DOT) multiplies: the queries
-    rounded to bf16 (nearest even), and the e4m3 K values, both as vdpbf16ps sees them, which
-    takes an input under 2^-126 for zero: the kernel's K bytes hold the value times 2^-120, so
-    an e4m3 subnormal (exponent bits 0) is one, and its queries are times 2^60, so a query
-    under 2^-186 is one."""
+def seq_blocks(table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """The ids of the blocks a sequence of `length` rows occupies, from its table."""
+    return table.long().cpu()[:-(-length // block_size)]
+
+
+def paged_scales(scale: torch.Tensor, table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """A sequence's first `length` rows of fp8 scales (num_blocks, block_size, Hk): (length, Hk)."""
+    return scale.cpu()[seq_blocks(table, length, block_size)].flatten(0, 1)[:length]
+
+
+def bf16_queries(q: torch.Tensor) -> torch.Tensor:
+    """The queries the C kernel's fp8 attention on AVX512-BF16 (decode.c's K_DOT) multiplies:
+    rounded to bf16 (nearest even), as vdpbf16ps sees them, which takes an input under 2^-126
+    for zero: the kernel's queries are times 2^60, so a query under 2^-186 is one."""
     qb = q.bfloat16().float()
-    qb = torch.where(qb.abs() < 2.0 ** -186, torch.zeros_like(qb), qb)
-    return qb, e4m3_normal(k_cache)
+    return torch.where(qb.abs() < 2.0 ** -186, torch.zeros_like(qb), qb)
 
 
 def e4m3_normal(cache: torch.Tensor) -> torch.Tensor:
-    """An fp8 cache with its subnormal values (exponent bits 0, mantissa not) made zero."""
+    """An fp8 cache as that kernel's vdpbf16ps sees it: its bytes hold each value times 2^-120,
+    so a subnormal (exponent bits 0, mantissa not) is under 2^-126, taken for zero."""
     raw = cache.view(torch.uint8)
     subnormal = ((raw & 0x78) == 0) & ((raw & 0x07) != 0)
     return torch.where(subnormal, torch.zeros_like(raw), raw).view(cache.dtype)
@@ -281,26 +288,24 @@ def paged_decode_reference(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     """decode_reference for each of B sequences read through its block table.
     q: (B, H, d); tables: (B, max_blocks); lens: B ints -> (ref, bound), both (B, H, d).
     dot_bf16: an fp8 cache's attention as the C kernel computes it with AVX512-BF16
-    (native.bf16_native()): scores on bf16_dot_inputs(), each off by what vdpbf16ps flushes to
-    zero besides: each of a lane's products and sums under 2^-126, 4 a pair of dims in 16
-    lanes, so 2 d 2^-126 in the kernel's units, which its K scale (times 2^60) and the softmax
-    scale carry to the score: 2 d 2^-66 |scale| times the row's K scale (their largest). Then
-    p (times its V scale and 2^60) rounded to bf16 (p_dtype), V's subnormals zero as K's, and
-    in p V two products and two sums a pair of keys, each under 2^-126 flushed, the 2^60 taken
-    off at the end: 2 T 2^-66; a p flushed as an input (p V under 2^-186 x 448 a key) adds
-    less: 4 T 2^-66 in all."""
+    (native.bf16_native()): scores of bf16_queries() and e4m3_normal() K, each off by what
+    vdpbf16ps flushes to zero besides: each of a lane's products and sums under 2^-126, 4 a pair
+    of dims in 16 lanes, so 2 d 2^-126 in the kernel's units, which its K scale (times 2^60)
+    and the softmax scale carry to the score: 2 d 2^-66 |scale| times the row's K scale (their
+    largest). Then p (times its V scale and 2^60) rounded to bf16 (p_dtype), e4m3_normal() V,
+    and in p V two products and two sums a pair of keys, each under 2^-126 flushed, the 2^60
+    taken off at the end: 2 T 2^-66; a p flushed as an input (p V under 2^-186 x 448 a key)
+    adds less: 4 T 2^-66 in all."""
     fp8 = dot_bf16 and k_scale is not None
     if fp8:
-        q, k_cache = bf16_dot_inputs(q, k_cache)
-        v_cache = e4m3_normal(v_cache)
+        q, k_cache, v_cache = bf16_queries(q), e4m3_normal(k_cache), e4m3_normal(v_cache)
     refs, bounds = [], []
     for b, n in enumerate(int(x) for x in lens):
         k = paged_rows(k_cache, k_scale, tables[b], n)
         v = paged_rows(v_cache, v_scale, tables[b], n)
         flushed = 0.0
         if fp8:
-            blocks = tables[b].long().cpu()[:-(-n // k_cache.shape[1])]
-            ks = k_scale.cpu()[blocks].flatten(0, 1)[:n]
+            ks = paged_scales(k_scale, tables[b], n, k_cache.shape[1])
             flushed = 2 * q.shape[-1] * 2.0 ** -66 * abs(scale) * float(ks.abs().max())
         r, e = decode_reference(q[b].cpu(), k, v, scale, torch.bfloat16 if fp8 else p_dtype, out_dtype, flushed,
                                 4 * 2.0 ** -66 if fp8 else 0.0)

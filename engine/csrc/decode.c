@@ -269,12 +269,17 @@ static inline __attribute__((always_inline)) void pv(float *acc, float (*sc)[CHU
         for (int c = 0; c < nn; c++) memcpy(acc + (j0 + j) * dim + c * VLANES, &o[j][c], sizeof o[j][c]);
 }
 
+/* how many of G queries p V takes at a time: all whose outputs (nn vectors each) fit PV_REGS */
+static inline int pv_queries(const int G, const int nn) {
+    return G * nn <= PV_REGS ? G : (PV_REGS / nn > 0 ? PV_REGS / nn : 1);
+}
+
 /* p V for the item's G queries, Q at a time (pv()), for the kind of V rows (a constant in each call) */
 static inline __attribute__((always_inline)) void pv_all(float *acc, float (*sc)[CHUNK], const void *const *vt,
                                                          const int64_t *ld, const int *rows, int nt, const int G,
                                                          const int nn, const int dim, const void *const *pf,
                                                          const int *nrows, const int kind) {
-    const int QG = G * nn <= PV_REGS ? G : (PV_REGS / nn > 0 ? PV_REGS / nn : 1);
+    const int QG = pv_queries(G, nn);
     for (int j0 = 0; j0 + QG <= G; j0 += QG)
         pv(acc, sc, vt, ld, rows, nt, j0, QG, nn, dim, j0 == 0 ? pf : NULL, nrows, kind);
     if (G % QG)
@@ -332,7 +337,7 @@ static inline __attribute__((always_inline)) void pv_all_bf16(float *acc, const 
                                                               const void *const *vt, const int64_t *ld,
                                                               const int *rows, int nt, const int G, const int n32,
                                                               const void *const *pf, const int *nrows) {
-    const int nn = 2 * n32, QG = G * nn <= PV_REGS ? G : (PV_REGS / nn > 0 ? PV_REGS / nn : 1);
+    const int QG = pv_queries(G, 2 * n32);
     for (int j0 = 0; j0 + QG <= G; j0 += QG)
         pv_bf16(acc, pb, vt, ld, rows, nt, j0, QG, n32, j0 == 0 ? pf : NULL, nrows);
     if (G % QG)
