@@ -20,13 +20,14 @@ slept between regions (a step 1.6x slower; compute.py says why).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 
 from . import compute, cuda_graph, native, native_build
 from .block_manager import BlockManager
-from .chat_template import check_chat_template
 from .errors import KvchatError
 from .fair_lock import FairLock
 from .geometry import KV_DTYPES, MODEL_DTYPES, Geometry
@@ -40,7 +41,7 @@ from .sizing import prefill_chunk, step_tokens
 from .sources import ModelSource, resolve
 from .telemetry import SHARED, CacheSnapshot, SchedulerSnapshot, StepRecord
 from .template import render_chat, stop_ids
-from .tokenizer import Tokenizer
+from .tokenizer import load_tokenizer
 from .units import parse_bytes
 from .weights import load_model
 
@@ -321,35 +322,50 @@ class Engine:
                 req.error = KvchatError("the scheduler found nothing to run for a waiting request")
                 self.scheduler.abort(req, "error")
 
-    def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None,
-                 ignore_eos: bool = False) -> tuple[list[Generation], tuple[StepRecord, ...]]:
-        """Token ids in, token ids out, every prompt at once through the scheduler (nano-vllm's
-        LLM.generate): for benches and tests that want raw prompts without a conversation's
-        chat template. Each runs on a sequence of its own, dropped from the cache at the end
-        (nothing is left for a later call to reuse). Returns the generations in prompt order
-        and the StepRecords of the steps they took."""
+    @contextmanager
+    def requests(self, prompts: list[list[int]], sampling: SamplingParams | None = None,
+                 ignore_eos: bool = False) -> Iterator[list[Request]]:
+        """Token ids in, a request per prompt, all queued at once, each on a sequence of its own
+        that is dropped from the cache at the exit (nothing is left for a later call to reuse).
+        The engine's lock is held throughout: for benches and tests that run the steps (step,
+        hold) and read the requests themselves."""
         sp = sampling or SamplingParams()
         stops = frozenset() if ignore_eos else stop_ids(self.tokenizer, self.geometry.eos_token_ids)
-        reqs = []
+        vocab = len(self.tokenizer) if self.tokenizer is not None else None
+        reqs: list[Request] = []
         with self.lock:
-            first = self.scheduler.steps
-            for ids in prompts:
-                seq = Sequence(self.spec.block_size, torch.zeros(self.spec.num_blocks, dtype=torch.int32,
-                                                                 device=self.device))
-                self.scheduler.attach(seq)
-                vocab = len(self.tokenizer) if self.tokenizer is not None else None
-                reqs.append(Request(self.scheduler.next_id(), seq, list(ids), Sampler(sp, self.device, vocab),
-                                    sp.max_tokens, stops, self.geometry.max_position, "max_position",
-                                    time.perf_counter(), chunk_size=self.prefill_chunk))
-                self.scheduler.add(reqs[-1])
             try:
-                while not all(r.finished for r in reqs):
-                    if self.step() is None:
-                        break
+                for ids in prompts:
+                    seq = Sequence(self.spec.block_size, torch.zeros(self.spec.num_blocks, dtype=torch.int32,
+                                                                     device=self.device))
+                    self.scheduler.attach(seq)
+                    reqs.append(Request(self.scheduler.next_id(), seq, list(ids), Sampler(sp, self.device, vocab),
+                                        sp.max_tokens, stops, self.geometry.max_position, "max_position",
+                                        time.perf_counter(), chunk_size=self.prefill_chunk))
+                    self.scheduler.add(reqs[-1])
+                yield reqs
             finally:
                 for r in reqs:
                     self.scheduler.detach(r.seq)
                     self.blocks.free(r.seq, keep_index=False)
+
+    def hold(self, reqs: list[Request], held: bool = True) -> None:
+        """Held, a request past its prompt takes no decode row (its cache and place stay) until
+        let go: a bench compares batch sizes over the same cached users, step by step."""
+        with self.lock:
+            for r in reqs:
+                r.held = held
+
+    def generate(self, prompts: list[list[int]], sampling: SamplingParams | None = None,
+                 ignore_eos: bool = False) -> tuple[list[Generation], tuple[StepRecord, ...]]:
+        """Token ids in, token ids out, every prompt at once through the scheduler (nano-vllm's
+        LLM.generate; see requests()). Returns the generations in prompt order and the
+        StepRecords of the steps they took."""
+        with self.requests(prompts, sampling, ignore_eos) as reqs:
+            first = self.scheduler.steps
+            while not all(r.finished for r in reqs):
+                if self.step() is None:
+                    break
             errors = [r.error for r in reqs if r.error is not None]
             if errors:
                 raise errors[0]
@@ -414,35 +430,3 @@ class Engine:
             "capacity_bytes": self.pool.nbytes, "weight_bytes": self.model.weight_bytes,
             "step_tokens": self.scheduler.token_budget, "prefill_chunk": self.prefill_chunk,
         }
-
-
-def load_tokenizer(src: ModelSource):
-    """The model's tokenizer, never its own code, and no larger than the embedding table: a
-    token id past the config's vocab_size would index out of it. A directory with a
-    tokenizer.json gets kvchat's own Tokenizer (the `tokenizers` library and a sandboxed Jinja
-    template, no transformers import: that import was most of an engine's start); one with only
-    tokenizer.model or vocab.json and merges.txt, transformers' AutoTokenizer (trust_remote_code=False)."""
-    path = src.tokenizer_path
-    try:
-        if (path / "tokenizer.json").exists():
-            tok = Tokenizer.from_dir(path)
-        else:
-            tok = _auto_tokenizer(path)
-    except Exception as err:  # tokenizers raises Exception; transformers OSError, ValueError, and more
-        detail = " ".join(str(err).split())[:300]
-        raise KvchatError(f"{path}: cannot load the tokenizer ({type(err).__name__}: {detail})") from None
-    check_chat_template(tok, path)
-    if len(tok) > src.geometry.vocab_size:
-        raise KvchatError(f"{path}: the tokenizer has {len(tok):,} tokens but config.json's "
-                          f"vocab_size is {src.geometry.vocab_size:,}; accepted: a tokenizer no larger than the "
-                          "model's vocabulary")
-    return tok
-
-
-def _auto_tokenizer(path):
-    """transformers' tokenizer for a directory without tokenizer.json (a SentencePiece
-    tokenizer.model, or vocab.json and merges.txt), never running the directory's code."""
-    from transformers import AutoTokenizer
-    from transformers.utils import logging as hf_logging
-    hf_logging.set_verbosity_error()
-    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)

@@ -46,6 +46,7 @@ class Request:
     cancel: threading.Event | None = None
     state: str = WAITING
     phase: str = PREFILL             # prefill: computing its text; decode: feeding its newest token
+    held: bool = False               # in decode, takes no row while held (Engine.hold)
     tokens: list[int] = field(default_factory=list)   # the prompt, then each reply token kept
     generated: int = 0               # reply tokens kept (the newest is fed by the next step)
     starts: int = 0                  # times admitted (more than once after preemptions)

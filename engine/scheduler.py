@@ -1,8 +1,8 @@
 """The scheduler: which requests share the next step, and what each gets of the pool.
 
 Requests wait in arrival order and run in admission order. Each step (`schedule`) takes:
-1. one decode row from every running request past its prompt, oldest first: a decoding
-   conversation is never left out of a step, so no prompt can starve it;
+1. one decode row from every running request past its prompt, oldest first (but those a
+   bench holds out: Engine.hold): no prompt can starve a decoding conversation;
 2. prompt chunks of running requests still computing theirs, oldest first, then of waiting
    requests admitted in arrival order, within a token budget shared with the decode rows
    (a lone prompt takes its own chunk size, as before batching). Steps are mixed, as in
@@ -135,7 +135,7 @@ class Scheduler:
         self._cancel_requested()
         budget = self.token_budget
         for req in list(self.running):
-            if req.state == RUNNING and req.phase == DECODE:
+            if req.state == RUNNING and req.phase == DECODE and not req.held:
                 budget -= self._schedule_decode(req, plan)
         for req in list(self.running):
             if req.state == RUNNING and req.phase == PREFILL:

@@ -33,7 +33,7 @@ import re
 import threading
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
 import jinja2
 import jinja2.ext
@@ -42,7 +42,12 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import AddedToken
 from tokenizers import Tokenizer as Backend
 
+from .chat_template import check_chat_template
+from .errors import KvchatError
 from .files import read_bytes, read_text
+
+if TYPE_CHECKING:
+    from .sources import ModelSource
 
 JSON_LIMIT = 64 * 2**20            # tokenizer_config.json with templates: MBs at most
 TEMPLATE_LIMIT = 16 * 2**20
@@ -378,3 +383,35 @@ class Pieces:
 
 def _fields(token: AddedToken) -> tuple:
     return tuple(getattr(token, f) for f in ADDED_TOKEN_FIELDS)
+
+
+def load_tokenizer(src: ModelSource):
+    """The model's tokenizer, never its own code, and no larger than the embedding table: a
+    token id past the config's vocab_size would index out of it. A directory with a
+    tokenizer.json gets kvchat's own Tokenizer (the `tokenizers` library and a sandboxed Jinja
+    template, no transformers import: that import was most of an engine's start); one with only
+    tokenizer.model or vocab.json and merges.txt, transformers' AutoTokenizer (trust_remote_code=False)."""
+    path = src.tokenizer_path
+    try:
+        if (path / "tokenizer.json").exists():
+            tok = Tokenizer.from_dir(path)
+        else:
+            tok = _auto_tokenizer(path)
+    except Exception as err:  # tokenizers raises Exception; transformers OSError, ValueError, and more
+        detail = " ".join(str(err).split())[:300]
+        raise KvchatError(f"{path}: cannot load the tokenizer ({type(err).__name__}: {detail})") from None
+    check_chat_template(tok, path)
+    if len(tok) > src.geometry.vocab_size:
+        raise KvchatError(f"{path}: the tokenizer has {len(tok):,} tokens but config.json's "
+                          f"vocab_size is {src.geometry.vocab_size:,}; accepted: a tokenizer no larger than the "
+                          "model's vocabulary")
+    return tok
+
+
+def _auto_tokenizer(path):
+    """transformers' tokenizer for a directory without tokenizer.json (a SentencePiece
+    tokenizer.model, or vocab.json and merges.txt), never running the directory's code."""
+    from transformers import AutoTokenizer
+    from transformers.utils import logging as hf_logging
+    hf_logging.set_verbosity_error()
+    return AutoTokenizer.from_pretrained(str(path), trust_remote_code=False)

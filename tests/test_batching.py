@@ -214,3 +214,37 @@ def test_the_scheduler_snapshot_and_step_records_describe_a_shared_step(engine, 
     assert [v.state for v in eng.scheduler_snapshot().conversations] == ["idle", "idle"]
     for conv in (a, b):
         eng.close_conversation(conv)
+
+
+def test_a_held_request_takes_no_row_keeps_its_cache_and_ends_as_it_would_alone(engine):
+    """Three prompts through Engine.requests: once each is past its prompt, holds change who
+    decodes step by step. Every step has exactly the rows not held; a held request's tokens
+    and blocks stay as they were; each ends with the greedy tokens it gets alone."""
+    prompts = [text_ids(engine, n, skip=300 * i) for i, n in enumerate((37, 70, 52))]
+    want = [g.tokens for g in (engine.generate([p], SamplingParams(max_tokens=9), ignore_eos=True)[0][0]
+                               for p in prompts)]
+    pattern = [(0,), (0, 1, 2), (2,), (1, 2), (0, 1, 2), (1,), (0, 2), (0, 1, 2), (0, 1, 2), (1, 2), (0, 1, 2),
+               (0, 1, 2), (0, 1, 2), (0, 1, 2)]
+    with engine.requests(prompts, SamplingParams(max_tokens=9), ignore_eos=True) as reqs:
+        while not all(r.phase == "decode" for r in reqs):
+            engine.hold([r for r in reqs if r.phase == "decode"])
+            assert engine.step() is not None
+        assert [r.generated for r in reqs] == [1, 1, 1]
+        for active in pattern:
+            live = [i for i in active if not reqs[i].finished]
+            if not live:
+                continue
+            engine.hold(reqs)
+            engine.hold([reqs[i] for i in live], False)
+            before = [(len(r.tokens), r.seq.num_blocks, list(r.seq.block_table)) for r in reqs]
+            rec = engine.step()
+            assert rec.decode_rows == len(live) and not rec.prefill_tokens
+            for i, r in enumerate(reqs):
+                if i not in live:
+                    assert (len(r.tokens), r.seq.num_blocks, list(r.seq.block_table)) == before[i]
+                else:
+                    assert len(r.tokens) == before[i][0] + 1 or r.finished
+        assert all(r.finished for r in reqs)
+        got = [tuple(r.tokens[len(r.prompt):]) for r in reqs]
+    assert got == want
+    assert engine.blocks.num_active == 0

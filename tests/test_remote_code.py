@@ -63,7 +63,7 @@ def test_the_tokenizer_loader_itself_refuses_remote_code_without_asking(tmp_path
     """Below resolve()'s check: load_tokenizer alone must pass trust_remote_code=False."""
     d, marker = evil_dir(tmp_path, None, {"auto_map": CUSTOM_TOKENIZER, "tokenizer_class": "EvilTokenizer"})
     script = ("import sys\n"
-              "from kvchat.engine.engine import load_tokenizer\n"
+              "from kvchat.engine.tokenizer import load_tokenizer\n"
               "from kvchat.engine.errors import KvchatError\n"
               "from kvchat.engine.geometry import KNOWN\n"
               "from kvchat.engine.sources import ModelSource\n"

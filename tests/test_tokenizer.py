@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from kvchat.engine import chat_template
-from kvchat.engine.engine import load_tokenizer
+from kvchat.engine.tokenizer import load_tokenizer
 from kvchat.engine.errors import KvchatError, ModelLoadError
 from kvchat.engine.geometry import KNOWN
 from kvchat.engine.sources import ModelSource, bundled_dir
