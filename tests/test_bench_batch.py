@@ -4,6 +4,7 @@ PNG, and refuses bad batch sizes in one line. The roofline and target arithmetic
 on hand-made points. No timing is asserted: the numbers are the benchmark's output."""
 from __future__ import annotations
 
+import argparse
 import contextlib
 import io
 import json
@@ -12,7 +13,7 @@ import pytest
 import torch
 
 from cli_helpers import fails_with
-from kvchat.bench.batch import Point
+from kvchat.bench.batch import BLOCK, BatchBench, Point
 from kvchat.bench.batch_report import markdown, record, targets
 from kvchat.cli.command import main
 
@@ -72,12 +73,29 @@ def test_the_batch_bench_json_has_a_row_per_dtype_context_and_batch(batch_run):
         assert r["gain"] == pytest.approx(sum(r["gain_runs"]) / 2, abs=2e-3)      # the median of two
 
 
-def test_the_batch_bench_alternates_the_order_of_batch_sizes_run_to_run(batch_run):
-    """ascending in the first run, descending in the second: a drift of the host's speed tilts
-    the two runs' ratios opposite ways"""
-    order = [line.split("batch ")[-1].split(":")[0] for line in batch_run["err"].splitlines()
-             if "fp32 context 48 batch" in line]
-    assert order == ["1", "2", "2", "1"]
+def test_the_batch_sizes_take_turns_in_blocks_over_the_same_prefilled_users(engine):
+    """One prefill of the largest batch's histories, then blocks of BLOCK steps of each batch
+    size in turn, ascending then descending (run 0; run 1 starts descending); each point gets
+    its steps' times, every one with exactly its users decoding, and the pool is left empty."""
+    args = argparse.Namespace(batch="1,3", contexts="40", new_tokens=6, runs=2)
+    bench = BatchBench(args, engine)
+    points = {("fp32", 40, b): Point("fp32", 40, b) for b in (1, 3)}
+    for run in (0, 1):
+        first = engine.scheduler.steps
+        bench.ours("fp32", 40, points, run)
+        records = list(engine.steps())[-(engine.scheduler.steps - first):]
+        prefill = [r for r in records if r.prefill_tokens]
+        assert sum(r.prefill_tokens for r in prefill) == sum(len(bench.histories[40, u]) for u in range(3))
+        rows = [r.decode_rows for r in records[records.index(prefill[-1]) + 1:]]
+        turns = [[1] * BLOCK + [3] * BLOCK, [3] * 2 + [1] * 2]       # 6 steps: a block of 4, then of 2
+        assert rows == (turns[0] + turns[1] if run == 0 else [3] * BLOCK + [1] * BLOCK + [1] * 2 + [3] * 2)
+        assert engine.blocks.num_active == 0
+    for b in (1, 3):
+        p = points["fp32", 40, b]
+        assert len(p.step_ms) == 12 and len(p.run_ms) == 2 and not p.notes
+        # each user's history (40 tokens, or a token or two short) and what it has decoded: the
+        # first user decodes in every turn, 2 x 6 tokens a run after its first
+        assert all(b * 38 <= t <= b * (40 + 2 * 6 + 2) for t in p.context_tokens), p.context_tokens
 
 
 def test_a_bad_batch_list_is_one_line(capsys):

@@ -6,12 +6,15 @@ are prefilled, then decode `--new-tokens` tokens together, every step one row pe
 (Engine.generate, EOS ignored). The figures are the steps with B decode rows and no prompt
 chunk: their median time (one user's ms/token), and B tokens over it (the aggregate).
 
-The gain of B over batch 1 is a ratio of two points measured a few seconds apart, on a host
-whose speed can move a quarter within a minute (one run of session 27: batch 1 at 256 tokens
-14.1 ms a step in its first pass, 17.8 in its second, batch 8 22.4 in both). So each run
-measures every batch size of a context back to back, in ascending order in even runs and
-descending in odd ones (a steady drift then tilts alternate runs' ratios both ways), and a
-gain is the median over runs of each run's own ratio (batch_report.py).
+The gain of B over batch 1 is a ratio of two points, on a host whose speed can move a
+quarter within a minute (session 27: batch 1 at 256 tokens 14.1 ms a step in one pass, 17.8
+in the next, batch 8 22.4 in both; session 29: batch 1 at 4,096 tokens 18-28 ms from run to
+run of the same bench). So the batch sizes of a context take turns over the same cached users:
+the largest batch's histories are prefilled once, then blocks of BLOCK steps run with the
+first B users decoding and the rest held (Engine.hold), every batch size in turn, in
+ascending order, then descending (a steady drift tilts neither), until each has its steps.
+Each run does this afresh, and a gain is the median over runs of each run's own ratio
+(batch_report.py).
 
 Beside them, measured in the same run:
 - the roofline: a decode step must read every weight once and each user's cache once,
@@ -34,6 +37,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvchat.engine.errors import KvchatError
+from kvchat.engine.request import DECODE
 
 from . import batch_report as report
 from . import floor as bench_floor
@@ -46,6 +50,7 @@ if TYPE_CHECKING:      # the peers import transformers and torch: only when meas
     from .server_peer import VllmPeer
 
 MARGIN = 64          # positions past the history and the timed tokens
+BLOCK = 4            # steps of one batch size before the next takes its turn
 
 
 @dataclass(slots=True)
@@ -109,22 +114,33 @@ class BatchBench:
     def say(self, text: str) -> None:
         print(f"kvchat bench --batch [{time.perf_counter() - self.t0:6.0f}s] {text}", file=sys.stderr, flush=True)
 
-    def ours(self, p: Point, prompts: list[list[int]]) -> None:
+    def ours(self, kv: str, ctx: int, points: dict, run: int) -> None:
+        """Every batch size of one context over the same users (the module's docstring)."""
         from kvchat.engine import SamplingParams
-        # the prompts go through the step's token budget in chunks, one after another: the first
-        # user decodes while the last is still in its prefill, so each asks for enough tokens to
-        # still be decoding when every prompt is in, and the timed steps hold all B users
-        budget = self.engine.scheduler.token_budget
-        stagger = sum(-(-len(q) // budget) for q in prompts[1:])
-        _, records = self.engine.generate(prompts, SamplingParams(max_tokens=self.steps + 1 + stagger),
-                                          ignore_eos=True)
-        full = [r for r in records if r.decode_rows == p.batch and not r.prefill_tokens][:self.steps]
-        if len(full) < self.steps // 2:
-            p.notes.append(f"only {len(full)} steps had all {p.batch} users decoding")
-        p.step_ms += [r.step_ms for r in full]
-        p.run_ms.append(report.median([r.step_ms for r in full]))     # None when no step held them all
-        p.cache_bytes += [r.cache_bytes for r in full]
-        p.context_tokens += [r.context_tokens for r in full]
+        eng, top = self.engine, max(self.batches)
+        blocks = [BLOCK] * (self.steps // BLOCK) + ([self.steps % BLOCK] if self.steps % BLOCK else [])
+        sampling = SamplingParams(max_tokens=decoded_steps(self.batches, self.steps) + 2)
+        steps: dict[int, list] = {b: [] for b in self.batches}
+        with eng.requests([self.histories[ctx, u] for u in range(top)], sampling, ignore_eos=True) as reqs:
+            while not all(r.phase == DECODE for r in reqs):     # the prompts in, each user held once in
+                eng.hold([r for r in reqs if r.phase == DECODE])
+                if eng.step() is None or any(r.finished for r in reqs):
+                    raise KvchatError(next((f"the bench's prefill failed: {r.error}" for r in reqs if r.error),
+                                           "the bench's prefill stopped before every prompt was in"))
+            for i, n in enumerate(blocks):
+                for b in (self.batches if (run + i) % 2 == 0 else self.batches[::-1]):
+                    eng.hold(reqs[:b], False)
+                    eng.hold(reqs[b:])
+                    steps[b] += [eng.step() for _ in range(n)]
+        for b in self.batches:
+            p = points[kv, ctx, b]
+            full = [r for r in steps[b] if r is not None and r.decode_rows == b and not r.prefill_tokens]
+            if len(full) < self.steps:
+                p.notes.append(f"only {len(full)} of {self.steps} steps had all {b} users decoding")
+            p.step_ms += [r.step_ms for r in full]
+            p.run_ms.append(report.median([r.step_ms for r in full]))     # None when no step held them all
+            p.cache_bytes += [r.cache_bytes for r in full]
+            p.context_tokens += [r.context_tokens for r in full]
 
     def measure(self, probe) -> list[Point]:
         from kvchat.engine import SamplingParams
@@ -141,14 +157,13 @@ class BatchBench:
                     eng.set_kv_dtype(kv)
                 for ctx in self.contexts:
                     probe.sample()
-                    for b in (self.batches if run % 2 == 0 else self.batches[::-1]):
-                        p = points[kv, ctx, b]
-                        prompts = [self.histories[ctx, u] for u in range(b)]
-                        self.ours(p, prompts)
-                        self.say(f"run {run + 1}/{self.runs} {kv} context {ctx} batch {b}: "
-                                 f"{report.med(p.step_ms[-self.steps:]):.1f} ms/step")
-                        if kv == base:
-                            self.peers(p, prompts, run)
+                    self.ours(kv, ctx, points, run)
+                    self.say(f"run {run + 1}/{self.runs} {kv} context {ctx}, batches taking turns: " + ", ".join(
+                        f"{b}: {report.med(points[kv, ctx, b].step_ms[-self.steps:]):.1f}" for b in self.batches)
+                        + " ms/step")
+                    if kv == base:
+                        for b in self.batches:
+                            self.peers(points[kv, ctx, b], [self.histories[ctx, u] for u in range(b)], run)
         if eng.kv_dtype != base:
             eng.set_kv_dtype(base)
         return list(points.values())
@@ -167,10 +182,15 @@ class BatchBench:
                      f"{report.med(ms):.1f} ms/step")
 
 
+def decoded_steps(batches, steps: int) -> int:
+    """The most tokens a user decodes in a context's turns: the first user is in every batch."""
+    return len(batches) * steps
+
+
 def budget_for(engine_cfg, geometry, batches, contexts, steps, kv_dtype: str) -> int:
     """Pool bytes for the largest batch at the longest context in the wider of the run's KV
     dtypes (its own and fp8, which keeps the bytes and so must hold the tokens in them too)."""
-    tokens = max(batches) * (max(contexts) + steps + MARGIN + engine_cfg.block_size)   # + each user's last block
+    tokens = max(batches) * (max(contexts) + decoded_steps(batches, steps) + MARGIN + engine_cfg.block_size)
     return tokens * max(geometry.kv_bytes_per_token(kv) + geometry.kv_scale_bytes_per_token(kv)
                         for kv in (kv_dtype, "fp8"))
 
@@ -191,8 +211,9 @@ def run_batch(args) -> int:
         raise KvchatError(f"--kv-budget {cfg.kv_budget:,} B cannot hold {max(batches)} users of "
                           f"{max(contexts):,} tokens; give at least {need:,} B or leave --kv-budget out")
     cfg.kv_budget = need
-    if max(contexts) + args.new_tokens + MARGIN > checked.source.geometry.max_position:
-        raise KvchatError(f"--contexts {max(contexts)} with --new-tokens {args.new_tokens} passes "
+    if max(contexts) + decoded_steps(batches, args.new_tokens) + MARGIN > checked.source.geometry.max_position:
+        raise KvchatError(f"--contexts {max(contexts)} with --new-tokens {args.new_tokens} for each of "
+                          f"{len(batches)} batch sizes passes "
                           f"{checked.source.name}'s {checked.source.geometry.max_position:,} positions")
     engine = Engine(cfg, checked=preflight(cfg, checked.source))
     bench = BatchBench(args, engine)
