@@ -46,6 +46,7 @@ def test_the_batch_bench_prints_its_table_targets_and_plot(batch_run):
     out = batch_run["out"]
     assert "| KV | context | B | step ms |" in out and "| fp32 | 64 | 2 |" in out and "| fp8 | 48 | 1 |" in out
     assert "Targets:" in out and "aggregate tokens/s vs batch" in out
+    assert "3 decode steps x 2 run(s) per point (batch sizes taking turns, 3 steps each)" in out
     assert batch_run["png"].read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

@@ -251,7 +251,8 @@ def run_batch(args) -> int:
     g = engine.geometry
     meta = {
         "kind": "kvchat-batch-bench", "version": 1, "command": command(args), "model": engine.describe(),
-        "threads": threads, "runs": args.runs, "new_tokens": args.new_tokens, "notes": notes,
+        "threads": threads, "runs": args.runs, "new_tokens": args.new_tokens, "block_steps": min(BLOCK, args.new_tokens),
+        "notes": notes,
         "machine": {"load_average_before": load0, "load_average_after": load_average(), "kvchat_commit": checkout_commit(),
                     **gpu_name(engine.device)},
         "bandwidth": bw.to_dict(), "gemm_gflop_s": round(flops, 2), "weight_bytes": weights,

@@ -7,8 +7,8 @@ One row per (kv_dtype, context, batch):
     aggregate_tok_s                 = batch x 1000 / step_ms
     run_step_ms                     each run's median step (None where no step held every user)
     gain                            over batch 1 at the same kv_dtype and context: the median over
-                                    runs of each run's B x batch 1's step / this step (a run measures
-                                    a context's batch sizes back to back: batch.py); without a run
+                                    runs of each run's B x batch 1's step / this step (in a run a
+                                    context's batch sizes take turns, blocks of steps: batch.py); without a run
                                     of each, aggregate_tok_s over batch 1's
     gain_runs, step_ratio           each run's gain; the median over runs of this step / batch 1's
     weight_bytes                    read once per step
@@ -104,8 +104,9 @@ def _f(x, fmt: str = ",.1f", unit: str = "") -> str:
 
 def markdown(rec: dict[str, Any]) -> str:
     m, bw = rec["model"], rec["bandwidth"]
+    turns = f" (batch sizes taking turns, {rec['block_steps']} steps each)" if rec.get("block_steps") else ""
     lines = [f"## {m['model']} ({m['dtype']}, {m['device']}, {rec['threads']} threads): {rec['new_tokens']} decode "
-             f"steps x {rec['runs']} run(s) per point; read bandwidth {bw['gb_s']} GB/s, GEMM "
+             f"steps x {rec['runs']} run(s) per point{turns}; read bandwidth {bw['gb_s']} GB/s, GEMM "
              f"{rec['gemm_gflop_s']} GFLOP/s (measured in this run)", "",
              "| KV | context | B | step ms | ms/token per user | aggregate tok/s | gain (runs) | roofline tok/s (gain) "
              "| of roofline | MB/step (cache) | GB/s | transformers tok/s (gain) | vLLM tok/s (gain) |",
