@@ -74,6 +74,14 @@ def test_the_batch_bench_json_has_a_row_per_dtype_context_and_batch(batch_run):
         assert r["gain"] == pytest.approx(sum(r["gain_runs"]) / 2, abs=2e-3)      # the median of two
 
 
+def test_the_peers_measure_the_batch_sizes_ascending_then_descending_run_to_run(batch_run):
+    """a peer cannot take turns inside a run; a drift of the host's speed then tilts its two
+    runs' ratios opposite ways"""
+    order = [line.split("batch ")[-1].split(":")[0] for line in batch_run["err"].splitlines()
+             if "transformers context 48 batch" in line]
+    assert order == ["1", "2", "2", "1"]
+
+
 def test_the_batch_sizes_take_turns_in_blocks_over_the_same_prefilled_users(engine):
     """One prefill of the largest batch's histories, then blocks of BLOCK steps of each batch
     size in turn, ascending then descending (run 0; run 1 starts descending); each point gets

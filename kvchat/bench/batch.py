@@ -161,8 +161,8 @@ class BatchBench:
                     self.say(f"run {run + 1}/{self.runs} {kv} context {ctx}, batches taking turns: " + ", ".join(
                         f"{b}: {report.med(points[kv, ctx, b].step_ms[-self.steps:]):.1f}" for b in self.batches)
                         + " ms/step")
-                    if kv == base:
-                        for b in self.batches:
+                    if kv == base:    # the peers a batch size at a time, ascending, then descending next run
+                        for b in (self.batches if run % 2 == 0 else self.batches[::-1]):
                             self.peers(points[kv, ctx, b], [self.histories[ctx, u] for u in range(b)], run)
         if eng.kv_dtype != base:
             eng.set_kv_dtype(base)
