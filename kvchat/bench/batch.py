@@ -2,9 +2,9 @@
 
 For each KV dtype (the model's, and fp8), each context C and each batch size B: B users,
 each with its own C-token history (the bench's numbered notes, a different seed each),
-are prefilled, then decode `--new-tokens` tokens together, every step one row per user
-(Engine.generate, EOS ignored). The figures are the steps with B decode rows and no prompt
-chunk: their median time (one user's ms/token), and B tokens over it (the aggregate).
+decode `--new-tokens` tokens together, every step one row per user (Engine.requests, EOS
+ignored). The figures are the steps with B decode rows and no prompt chunk: their median
+time (one user's ms/token), and B tokens over it (the aggregate).
 
 The gain of B over batch 1 is a ratio of two points, on a host whose speed can move a
 quarter within a minute (session 27: batch 1 at 256 tokens 14.1 ms a step in one pass, 17.8
