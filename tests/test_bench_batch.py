@@ -96,8 +96,9 @@ def test_the_batch_sizes_take_turns_in_blocks_over_the_same_prefilled_users(engi
         prefill = [r for r in records if r.prefill_tokens]
         assert sum(r.prefill_tokens for r in prefill) == sum(len(bench.histories[40, u]) for u in range(3))
         rows = [r.decode_rows for r in records[records.index(prefill[-1]) + 1:]]
-        turns = [[1] * BLOCK + [3] * BLOCK, [3] * 2 + [1] * 2]       # 6 steps: a block of 4, then of 2
-        assert rows == (turns[0] + turns[1] if run == 0 else [3] * BLOCK + [1] * BLOCK + [1] * 2 + [3] * 2)
+        # 6 steps each: a block of BLOCK, then one of 2, the order turning at every block
+        first, second = (1, 3) if run == 0 else (3, 1)
+        assert rows == [first] * BLOCK + [second] * BLOCK + [second] * 2 + [first] * 2
         assert engine.blocks.num_active == 0
     for b in (1, 3):
         p = points["fp32", 40, b]
